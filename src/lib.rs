@@ -1,0 +1,22 @@
+//! kvpick: a KV-cache-aware endpoint picker for LLM inference behind Envoy.
+//!
+//! The folder tree is the architecture (see `../shared/DESIGN.md` §1):
+//! - [`extproc`]: the Envoy ext-proc stream state machine (the product's front door);
+//! - [`request`] and [`tokenize`]: what a request asks for, as the model server will see it;
+//! - [`kvevents`] and [`kvcache`]: which pod holds which prefix, fed by vLLM's KV events;
+//! - [`endpoints`] and [`discovery`]: the pool of model-server pods and their live load;
+//! - [`scheduling`]: the decision;
+//! - [`telemetry`]: our own metrics, health and admin HTTP;
+//! - [`sim`]: a vLLM-compatible model-server simulator (the ground truth for tests).
+
+pub mod config;
+pub mod discovery;
+pub mod endpoints;
+pub mod extproc;
+pub mod kvcache;
+pub mod kvevents;
+pub mod request;
+pub mod scheduling;
+pub mod sim;
+pub mod telemetry;
+pub mod tokenize;
