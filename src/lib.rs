@@ -9,6 +9,7 @@
 //! - [`telemetry`]: our own metrics, health and admin HTTP;
 //! - [`sim`]: a vLLM-compatible model-server simulator (the ground truth for tests).
 
+pub mod app;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;

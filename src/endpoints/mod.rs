@@ -1,5 +1,9 @@
 //! The datastore: the pool's endpoints and what kvpick knows about each one.
 
+mod datastore;
+mod load;
 mod pod;
 
+pub use datastore::{Datastore, EndpointState, PoolSnapshot};
+pub use load::{InFlight, InFlightGuard};
 pub use pod::{ENGINE_TYPE_LABEL, Endpoint, PodId};

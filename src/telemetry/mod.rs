@@ -1,1 +1,7 @@
-//! (filled in by the EPP core)
+//! kvpick's own observability: Prometheus metrics, gRPC health and the admin HTTP server.
+
+pub mod admin;
+pub mod health;
+mod metrics;
+
+pub use metrics::EppMetrics;

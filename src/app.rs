@@ -1,0 +1,202 @@
+//! `kvpick serve`: builds every part from one [`ServeConfig`] and runs until shutdown.
+//!
+//! Shutdown order (SIGTERM/SIGINT or the `shutdown` future): readiness goes NOT_SERVING so
+//! the gateway stops opening streams; the ext-proc server stops accepting and lets open
+//! streams finish, for at most the drain timeout; then the rest stops and the process exits.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ServeConfig;
+use crate::discovery::{PoolFileError, parse_pool, watch_pool_file};
+use crate::endpoints::Datastore;
+use crate::extproc::{ExtProcService, StreamContext};
+use crate::scheduling::LeastInFlight;
+use crate::telemetry::{EppMetrics, admin, health};
+
+/// Why `kvpick serve` could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The initial pool is invalid.
+    #[error(transparent)]
+    Pool(#[from] PoolFileError),
+    /// Metrics could not be registered.
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// A server failed.
+    #[error("{server} server failed: {message}")]
+    Server {
+        /// Which server.
+        server: &'static str,
+        /// The error.
+        message: String,
+    },
+}
+
+async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind { addr, source })
+}
+
+/// Runs kvpick until `shutdown` resolves, then drains and returns.
+pub async fn serve(
+    config: ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(EppMetrics::new(&registry)?);
+    let datastore = Arc::new(Datastore::new());
+
+    // The first pool must be valid: a kvpick that starts on a broken file would route nowhere.
+    let initial = tokio::fs::read_to_string(&config.endpoints_file)
+        .await
+        .map_err(|source| PoolFileError::Read {
+            path: config.endpoints_file.clone(),
+            source,
+        })?;
+    let endpoints = parse_pool(&config.endpoints_file, &initial)?;
+    tracing::info!(endpoints = endpoints.len(), file = %config.endpoints_file.display(), "pool loaded");
+    datastore.set_endpoints(endpoints);
+
+    let background = CancellationToken::new();
+    tokio::spawn(watch_pool_file(
+        config.endpoints_file.clone(),
+        config.endpoints_reload_interval,
+        Some(initial),
+        Arc::clone(&datastore),
+        Arc::clone(&metrics),
+        background.clone(),
+    ));
+
+    let grpc_listener = bind(config.grpc_addr).await?;
+    let health_listener = bind(config.health_addr).await?;
+    let metrics_listener = bind(config.metrics_addr).await?;
+    tracing::info!(
+        grpc = %local(&grpc_listener),
+        health = %local(&health_listener),
+        metrics = %local(&metrics_listener),
+        "kvpick listening"
+    );
+
+    let (reporter, health_service) = health::reporter().await;
+    let health_server = tokio::spawn({
+        let cancel = background.clone();
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .serve_with_incoming_shutdown(incoming(health_listener), cancel.cancelled_owned())
+    });
+    let admin_server = tokio::spawn({
+        let cancel = background.clone();
+        let router = admin::router(admin::AdminState {
+            registry: registry.clone(),
+            datastore: Arc::clone(&datastore),
+            metrics: Arc::clone(&metrics),
+        });
+        async move {
+            axum::serve(metrics_listener, router)
+                .with_graceful_shutdown(cancel.cancelled_owned())
+                .await
+        }
+    });
+
+    let ctx = Arc::new(StreamContext {
+        datastore: Arc::clone(&datastore),
+        scheduler: Arc::new(LeastInFlight::new(config.max_fallbacks)),
+        metrics: Arc::clone(&metrics),
+        body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
+        max_body_bytes: config.max_body_bytes,
+    });
+    let drain = CancellationToken::new();
+    let mut grpc_server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ExtProcService::new(ctx).into_server())
+            .serve_with_incoming_shutdown(incoming(grpc_listener), drain.clone().cancelled_owned()),
+    );
+    health::set_ready(&reporter, datastore.is_synced()).await;
+
+    let result = tokio::select! {
+        joined = &mut grpc_server => Some(joined),
+        () = shutdown => None,
+    };
+    let result = match result {
+        Some(joined) => flatten("ext-proc", joined),
+        None => {
+            tracing::info!(timeout = ?config.drain_timeout, "shutting down: readiness off, draining streams");
+            health::set_ready(&reporter, false).await;
+            drain.cancel();
+            match tokio::time::timeout(config.drain_timeout, &mut grpc_server).await {
+                Ok(joined) => flatten("ext-proc", joined),
+                Err(_) => {
+                    tracing::warn!("drain timeout reached; closing the remaining streams");
+                    grpc_server.abort();
+                    Ok(())
+                }
+            }
+        }
+    };
+    background.cancel();
+    let _ = health_server.await;
+    let _ = admin_server.await;
+    tracing::info!("kvpick stopped");
+    result
+}
+
+fn local(listener: &TcpListener) -> String {
+    listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+fn incoming(listener: TcpListener) -> tokio_stream::wrappers::TcpListenerStream {
+    tokio_stream::wrappers::TcpListenerStream::new(listener)
+}
+
+fn flatten<E: std::fmt::Display>(
+    server: &'static str,
+    joined: Result<Result<(), E>, tokio::task::JoinError>,
+) -> Result<(), ServeError> {
+    match joined {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(ServeError::Server {
+            server,
+            message: error.to_string(),
+        }),
+        Err(error) => Err(ServeError::Server {
+            server,
+            message: error.to_string(),
+        }),
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = terminate => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}

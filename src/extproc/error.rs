@@ -1,0 +1,95 @@
+//! Everything that can go wrong on the ext-proc path, and the one place that maps it to what
+//! the gateway sees.
+//!
+//! Request errors ([`RequestError`]) become an `ImmediateResponse` with an HTTP status and a
+//! `inference error: <reason>` body (DESIGN §2). Protocol errors ([`ProtocolError`]) mean the
+//! gateway broke the ext-proc contract; they end the gRPC stream with a status, and the
+//! gateway's failure mode (FailOpen/FailClose) decides what the client sees.
+
+use crate::scheduling::ScheduleError;
+
+/// A request kvpick refuses, with the HTTP status the client gets.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The body is not a JSON object.
+    #[error("request body is not valid JSON: {0}")]
+    BodyNotJson(String),
+    /// The body has no usable `model`.
+    #[error("request body has no \"model\" string")]
+    MissingModel,
+    /// The body is over the configured limit.
+    #[error("request body exceeds {limit} bytes")]
+    BodyTooLarge {
+        /// The configured `--max-body-bytes`.
+        limit: usize,
+    },
+    /// The global body buffer budget is used up by other requests.
+    #[error("request body buffer budget exhausted, retry later")]
+    BufferBudgetExhausted,
+    /// The gateway's subset hint left no endpoint of the pool.
+    #[error("no endpoint of the pool is in the gateway's subset hint")]
+    EmptySubset,
+    /// The scheduler found no endpoint.
+    #[error("{0}")]
+    Schedule(#[from] ScheduleError),
+}
+
+impl RequestError {
+    /// The HTTP status code the client gets.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Self::BodyNotJson(_) | Self::MissingModel => 400,
+            Self::BodyTooLarge { .. } => 413,
+            Self::BufferBudgetExhausted | Self::EmptySubset | Self::Schedule(_) => 503,
+        }
+    }
+
+    /// The label value for the error metric (GIE-style error codes).
+    pub fn error_code(&self) -> &'static str {
+        match self {
+            Self::BodyNotJson(_) | Self::MissingModel => "BadRequest",
+            Self::BodyTooLarge { .. } => "BadRequest",
+            Self::BufferBudgetExhausted => "ResourceExhausted",
+            Self::EmptySubset | Self::Schedule(_) => "ServiceUnavailable",
+        }
+    }
+}
+
+/// The gateway broke the ext-proc stream contract.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtocolError {
+    /// A message arrived that the current phase does not allow.
+    #[error("unexpected {message} while {phase}")]
+    Unexpected {
+        /// The message kind.
+        message: &'static str,
+        /// The phase.
+        phase: &'static str,
+    },
+    /// A `ProcessingRequest` with no request oneof set.
+    #[error("processing request carries no message")]
+    Empty,
+}
+
+impl From<ProtocolError> for tonic::Status {
+    fn from(error: ProtocolError) -> Self {
+        tonic::Status::failed_precondition(error.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_follow_the_protocol() {
+        assert_eq!(RequestError::BodyNotJson("x".into()).http_status(), 400);
+        assert_eq!(RequestError::MissingModel.http_status(), 400);
+        assert_eq!(RequestError::BodyTooLarge { limit: 1 }.http_status(), 413);
+        assert_eq!(RequestError::EmptySubset.http_status(), 503);
+        assert_eq!(
+            RequestError::Schedule(ScheduleError::NoCandidates).http_status(),
+            503
+        );
+    }
+}

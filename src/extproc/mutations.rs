@@ -1,0 +1,210 @@
+//! Builders for the `ProcessingResponse` messages kvpick sends back to the gateway.
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
+    processing_response::Response,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+/// Header (and `envoy.lb` metadata key) that names the destination endpoint(s).
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Dynamic-metadata namespace of the destination.
+pub const DESTINATION_NAMESPACE: &str = "envoy.lb";
+/// Largest body chunk sent back to the gateway (DESIGN §2; under Envoy's 64 KiB frames).
+pub const MAX_BODY_CHUNK: usize = 62_000;
+/// Request headers that steer kvpick and are not forwarded to the model server.
+pub const CONTROL_HEADERS: [&str; 3] = [
+    "x-gateway-inference-objective",
+    "x-gateway-inference-fairness-id",
+    "x-gateway-model-name-rewrite",
+];
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn string_value(s: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.to_owned())),
+    }
+}
+
+/// The answer to the request headers once the pick is made: destination header, route cache
+/// cleared, content-length matching the body sent, control headers removed, and the same
+/// destination in `envoy.lb` dynamic metadata.
+pub fn request_headers_response(
+    destination: &str,
+    body_len: Option<usize>,
+    present_control_headers: Vec<String>,
+) -> ProcessingResponse {
+    let mut set_headers = vec![set_header(DESTINATION_HEADER, destination)];
+    if let Some(len) = body_len {
+        set_headers.push(set_header("content-length", &len.to_string()));
+    }
+    let mut lb = HashMap::new();
+    lb.insert(DESTINATION_HEADER.to_owned(), string_value(destination));
+    let mut namespaces = HashMap::new();
+    namespaces.insert(
+        DESTINATION_NAMESPACE.to_owned(),
+        Value {
+            kind: Some(Kind::StructValue(Struct { fields: lb })),
+        },
+    );
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers,
+                    remove_headers: present_control_headers,
+                }),
+                clear_route_cache: true,
+                ..Default::default()
+            }),
+        })),
+        dynamic_metadata: Some(Struct { fields: namespaces }),
+        ..Default::default()
+    }
+}
+
+fn streamed_body(chunk: Vec<u8>, end_of_stream: bool) -> CommonResponse {
+    CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(body_mutation::Mutation::StreamedResponse(
+                StreamedBodyResponse {
+                    body: chunk,
+                    end_of_stream,
+                    ..Default::default()
+                },
+            )),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The request body as streamed chunks of at most [`MAX_BODY_CHUNK`] bytes; the last one
+/// carries `end_of_stream` (unless trailers follow). An empty body is one empty chunk.
+pub fn request_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    let mut chunks: Vec<&[u8]> = body.chunks(MAX_BODY_CHUNK).collect();
+    if chunks.is_empty() {
+        chunks.push(&[]);
+    }
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| ProcessingResponse {
+            response: Some(Response::RequestBody(BodyResponse {
+                response: Some(streamed_body(chunk.to_vec(), end_of_stream && i == last)),
+            })),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// Passes a response body chunk through unchanged.
+pub fn response_body_chunk(chunk: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse {
+            response: Some(streamed_body(chunk, end_of_stream)),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Continues the response headers unchanged.
+pub fn response_headers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// Continues request trailers unchanged.
+pub fn request_trailers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestTrailers(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// Continues response trailers unchanged.
+pub fn response_trailers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseTrailers(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// An immediate response with `status` and the body `inference error: <reason>`.
+pub fn immediate_error(status: u16, reason: &str) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![set_header("content-type", "text/plain; charset=utf-8")],
+                remove_headers: Vec::new(),
+            }),
+            body: format!("inference error: {reason}").into_bytes(),
+            details: format!("kvpick_{status}"),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streamed(resp: &ProcessingResponse) -> (&[u8], bool) {
+        match resp.response.as_ref() {
+            Some(Response::RequestBody(BodyResponse {
+                response:
+                    Some(CommonResponse {
+                        body_mutation:
+                            Some(BodyMutation {
+                                mutation: Some(body_mutation::Mutation::StreamedResponse(s)),
+                            }),
+                        ..
+                    }),
+            })) => (&s.body, s.end_of_stream),
+            other => panic!("not a streamed request body: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn chunks_are_bounded_and_reassemble() {
+        let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let chunks = request_body_chunks(&body, true);
+        assert_eq!(chunks.len(), 4);
+        let mut joined = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let (bytes, eos) = streamed(c);
+            assert!(bytes.len() <= MAX_BODY_CHUNK);
+            assert_eq!(eos, i == chunks.len() - 1);
+            joined.extend_from_slice(bytes);
+        }
+        assert_eq!(joined, body);
+        let empty = request_body_chunks(&[], true);
+        assert_eq!(empty.len(), 1);
+        assert_eq!(streamed(&empty[0]), (&[][..], true));
+        let before_trailers = request_body_chunks(b"x", false);
+        assert!(!streamed(&before_trailers[0]).1);
+    }
+}

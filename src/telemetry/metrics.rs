@@ -1,0 +1,113 @@
+//! kvpick's own Prometheus metrics for the EPP path.
+//!
+//! Names follow GIE's EPP where GIE has one (`inference_objective_request_total`,
+//! `inference_extension_scheduler_e2e_duration_seconds`, `inference_pool_ready_pods`, …) so
+//! existing dashboards keep working; kvpick-only series are prefixed `kvpick_`.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+/// Metrics of the ext-proc path and the pool.
+#[derive(Debug, Clone)]
+pub struct EppMetrics {
+    /// Requests scheduled, by model (GIE: `inference_objective_request_total`).
+    pub requests: IntCounterVec,
+    /// Requests answered with an error, by model and code
+    /// (GIE: `inference_objective_request_error_total`).
+    pub request_errors: IntCounterVec,
+    /// Request body sizes, by model (GIE: `inference_objective_request_sizes`).
+    pub request_sizes: HistogramVec,
+    /// Time from the end of the request body to the pick
+    /// (GIE: `inference_extension_scheduler_e2e_duration_seconds`).
+    pub scheduler_e2e: Histogram,
+    /// Endpoints in the pool (GIE: `inference_pool_ready_pods`).
+    pub ready_pods: IntGauge,
+    /// In-flight requests per endpoint, kvpick's own count.
+    pub in_flight: IntGaugeVec,
+    /// Ext-proc streams currently open.
+    pub open_streams: IntGauge,
+    /// Ext-proc streams that broke before the request was answered, by phase.
+    pub aborted_streams: IntCounterVec,
+    /// Bytes of request bodies buffered right now.
+    pub buffered_bytes: IntGauge,
+    /// Pool reloads applied.
+    pub pool_reloads: IntCounter,
+    /// Pool reloads rejected (unreadable or invalid file).
+    pub pool_reload_errors: IntCounter,
+}
+
+impl EppMetrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let metrics = Self {
+            requests: IntCounterVec::new(
+                Opts::new(
+                    "inference_objective_request_total",
+                    "Requests scheduled, by model.",
+                ),
+                &["model_name", "target_model_name"],
+            )?,
+            request_errors: IntCounterVec::new(
+                Opts::new(
+                    "inference_objective_request_error_total",
+                    "Requests answered with an error by kvpick, by model and error code.",
+                ),
+                &["model_name", "target_model_name", "error_code"],
+            )?,
+            request_sizes: HistogramVec::new(
+                HistogramOpts::new(
+                    "inference_objective_request_sizes",
+                    "Request body sizes in bytes.",
+                )
+                .buckets(prometheus::exponential_buckets(64.0, 4.0, 12)?),
+                &["model_name", "target_model_name"],
+            )?,
+            scheduler_e2e: Histogram::with_opts(
+                HistogramOpts::new(
+                    "inference_extension_scheduler_e2e_duration_seconds",
+                    "Time from the full request body to the pick.",
+                )
+                .buckets(prometheus::exponential_buckets(1e-6, 2.0, 20)?),
+            )?,
+            ready_pods: IntGauge::new("inference_pool_ready_pods", "Endpoints in the pool.")?,
+            in_flight: IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_endpoint_in_flight_requests",
+                    "Requests routed to an endpoint whose response has not ended.",
+                ),
+                &["endpoint"],
+            )?,
+            open_streams: IntGauge::new("kvpick_extproc_open_streams", "Open ext-proc streams.")?,
+            aborted_streams: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_extproc_aborted_streams_total",
+                    "Ext-proc streams that ended early, by the phase they were in.",
+                ),
+                &["phase"],
+            )?,
+            buffered_bytes: IntGauge::new(
+                "kvpick_extproc_buffered_body_bytes",
+                "Request body bytes buffered across all streams.",
+            )?,
+            pool_reloads: IntCounter::new("kvpick_pool_reloads_total", "Pool updates applied.")?,
+            pool_reload_errors: IntCounter::new(
+                "kvpick_pool_reload_errors_total",
+                "Pool updates rejected (unreadable or invalid).",
+            )?,
+        };
+        registry.register(Box::new(metrics.requests.clone()))?;
+        registry.register(Box::new(metrics.request_errors.clone()))?;
+        registry.register(Box::new(metrics.request_sizes.clone()))?;
+        registry.register(Box::new(metrics.scheduler_e2e.clone()))?;
+        registry.register(Box::new(metrics.ready_pods.clone()))?;
+        registry.register(Box::new(metrics.in_flight.clone()))?;
+        registry.register(Box::new(metrics.open_streams.clone()))?;
+        registry.register(Box::new(metrics.aborted_streams.clone()))?;
+        registry.register(Box::new(metrics.buffered_bytes.clone()))?;
+        registry.register(Box::new(metrics.pool_reloads.clone()))?;
+        registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
+        Ok(metrics)
+    }
+}
