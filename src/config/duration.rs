@@ -47,6 +47,9 @@ mod tests {
         assert!(matches!(parse_duration("10"), Err(DurationError::Unit(_))));
         assert!(matches!(parse_duration("10h"), Err(DurationError::Unit(_))));
         assert!(matches!(parse_duration("s"), Err(DurationError::Number(_))));
-        assert!(matches!(parse_duration("-1s"), Err(DurationError::Number(_))));
+        assert!(matches!(
+            parse_duration("-1s"),
+            Err(DurationError::Number(_))
+        ));
     }
 }

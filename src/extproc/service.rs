@@ -67,6 +67,11 @@ impl ExternalProcessor for ExtProcService {
                                     break 'messages;
                                 }
                             }
+                            // Answered (immediate response) or passed through to the end:
+                            // close our side so neither end holds the stream open.
+                            if stream.is_done() {
+                                break;
+                            }
                         }
                         Err(error) => {
                             tracing::warn!(%error, "ext-proc protocol error; closing the stream");

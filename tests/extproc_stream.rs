@@ -1,0 +1,635 @@
+//! The ext-proc stream state machine, driven through its real gRPC interface by a plain
+//! client (no Envoy): ordering, truncation, aborts, limits, subset hints.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest,
+    ProcessingResponse, body_mutation, processing_request::Request, processing_response::Response,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+use kvpick::endpoints::{Datastore, Endpoint};
+use kvpick::extproc::{ExtProcService, StreamContext};
+use kvpick::scheduling::LeastInFlight;
+use kvpick::telemetry::EppMetrics;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+struct Harness {
+    client: ExternalProcessorClient<Channel>,
+    datastore: Arc<Datastore>,
+    metrics: Arc<EppMetrics>,
+    budget: Arc<Semaphore>,
+}
+
+struct Options {
+    endpoints: Vec<&'static str>,
+    max_body: usize,
+    budget: usize,
+    fallbacks: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            endpoints: vec!["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"],
+            max_body: 1 << 20,
+            budget: 4 << 20,
+            fallbacks: 0,
+        }
+    }
+}
+
+async fn start(options: Options) -> Harness {
+    let datastore = Arc::new(Datastore::new());
+    datastore.set_endpoints(
+        options
+            .endpoints
+            .iter()
+            .map(|a| Endpoint::new(a.parse().expect("addr")))
+            .collect(),
+    );
+    let metrics = Arc::new(EppMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+    let budget = Arc::new(Semaphore::new(options.budget));
+    let ctx = Arc::new(StreamContext {
+        datastore: Arc::clone(&datastore),
+        scheduler: Arc::new(LeastInFlight::new(options.fallbacks)),
+        metrics: Arc::clone(&metrics),
+        body_budget: Arc::clone(&budget),
+        max_body_bytes: options.max_body,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ExtProcService::new(ctx).into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    Harness {
+        client,
+        datastore,
+        metrics,
+        budget,
+    }
+}
+
+struct Stream {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: Streaming<ProcessingResponse>,
+}
+
+impl Harness {
+    async fn open(&mut self) -> Stream {
+        let (tx, rx) = mpsc::channel(64);
+        let response = self
+            .client
+            .process(ReceiverStream::new(rx))
+            .await
+            .expect("open stream");
+        Stream {
+            tx,
+            rx: response.into_inner(),
+        }
+    }
+
+    fn in_flight_total(&self) -> u64 {
+        self.datastore
+            .snapshot()
+            .endpoints
+            .iter()
+            .map(|e| e.in_flight.get())
+            .sum()
+    }
+
+    /// Waits (bounded) until the server has noticed a closed stream.
+    async fn settle(&self) {
+        for _ in 0..200 {
+            if self.metrics.open_streams.get() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("stream never closed on the server");
+    }
+}
+
+impl Stream {
+    async fn send(&self, request: Request) {
+        self.send_with(request, None).await;
+    }
+
+    async fn send_with(&self, request: Request, metadata: Option<Metadata>) {
+        self.tx
+            .send(ProcessingRequest {
+                request: Some(request),
+                metadata_context: metadata,
+                ..Default::default()
+            })
+            .await
+            .expect("send");
+    }
+
+    async fn recv(&mut self) -> ProcessingResponse {
+        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+            .await
+            .expect("reply in time")
+            .expect("no grpc error")
+            .expect("stream open")
+    }
+
+    async fn recv_status(&mut self) -> tonic::Status {
+        match tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+            .await
+            .expect("reply in time")
+        {
+            Err(status) => status,
+            Ok(other) => panic!("expected a gRPC error, got {other:?}"),
+        }
+    }
+}
+
+fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
+    Request::RequestHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: (*k).to_owned(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+        end_of_stream,
+        ..Default::default()
+    })
+}
+
+fn post_headers() -> Request {
+    headers(&[(":method", "POST"), (":path", "/v1/completions")], false)
+}
+
+fn body(bytes: &[u8], end_of_stream: bool) -> Request {
+    Request::RequestBody(HttpBody {
+        body: bytes.to_vec(),
+        end_of_stream,
+        ..Default::default()
+    })
+}
+
+fn response_body(bytes: &[u8], end_of_stream: bool) -> Request {
+    Request::ResponseBody(HttpBody {
+        body: bytes.to_vec(),
+        end_of_stream,
+        ..Default::default()
+    })
+}
+
+/// The destination header, the removed headers and the `envoy.lb` metadata of a headers reply.
+struct Decision {
+    destination: String,
+    content_length: Option<String>,
+    removed: Vec<String>,
+    metadata_destination: String,
+    clear_route_cache: bool,
+}
+
+fn decision(reply: &ProcessingResponse) -> Decision {
+    let Some(Response::RequestHeaders(h)) = &reply.response else {
+        panic!("expected a request headers reply, got {reply:?}");
+    };
+    let common = h.response.as_ref().expect("common response");
+    let mutation = common.header_mutation.as_ref().expect("mutation");
+    let header = |name: &str| {
+        mutation
+            .set_headers
+            .iter()
+            .filter_map(|o| o.header.as_ref())
+            .find(|h| h.key == name)
+            .map(|h| String::from_utf8(h.raw_value.clone()).expect("utf8"))
+    };
+    let lb = match reply
+        .dynamic_metadata
+        .as_ref()
+        .and_then(|m| m.fields.get("envoy.lb"))
+        .and_then(|v| v.kind.as_ref())
+    {
+        Some(Kind::StructValue(s)) => s.clone(),
+        other => panic!("no envoy.lb metadata: {other:?}"),
+    };
+    let metadata_destination = match lb
+        .fields
+        .get("x-gateway-destination-endpoint")
+        .and_then(|v| v.kind.as_ref())
+    {
+        Some(Kind::StringValue(s)) => s.clone(),
+        other => panic!("no destination in metadata: {other:?}"),
+    };
+    Decision {
+        destination: header("x-gateway-destination-endpoint").expect("destination header"),
+        content_length: header("content-length"),
+        removed: mutation.remove_headers.clone(),
+        metadata_destination,
+        clear_route_cache: common.clear_route_cache,
+    }
+}
+
+fn streamed_body(reply: &ProcessingResponse) -> (Vec<u8>, bool) {
+    let common: &CommonResponse = match &reply.response {
+        Some(Response::RequestBody(BodyResponse { response: Some(c) }))
+        | Some(Response::ResponseBody(BodyResponse { response: Some(c) })) => c,
+        other => panic!("expected a body reply, got {other:?}"),
+    };
+    match common
+        .body_mutation
+        .as_ref()
+        .and_then(|m| m.mutation.as_ref())
+    {
+        Some(body_mutation::Mutation::StreamedResponse(s)) => (s.body.clone(), s.end_of_stream),
+        other => panic!("expected a streamed body, got {other:?}"),
+    }
+}
+
+fn immediate(reply: &ProcessingResponse) -> (i32, String) {
+    match &reply.response {
+        Some(Response::ImmediateResponse(i)) => (
+            i.status.as_ref().map(|s| s.code).unwrap_or_default(),
+            String::from_utf8(i.body.clone()).expect("utf8"),
+        ),
+        other => panic!("expected an immediate response, got {other:?}"),
+    }
+}
+
+fn subset(entries: &[&str]) -> Metadata {
+    let list = Value {
+        kind: Some(Kind::ListValue(ListValue {
+            values: entries
+                .iter()
+                .map(|e| Value {
+                    kind: Some(Kind::StringValue((*e).to_owned())),
+                })
+                .collect(),
+        })),
+    };
+    let mut fields = HashMap::new();
+    fields.insert("x-gateway-destination-endpoint-subset".to_owned(), list);
+    let mut filter_metadata = HashMap::new();
+    filter_metadata.insert("envoy.lb.subset_hint".to_owned(), Struct { fields });
+    Metadata {
+        filter_metadata,
+        ..Default::default()
+    }
+}
+
+const BODY: &[u8] = br#"{"model":"m","prompt":"hello"}"#;
+
+#[tokio::test]
+async fn full_request_and_response_round_trip() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":method", "POST"),
+            ("x-gateway-inference-objective", "critical"),
+            ("X-Gateway-Model-Name-Rewrite", "other"),
+        ],
+        false,
+    ))
+    .await;
+    // A 200 KB body in uneven chunks, as a gateway would stream it.
+    let filler = "x".repeat(200_000);
+    let big = format!(r#"{{"model":"m","prompt":"{filler}"}}"#).into_bytes();
+    for (i, chunk) in big.chunks(30_001).enumerate() {
+        let last = (i + 1) * 30_001 >= big.len();
+        s.send(body(chunk, last)).await;
+    }
+    let d = decision(&s.recv().await);
+    assert!(d.clear_route_cache);
+    assert_eq!(d.destination, d.metadata_destination);
+    assert!(
+        h.datastore
+            .snapshot()
+            .get(d.destination.parse().expect("id"))
+            .is_some()
+    );
+    assert_eq!(
+        d.content_length.as_deref(),
+        Some(big.len().to_string().as_str())
+    );
+    let mut removed = d.removed.clone();
+    removed.sort();
+    assert_eq!(
+        removed,
+        [
+            "x-gateway-inference-objective",
+            "x-gateway-model-name-rewrite"
+        ]
+    );
+
+    let mut forwarded = Vec::new();
+    loop {
+        let (chunk, eos) = streamed_body(&s.recv().await);
+        assert!(chunk.len() <= 62_000, "chunk of {} bytes", chunk.len());
+        forwarded.extend_from_slice(&chunk);
+        if eos {
+            break;
+        }
+    }
+    assert_eq!(forwarded, big, "body forwarded byte for byte");
+    assert_eq!(h.in_flight_total(), 1, "counted from the pick");
+    assert_eq!(h.metrics.buffered_bytes.get(), 0, "body budget returned");
+    assert_eq!(h.budget.available_permits(), 4 << 20);
+
+    s.send(Request::ResponseHeaders(HttpHeaders::default()))
+        .await;
+    assert!(matches!(
+        s.recv().await.response,
+        Some(Response::ResponseHeaders(_))
+    ));
+    s.send(response_body(b"data: one\n\n", false)).await;
+    assert_eq!(
+        streamed_body(&s.recv().await),
+        (b"data: one\n\n".to_vec(), false)
+    );
+    assert_eq!(h.in_flight_total(), 1, "still streaming");
+    s.send(response_body(b"data: [DONE]\n\n", true)).await;
+    assert_eq!(
+        streamed_body(&s.recv().await),
+        (b"data: [DONE]\n\n".to_vec(), true)
+    );
+    assert_eq!(h.in_flight_total(), 0, "response end releases the endpoint");
+    drop(s);
+    h.settle().await;
+    assert_eq!(
+        h.metrics
+            .aborted_streams
+            .with_label_values(&["response"])
+            .get(),
+        0
+    );
+}
+
+#[tokio::test]
+async fn fallbacks_follow_the_primary_in_header_and_metadata() {
+    let mut h = start(Options {
+        fallbacks: 2,
+        ..Options::default()
+    })
+    .await;
+    let s = h.open().await;
+    let mut s = s;
+    s.send(post_headers()).await;
+    s.send(body(BODY, true)).await;
+    let d = decision(&s.recv().await);
+    let listed: Vec<&str> = d.destination.split(',').collect();
+    assert_eq!(
+        listed.len(),
+        3,
+        "primary and two fallbacks: {}",
+        d.destination
+    );
+    let unique: std::collections::HashSet<_> = listed.iter().collect();
+    assert_eq!(unique.len(), 3);
+    assert_eq!(d.destination, d.metadata_destination);
+}
+
+#[tokio::test]
+async fn bodyless_request_is_routed_without_a_body_reply() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[(":method", "GET"), (":path", "/v1/models")],
+        true,
+    ))
+    .await;
+    let d = decision(&s.recv().await);
+    assert!(d.content_length.is_none());
+    s.send(Request::ResponseHeaders(HttpHeaders {
+        end_of_stream: true,
+        ..Default::default()
+    }))
+    .await;
+    assert!(matches!(
+        s.recv().await.response,
+        Some(Response::ResponseHeaders(_))
+    ));
+    assert_eq!(h.in_flight_total(), 0);
+}
+
+#[tokio::test]
+async fn request_trailers_end_the_body() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(BODY, false)).await;
+    s.send(Request::RequestTrailers(HttpTrailers::default()))
+        .await;
+    decision(&s.recv().await);
+    assert_eq!(streamed_body(&s.recv().await), (BODY.to_vec(), false));
+    assert!(matches!(
+        s.recv().await.response,
+        Some(Response::RequestTrailers(_))
+    ));
+}
+
+#[tokio::test]
+async fn bad_bodies_get_400_with_the_reason() {
+    let mut h = start(Options::default()).await;
+    for (bytes, reason) in [
+        (&b"{not json"[..], "not valid JSON"),
+        (&br#"{"prompt":"no model"}"#[..], "no \"model\""),
+    ] {
+        let mut s = h.open().await;
+        s.send(post_headers()).await;
+        s.send(body(bytes, true)).await;
+        let (status, text) = immediate(&s.recv().await);
+        assert_eq!(status, 400);
+        assert!(text.starts_with("inference error: "), "{text}");
+        assert!(text.contains(reason), "{text}");
+    }
+    assert_eq!(h.in_flight_total(), 0);
+    assert_eq!(h.metrics.buffered_bytes.get(), 0);
+}
+
+#[tokio::test]
+async fn oversize_body_gets_413_before_it_is_all_buffered() {
+    let mut h = start(Options {
+        max_body: 64 * 1024,
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(&[b' '; 40_000], false)).await;
+    s.send(body(&[b' '; 40_000], false)).await;
+    let (status, text) = immediate(&s.recv().await);
+    assert_eq!(status, 413);
+    assert!(text.contains("65536"), "{text}");
+    assert_eq!(h.metrics.buffered_bytes.get(), 0, "nothing kept after 413");
+    assert_eq!(h.budget.available_permits(), 4 << 20);
+}
+
+#[tokio::test]
+async fn exhausted_buffer_budget_gets_503_and_is_returned() {
+    let mut h = start(Options {
+        max_body: 64 * 1024,
+        budget: 100 * 1024,
+        ..Options::default()
+    })
+    .await;
+    let first = h.open().await;
+    first.send(post_headers()).await;
+    first.send(body(&[b' '; 60_000], false)).await;
+    let mut second = h.open().await;
+    second.send(post_headers()).await;
+    second.send(body(&[b' '; 60_000], false)).await;
+    let (status, text) = immediate(&second.recv().await);
+    assert_eq!(status, 503);
+    assert!(text.contains("budget"), "{text}");
+    // The first client goes away mid-body: its share comes back.
+    drop(first);
+    h.settle().await;
+    assert_eq!(h.budget.available_permits(), 100 * 1024);
+    assert_eq!(h.metrics.buffered_bytes.get(), 0);
+    assert_eq!(
+        h.metrics
+            .aborted_streams
+            .with_label_values(&["request_body"])
+            .get(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn zero_endpoints_get_503() {
+    let mut h = start(Options {
+        endpoints: vec![],
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(BODY, true)).await;
+    let (status, text) = immediate(&s.recv().await);
+    assert_eq!(status, 503);
+    assert!(text.contains("no candidate endpoints"), "{text}");
+}
+
+#[tokio::test]
+async fn subset_hint_restricts_the_pick_and_an_empty_subset_gets_503() {
+    let mut h = start(Options::default()).await;
+    for _ in 0..20 {
+        let mut s = h.open().await;
+        s.send_with(post_headers(), Some(subset(&["10.0.0.2:8000"])))
+            .await;
+        s.send(body(BODY, true)).await;
+        assert_eq!(decision(&s.recv().await).destination, "10.0.0.2:8000");
+    }
+    let mut s = h.open().await;
+    s.send_with(post_headers(), Some(subset(&[]))).await;
+    s.send(body(BODY, true)).await;
+    let (status, _) = immediate(&s.recv().await);
+    assert_eq!(status, 503);
+    let mut s = h.open().await;
+    s.send_with(post_headers(), Some(subset(&["10.9.9.9:8000"])))
+        .await;
+    s.send(body(BODY, true)).await;
+    assert_eq!(immediate(&s.recv().await).0, 503);
+}
+
+#[tokio::test]
+async fn out_of_order_messages_close_the_stream_with_an_error() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(body(BODY, true)).await;
+    let status = s.recv_status().await;
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        status.message().contains("request body"),
+        "{}",
+        status.message()
+    );
+
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(Request::ResponseHeaders(HttpHeaders::default()))
+        .await;
+    assert_eq!(
+        s.recv_status().await.code(),
+        tonic::Code::FailedPrecondition
+    );
+
+    let mut s = h.open().await;
+    s.tx.send(ProcessingRequest::default()).await.expect("send");
+    assert_eq!(
+        s.recv_status().await.code(),
+        tonic::Code::FailedPrecondition
+    );
+    h.settle().await;
+    assert_eq!(h.metrics.buffered_bytes.get(), 0);
+}
+
+#[tokio::test]
+async fn a_stream_that_breaks_after_the_pick_releases_its_endpoint() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(BODY, true)).await;
+    decision(&s.recv().await);
+    streamed_body(&s.recv().await);
+    assert_eq!(h.in_flight_total(), 1);
+    drop(s);
+    h.settle().await;
+    assert_eq!(h.in_flight_total(), 0);
+    assert_eq!(
+        h.metrics
+            .aborted_streams
+            .with_label_values(&["await_response"])
+            .get(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_truncated_request_leaks_nothing() {
+    let mut h = start(Options::default()).await;
+    let s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(&BODY[..10], false)).await;
+    drop(s);
+    h.settle().await;
+    assert_eq!(h.metrics.buffered_bytes.get(), 0);
+    assert_eq!(h.budget.available_permits(), 4 << 20);
+    assert_eq!(h.in_flight_total(), 0);
+}
+
+#[tokio::test]
+async fn least_in_flight_spreads_concurrent_requests() {
+    let mut h = start(Options::default()).await;
+    let mut open = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..3 {
+        let mut s = h.open().await;
+        s.send(post_headers()).await;
+        s.send(body(BODY, true)).await;
+        seen.insert(decision(&s.recv().await).destination);
+        streamed_body(&s.recv().await);
+        open.push(s);
+    }
+    assert_eq!(
+        seen.len(),
+        3,
+        "each in-flight request went to an idle endpoint"
+    );
+}

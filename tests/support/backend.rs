@@ -1,0 +1,129 @@
+//! A model-server stand-in: records what it receives and answers with who it is.
+//!
+//! `POST /hold` answers headers and a first chunk at once, then holds the rest of the body
+//! until the test calls [`Backend::release`], so a test can keep a request in flight.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+/// One request as the backend saw it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub path: String,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+struct Shared {
+    seen: Mutex<Vec<Seen>>,
+    released: watch::Sender<bool>,
+}
+
+/// A running backend.
+#[derive(Clone)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl Backend {
+    /// Starts a backend on `ip` (any loopback address) and a free port.
+    pub async fn start(ip: &str) -> Backend {
+        let listener = TcpListener::bind((ip, 0)).await.expect("bind backend");
+        let addr = listener.local_addr().expect("addr");
+        let shared = Arc::new(Shared {
+            seen: Mutex::new(Vec::new()),
+            released: watch::Sender::new(false),
+        });
+        let backend = Backend {
+            addr,
+            shared: Arc::clone(&shared),
+        };
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let shared = Arc::clone(&shared);
+                tokio::spawn(async move {
+                    let service = service_fn(move |req| handle(addr, Arc::clone(&shared), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        backend
+    }
+
+    /// Everything received so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.shared.seen.lock().expect("lock").clone()
+    }
+
+    /// Lets held `/hold` responses finish.
+    pub fn release(&self) {
+        self.shared.released.send_replace(true);
+    }
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+async fn handle(
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_owned();
+    let headers = req.headers().clone();
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let answer = serde_json::json!({
+        "backend": addr.to_string(),
+        "bytes": body.len(),
+    })
+    .to_string();
+    shared.seen.lock().expect("lock").push(Seen {
+        path: path.clone(),
+        headers,
+        body,
+    });
+    if path == "/hold" {
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+        let mut released = shared.released.subscribe();
+        tokio::spawn(async move {
+            let _ = tx
+                .send(Ok(Frame::data(Bytes::from("data: first\n\n"))))
+                .await;
+            let _ = released.wait_for(|released| *released).await;
+            let _ = tx
+                .send(Ok(Frame::data(Bytes::from("data: [DONE]\n\n"))))
+                .await;
+        });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+        return Ok(Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(BodyExt::boxed(StreamBody::new(stream)))
+            .expect("response"));
+    }
+    Ok(Response::builder()
+        .header("content-type", "application/json")
+        .body(BodyExt::boxed(http_body_util::Full::new(Bytes::from(
+            answer,
+        ))))
+        .expect("response"))
+}

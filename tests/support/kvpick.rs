@@ -1,0 +1,110 @@
+//! The real `kvpick` binary as a child process.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+use super::{free_port, wait_until};
+
+pub struct Kvpick {
+    pub child: Child,
+    pub grpc_port: u16,
+    pub health_port: u16,
+    pub metrics_port: u16,
+    pub pool_file: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Kvpick {
+    /// Starts kvpick on free ports with `pool_yaml` as its endpoints file and waits until
+    /// it reports ready.
+    pub async fn start(pool_yaml: &str, extra_args: &[&str]) -> Kvpick {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool_file = dir.path().join("pool.yaml");
+        std::fs::write(&pool_file, pool_yaml).expect("write pool");
+        let (grpc_port, health_port, metrics_port) = (free_port(), free_port(), free_port());
+        let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
+            .arg("serve")
+            .args(["--bind-address", "127.0.0.1"])
+            .args(["--grpc-port", &grpc_port.to_string()])
+            .args(["--grpc-health-port", &health_port.to_string()])
+            .args(["--metrics-port", &metrics_port.to_string()])
+            .arg("--endpoints-file")
+            .arg(&pool_file)
+            .args(["--endpoints-reload-interval", "100ms"])
+            .args(extra_args)
+            .env("RUST_LOG", "kvpick=debug,info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvpick");
+        let kvpick = Kvpick {
+            child,
+            grpc_port,
+            health_port,
+            metrics_port,
+            pool_file,
+            _dir: dir,
+        };
+        let port = kvpick.health_port;
+        wait_until("kvpick readiness", Duration::from_secs(20), || async move {
+            health(port, "readiness").await == Some(ServingStatus::Serving)
+        })
+        .await;
+        kvpick
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let pid = self.child.id().to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Waits (bounded) for the process to exit and returns its exit code.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code();
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("kvpick did not exit within {limit:?}");
+    }
+
+    pub fn metrics_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.metrics_port)
+    }
+}
+
+impl Drop for Kvpick {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The gRPC health status of `service` on `port`, or `None` when unreachable.
+pub async fn health(port: u16, service: &str) -> Option<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .ok()?
+        .connect()
+        .await
+        .ok()?;
+    let mut client = HealthClient::new(channel);
+    let response = client
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await
+        .ok()?;
+    ServingStatus::try_from(response.into_inner().status).ok()
+}

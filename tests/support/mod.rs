@@ -1,0 +1,46 @@
+//! Real processes and servers for end-to-end tests: HTTP model-server stand-ins, the kvpick
+//! binary, and a real Envoy built from `deploy/envoy/envoy.yaml`.
+//!
+//! Envoy comes from the project's venv (`scripts/setup-envoy.sh`, run by `scripts/test.sh`)
+//! or from `KVPICK_ENVOY`. A missing Envoy fails the test loudly: an e2e test that silently
+//! skips proves nothing.
+
+#![allow(dead_code)]
+
+pub mod backend;
+pub mod envoy;
+pub mod http;
+pub mod kvpick;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A port free right now on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Polls `check` until it is true or `limit` passes; readiness of real processes only.
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
