@@ -161,8 +161,17 @@ fn local(listener: &TcpListener) -> String {
         .unwrap_or_else(|_| "?".to_owned())
 }
 
-fn incoming(listener: TcpListener) -> tokio_stream::wrappers::TcpListenerStream {
-    tokio_stream::wrappers::TcpListenerStream::new(listener)
+/// Accepted connections with Nagle's algorithm off: ext-proc replies are small messages on a
+/// latency-critical path, and Nagle plus delayed ACKs would hold some of them for 40 ms.
+fn incoming(
+    listener: TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use futures::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }
 
 fn flatten<E: std::fmt::Display>(

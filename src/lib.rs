@@ -10,6 +10,7 @@
 //! - [`sim`]: a vLLM-compatible model-server simulator (the ground truth for tests).
 
 pub mod app;
+pub mod bench;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;

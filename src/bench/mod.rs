@@ -1,0 +1,5 @@
+//! `kvpick-bench`: load generation and statistics for whole-system measurements.
+
+pub mod backend;
+pub mod load;
+pub mod stats;

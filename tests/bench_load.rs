@@ -1,0 +1,54 @@
+//! kvpick-bench's load generator against its own backend, over real HTTP.
+
+use kvpick::bench::{backend, load};
+
+#[tokio::test]
+async fn load_run_counts_every_request_and_orders_percentiles() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(backend::serve(listener));
+    let body = load::completion_body("m", 8192);
+    assert!(
+        (8000..=8300).contains(&body.len()),
+        "body of {} bytes",
+        body.len()
+    );
+    let parsed: serde_json::Value = serde_json::from_slice(&body).expect("valid JSON body");
+    assert_eq!(parsed["model"], "m");
+    let report = load::run(load::LoadPlan {
+        url: format!("http://{addr}/v1/completions"),
+        concurrency: 4,
+        requests: 120,
+        warmup: 10,
+        body,
+    })
+    .await
+    .expect("run");
+    assert_eq!(report.errors, 0);
+    assert_eq!(report.latency.count, 120);
+    assert!(report.latency.p50_ms <= report.latency.p99_ms);
+    assert!(report.latency.p99_ms <= report.latency.max_ms);
+    assert!(report.requests_per_second > 0.0);
+}
+
+#[tokio::test]
+async fn failures_are_counted_not_timed() {
+    // Nothing listens on the port of a listener that was just dropped.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let report = load::run(load::LoadPlan {
+        url: format!("http://127.0.0.1:{port}/"),
+        concurrency: 2,
+        requests: 10,
+        warmup: 0,
+        body: load::completion_body("m", 100),
+    })
+    .await
+    .expect("run");
+    assert_eq!(report.errors, 10);
+    assert_eq!(report.latency.count, 0);
+}
