@@ -1,5 +1,6 @@
-//! The tonic `ExternalProcessor` service: one task per gRPC stream drives a [`RequestStream`].
+//! The tonic `ExternalProcessor` service: each gRPC stream drives one [`RequestStream`].
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -8,15 +9,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::Stream;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{RequestStream, StreamContext};
-
-/// Messages queued per stream before the task waits for the gateway to read. Bounded so a
-/// slow gateway applies back-pressure instead of kvpick buffering without limit.
-const OUTBOUND_QUEUE: usize = 16;
 
 /// The ext-proc service.
 pub struct ExtProcService {
@@ -47,48 +42,58 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let ctx = Arc::clone(&self.ctx);
-        tokio::spawn(async move {
-            ctx.metrics.open_streams.inc();
-            let mut stream = RequestStream::new(Arc::clone(&ctx));
-            'messages: loop {
-                let message = tokio::select! {
-                    message = inbound.message() => message,
-                    // The gateway dropped our side: nothing more can be delivered.
-                    _ = tx.closed() => break,
-                };
-                match message {
-                    Ok(Some(message)) => match stream.on_message(message) {
-                        Ok(replies) => {
-                            for reply in replies {
-                                if tx.send(Ok(reply)).await.is_err() {
-                                    break 'messages;
-                                }
-                            }
-                            // Answered (immediate response) or passed through to the end:
-                            // close our side so neither end holds the stream open.
-                            if stream.is_done() {
-                                break;
-                            }
-                        }
-                        Err(error) => {
-                            tracing::warn!(%error, "ext-proc protocol error; closing the stream");
-                            let _ = tx.send(Err(error.into())).await;
-                            break;
-                        }
-                    },
-                    Ok(None) => break,
-                    Err(status) => {
-                        tracing::debug!(%status, "ext-proc stream broke");
-                        break;
+        // NOTE: the reply stream drives the state machine itself (no task, no channel per
+        // request): the h2 connection polls it, so each inbound message is handled on the
+        // connection's own task without a cross-thread wake-up. When the gateway resets the
+        // stream, tonic drops this stream and with it the `RequestStream`, whose `Drop`
+        // returns the request's in-flight unit and body budget.
+        let state = Driver {
+            inbound: request.into_inner(),
+            stream: RequestStream::new(Arc::clone(&self.ctx)),
+            pending: VecDeque::new(),
+            finished: false,
+        };
+        let replies = futures::stream::unfold(state, |mut state| async move {
+            let item = state.next().await?;
+            Some((item, state))
+        });
+        Ok(Response::new(Box::pin(replies)))
+    }
+}
+
+struct Driver {
+    inbound: Streaming<ProcessingRequest>,
+    stream: RequestStream,
+    pending: VecDeque<ProcessingResponse>,
+    finished: bool,
+}
+
+impl Driver {
+    async fn next(&mut self) -> Option<Result<ProcessingResponse, Status>> {
+        loop {
+            if let Some(reply) = self.pending.pop_front() {
+                return Some(Ok(reply));
+            }
+            // Answered (immediate response) or passed through to the end: close our side so
+            // neither end holds the stream open.
+            if self.finished || self.stream.is_done() {
+                return None;
+            }
+            match self.inbound.message().await {
+                Ok(Some(message)) => match self.stream.on_message(message) {
+                    Ok(replies) => self.pending.extend(replies),
+                    Err(error) => {
+                        tracing::warn!(%error, "ext-proc protocol error; closing the stream");
+                        self.finished = true;
+                        return Some(Err(error.into()));
                     }
+                },
+                Ok(None) => return None,
+                Err(status) => {
+                    tracing::debug!(%status, "ext-proc stream broke");
+                    return None;
                 }
             }
-            stream.close();
-            ctx.metrics.open_streams.dec();
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        }
     }
 }

@@ -85,6 +85,7 @@ pub struct RequestStream {
 impl RequestStream {
     /// A stream waiting for request headers.
     pub fn new(ctx: Arc<StreamContext>) -> Self {
+        ctx.metrics.open_streams.inc();
         Self {
             ctx,
             phase: Phase::AwaitRequestHeaders,
@@ -151,19 +152,6 @@ impl RequestStream {
         }
     }
 
-    /// Records how the stream ended; call once when the gRPC stream closes.
-    pub fn close(&mut self) {
-        if self.phase != Phase::Done {
-            self.ctx
-                .metrics
-                .aborted_streams
-                .with_label_values(&[self.phase.label()])
-                .inc();
-        }
-        self.release_body();
-        self.in_flight = None;
-        self.phase = Phase::Done;
-    }
 
     fn on_request_headers(&mut self, headers: HttpHeaders) -> Vec<ProcessingResponse> {
         if let Some(map) = &headers.headers {
@@ -319,6 +307,22 @@ impl RequestStream {
     fn end_response(&mut self) {
         self.in_flight = None;
         self.phase = Phase::Done;
+    }
+}
+
+impl Drop for RequestStream {
+    /// The gRPC stream is gone, however it ended: count an early end, and return the body
+    /// budget (the in-flight guard returns itself).
+    fn drop(&mut self) {
+        if self.phase != Phase::Done {
+            self.ctx
+                .metrics
+                .aborted_streams
+                .with_label_values(&[self.phase.label()])
+                .inc();
+        }
+        self.release_body();
+        self.ctx.metrics.open_streams.dec();
     }
 }
 
