@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Quickstart: Envoy + kvpick + two simulated vLLM pods on this machine, on kvpick's embedded
+# defaults, then one chat request through Envoy. Keeps running until Ctrl-C.
+#   scripts/demo.sh          build (release), start, send, keep running
+#   scripts/demo.sh --once   start, send, check, stop (what the quickstart test runs)
+# KVPICK_BIN_DIR=dir uses already-built binaries instead of building.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ONCE=0
+[ "${1:-}" = "--once" ] && ONCE=1
+scripts/setup-envoy.sh
+if [ -n "${KVPICK_BIN_DIR:-}" ]; then
+  BIN="$KVPICK_BIN_DIR"
+else
+  echo "demo: building kvpick (release; the first build takes a few minutes)" >&2
+  cargo build --release --quiet --bin kvpick --bin kvpick-sim
+  BIN="${CARGO_TARGET_DIR:-target}/release"
+fi
+RUN=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$RUN"
+}
+trap cleanup EXIT INT TERM
+
+wait_for() { # what, command…
+  local what=$1; shift
+  for _ in $(seq 300); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
+  echo "demo: timed out waiting for $what (logs in $RUN)" >&2
+  tail -n 20 "$RUN"/*.log >&2 || true
+  exit 1
+}
+
+# Two simulated vLLM pods: HTTP :8101/:8102, KV events :5557/:5558, replay :6557/:6558.
+"$BIN/kvpick-sim" --pods 2 --base-port 8101 --events-base-port 5557 --replay-base-port 6557 \
+  --tokenizer assets/tokenizer --time-scale 0.1 >"$RUN/sim.log" 2>&1 &
+PIDS+=($!)
+cat >"$RUN/pool.yaml" <<YAML
+endpoints:
+  - address: 127.0.0.1:8101
+    kvEvents: tcp://127.0.0.1:5557
+    kvReplay: tcp://127.0.0.1:6557
+    labels: { inference.networking.k8s.io/engine-type: vllm }
+  - address: 127.0.0.1:8102
+    kvEvents: tcp://127.0.0.1:5558
+    kvReplay: tcp://127.0.0.1:6558
+    labels: { inference.networking.k8s.io/engine-type: vllm }
+YAML
+"$BIN/kvpick" serve --endpoints-file "$RUN/pool.yaml" >"$RUN/kvpick.log" 2>&1 &
+PIDS+=($!)
+.venv/bin/envoy -c deploy/envoy/envoy.yaml --disable-hot-restart -l warning \
+  >"$RUN/envoy.log" 2>&1 &
+PIDS+=($!)
+
+wait_for "the simulated pods" curl -sf localhost:8101/health
+wait_for "the simulated pods" curl -sf localhost:8102/health
+wait_for "kvpick" curl -sf localhost:9090/debug/pods
+wait_for "Envoy" curl -sf localhost:9901/ready
+# Envoy routes through kvpick once its health check has seen kvpick ready.
+wait_for "Envoy's health check of kvpick" \
+  sh -c 'curl -sf localhost:9901/clusters | grep -q "^kvpick::127.0.0.1:9002::health_flags::healthy"'
+
+echo "demo: POST localhost:8081/v1/chat/completions" >&2
+ANSWER=$(curl -sf localhost:8081/v1/chat/completions -H 'content-type: application/json' \
+  -d '{"model":"sim-model","messages":[{"role":"system","content":"You are kvpick'"'"'s demo."},{"role":"user","content":"Which pod holds my prefix?"}],"max_tokens":16}')
+echo "$ANSWER"
+sleep 0.2 # the access log line is written when the response completes
+ROUTE=$(grep -m1 '/v1/chat/completions' "$RUN/envoy.log" || true)
+echo "demo: envoy access log: $ROUTE" >&2
+echo "demo: kvpick /debug/pods: $(curl -sf localhost:9090/debug/pods)" >&2
+PICKED=$(echo "$ROUTE" | sed -n 's/.* picked=\([^ ]*\) .*/\1/p')
+SERVED=$(echo "$ROUTE" | sed -n 's/.* upstream=\([^ ]*\) .*/\1/p')
+case "$PICKED" in
+  127.0.0.1:8101 | 127.0.0.1:8102) ;;
+  *) echo "demo: the request was not routed by kvpick (picked=$PICKED)" >&2; exit 1 ;;
+esac
+if [ "$PICKED" != "$SERVED" ]; then
+  echo "demo: kvpick picked $PICKED but $SERVED served" >&2; exit 1
+fi
+echo "demo: kvpick picked $PICKED, and Envoy sent the request there" >&2
+case "$ANSWER" in
+  *'"chat.completion"'*) ;;
+  *) echo "demo: unexpected answer" >&2; exit 1 ;;
+esac
+if [ "$ONCE" = 1 ]; then
+  echo "demo: ok" >&2
+  exit 0
+fi
+echo "demo: running; try: curl -s localhost:8081/v1/chat/completions -H 'content-type: application/json' -d '{\"model\":\"sim-model\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'" >&2
+echo "demo: logs in $RUN; Ctrl-C stops everything" >&2
+wait
