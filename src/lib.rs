@@ -19,6 +19,7 @@ pub mod kvcache;
 pub mod kvevents;
 pub mod request;
 pub mod scheduling;
+pub mod scrape;
 pub mod sim;
 pub mod telemetry;
 pub mod tokenize;

@@ -152,7 +152,6 @@ impl RequestStream {
         }
     }
 
-
     fn on_request_headers(&mut self, headers: HttpHeaders) -> Vec<ProcessingResponse> {
         if let Some(map) = &headers.headers {
             for header in &map.headers {

@@ -1,0 +1,12 @@
+//! Model-server `/metrics` scraping per engine type (DESIGN §4).
+//!
+//! - [`prom_text`]: a tolerant Prometheus text parser;
+//! - [`engine`]: which series mean queue, running, KV usage, cache shape and LoRA per engine;
+//! - [`scraper`]: the per-endpoint scrape tasks and the store scheduling reads.
+
+pub mod engine;
+pub mod prom_text;
+pub mod scraper;
+
+pub use engine::{EngineKind, LoraState, PodMetrics};
+pub use scraper::{MetricsStore, ScrapeConfig, ScrapeManager, ScrapeMetrics, ScrapeStatus};

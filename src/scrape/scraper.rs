@@ -1,0 +1,351 @@
+//! Scraping every endpoint's `/metrics` on an interval, and the store scheduling reads.
+//!
+//! Concurrency rules: one task per endpoint writes only its own entry of the
+//! [`MetricsStore`] (a short mutex per pod); readers copy what they need under the same
+//! mutex. The [`ScrapeManager`] starts a task when an endpoint joins the pool and cancels it
+//! (and drops its entry) when it leaves. A scrape never blocks a request: scheduling reads
+//! the last result and its age.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use tokio_util::sync::CancellationToken;
+
+use super::engine::{EngineKind, PodMetrics};
+use super::prom_text;
+use crate::endpoints::{ENGINE_TYPE_LABEL, Endpoint, PodId};
+
+/// Scrape timing and limits.
+#[derive(Debug, Clone)]
+pub struct ScrapeConfig {
+    /// Time between scrapes of one endpoint (GIE: 50 ms).
+    pub interval: Duration,
+    /// Longest one scrape may take.
+    pub timeout: Duration,
+    /// Metrics older than this make the pod count as saturated (GIE: ~200 ms).
+    pub staleness: Duration,
+    /// Largest `/metrics` body read.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_millis(50),
+            timeout: Duration::from_millis(1000),
+            staleness: Duration::from_millis(200),
+            max_body_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// Why a scrape failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScrapeError {
+    /// No answer within the timeout.
+    #[error("timed out")]
+    Timeout,
+    /// Connection or protocol failure.
+    #[error("request failed: {0}")]
+    Http(String),
+    /// A non-200 status.
+    #[error("HTTP status {0}")]
+    Status(u16),
+    /// The body is larger than the limit, not UTF-8, or cut off.
+    #[error("bad body: {0}")]
+    Body(String),
+    /// A needed metric is absent.
+    #[error(transparent)]
+    Missing(#[from] super::engine::MissingMetric),
+}
+
+impl ScrapeError {
+    fn reason(&self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::Http(_) => "http",
+            Self::Status(_) => "status",
+            Self::Body(_) => "body",
+            Self::Missing(_) => "missing_metric",
+        }
+    }
+}
+
+/// The scrape state of one endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct ScrapeStatus {
+    /// The last successful scrape's metrics.
+    pub metrics: Option<PodMetrics>,
+    /// When the last successful scrape finished.
+    pub fetched_at: Option<Instant>,
+    /// The last scrape's error, cleared by a success.
+    pub last_error: Option<ScrapeError>,
+    /// Failures since the last success.
+    pub consecutive_failures: u32,
+}
+
+impl ScrapeStatus {
+    /// How old the last good metrics are at `now` (`None`: never scraped).
+    pub fn age(&self, now: Instant) -> Option<Duration> {
+        self.fetched_at.map(|at| now.saturating_duration_since(at))
+    }
+
+    /// Whether the metrics are recent enough to trust at `now`.
+    pub fn is_fresh(&self, now: Instant, staleness: Duration) -> bool {
+        self.last_error.is_none() && self.age(now).is_some_and(|age| age <= staleness)
+    }
+}
+
+/// The latest scrape of every endpoint.
+#[derive(Debug, Default)]
+pub struct MetricsStore {
+    pods: Mutex<HashMap<PodId, Arc<Mutex<ScrapeStatus>>>>,
+}
+
+impl MetricsStore {
+    /// A copy of `pod`'s status (default when it is not scraped).
+    pub fn status(&self, pod: PodId) -> ScrapeStatus {
+        let entry = self.pods.lock().ok().and_then(|p| p.get(&pod).cloned());
+        entry
+            .and_then(|e| e.lock().ok().map(|s| s.clone()))
+            .unwrap_or_default()
+    }
+
+    fn entry(&self, pod: PodId) -> Arc<Mutex<ScrapeStatus>> {
+        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(pods.entry(pod).or_default())
+    }
+
+    fn remove(&self, pod: PodId) {
+        if let Ok(mut pods) = self.pods.lock() {
+            pods.remove(&pod);
+        }
+    }
+}
+
+/// Scrape metrics.
+#[derive(Debug, Clone)]
+pub struct ScrapeMetrics {
+    errors: IntCounterVec,
+    duration: HistogramVec,
+}
+
+impl ScrapeMetrics {
+    /// Creates and registers the scrape metrics.
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let metrics = Self {
+            errors: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_scrape_errors_total",
+                    "Failed /metrics scrapes, by endpoint and reason.",
+                ),
+                &["endpoint", "reason"],
+            )?,
+            duration: HistogramVec::new(
+                HistogramOpts::new(
+                    "kvpick_scrape_duration_seconds",
+                    "Time to fetch and parse one endpoint's /metrics.",
+                )
+                .buckets(prometheus::exponential_buckets(1e-4, 2.0, 16)?),
+                &["endpoint"],
+            )?,
+        };
+        registry.register(Box::new(metrics.errors.clone()))?;
+        registry.register(Box::new(metrics.duration.clone()))?;
+        Ok(metrics)
+    }
+}
+
+type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// Fetches and parses one endpoint's metrics.
+pub async fn scrape_once(
+    client: &HttpClient,
+    pod: PodId,
+    engine: EngineKind,
+    config: &ScrapeConfig,
+) -> Result<PodMetrics, ScrapeError> {
+    let fetch = async {
+        let uri: hyper::Uri = format!("http://{pod}/metrics")
+            .parse()
+            .map_err(|e: hyper::http::uri::InvalidUri| ScrapeError::Http(e.to_string()))?;
+        let response = client
+            .get(uri)
+            .await
+            .map_err(|e| ScrapeError::Http(e.to_string()))?;
+        if response.status() != hyper::StatusCode::OK {
+            return Err(ScrapeError::Status(response.status().as_u16()));
+        }
+        let body = Limited::new(response.into_body(), config.max_body_bytes)
+            .collect()
+            .await
+            .map_err(|e| ScrapeError::Body(e.to_string()))?
+            .to_bytes();
+        Ok(body)
+    };
+    let body = tokio::time::timeout(config.timeout, fetch)
+        .await
+        .map_err(|_| ScrapeError::Timeout)??;
+    let text = std::str::from_utf8(&body).map_err(|e| ScrapeError::Body(e.to_string()))?;
+    let exposition = prom_text::parse(text);
+    if let Some((line, error)) = exposition.first_error {
+        tracing::debug!(%pod, line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
+    }
+    Ok(engine.extract(&exposition.samples)?)
+}
+
+async fn scrape_loop(
+    pod: PodId,
+    engine: EngineKind,
+    client: HttpClient,
+    config: ScrapeConfig,
+    status: Arc<Mutex<ScrapeStatus>>,
+    metrics: ScrapeMetrics,
+    cancel: CancellationToken,
+) {
+    let label = pod.to_string();
+    let mut ticker = tokio::time::interval(config.interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let started = Instant::now();
+        let result = tokio::select! {
+            _ = cancel.cancelled() => return,
+            result = scrape_once(&client, pod, engine, &config) => result,
+        };
+        metrics
+            .duration
+            .with_label_values(&[&label])
+            .observe(started.elapsed().as_secs_f64());
+        let Ok(mut state) = status.lock() else { return };
+        match result {
+            Ok(pod_metrics) => {
+                if state.last_error.is_some() {
+                    tracing::info!(%pod, "metrics scrape recovered");
+                }
+                state.metrics = Some(pod_metrics);
+                state.fetched_at = Some(Instant::now());
+                state.last_error = None;
+                state.consecutive_failures = 0;
+            }
+            Err(error) => {
+                metrics
+                    .errors
+                    .with_label_values(&[&label, error.reason()])
+                    .inc();
+                if state.consecutive_failures == 0 {
+                    tracing::warn!(%pod, %error, "metrics scrape failed; the pod counts as saturated until it recovers");
+                }
+                state.consecutive_failures = state.consecutive_failures.saturating_add(1);
+                state.last_error = Some(error);
+            }
+        }
+    }
+}
+
+/// Keeps one scrape task per endpoint of the pool.
+pub struct ScrapeManager {
+    config: ScrapeConfig,
+    store: Arc<MetricsStore>,
+    metrics: ScrapeMetrics,
+    client: HttpClient,
+    tasks: HashMap<PodId, (EngineKind, CancellationToken)>,
+    parent: CancellationToken,
+}
+
+impl ScrapeManager {
+    /// A manager writing into `store`; all its tasks stop when `parent` is cancelled.
+    pub fn new(
+        config: ScrapeConfig,
+        store: Arc<MetricsStore>,
+        metrics: ScrapeMetrics,
+        parent: CancellationToken,
+    ) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1)
+            .build(connector);
+        Self {
+            config,
+            store,
+            metrics,
+            client,
+            tasks: HashMap::new(),
+            parent,
+        }
+    }
+
+    /// Starts tasks for new endpoints and stops those of endpoints that left.
+    pub fn sync(&mut self, endpoints: &[Endpoint]) {
+        let wanted: HashMap<PodId, EngineKind> =
+            endpoints.iter().map(|e| (e.id, engine_of(e))).collect();
+        self.tasks.retain(|pod, (engine, cancel)| {
+            let keep = wanted.get(pod) == Some(engine);
+            if !keep {
+                cancel.cancel();
+                self.store.remove(*pod);
+            }
+            keep
+        });
+        for (pod, engine) in wanted {
+            if self.tasks.contains_key(&pod) {
+                continue;
+            }
+            let cancel = self.parent.child_token();
+            tokio::spawn(scrape_loop(
+                pod,
+                engine,
+                self.client.clone(),
+                self.config.clone(),
+                self.store.entry(pod),
+                self.metrics.clone(),
+                cancel.clone(),
+            ));
+            self.tasks.insert(pod, (engine, cancel));
+        }
+    }
+}
+
+fn engine_of(endpoint: &Endpoint) -> EngineKind {
+    match endpoint.labels.get(ENGINE_TYPE_LABEL) {
+        None => EngineKind::default(),
+        Some(value) => value.parse().unwrap_or_else(|error| {
+            tracing::warn!(pod = %endpoint.id, %error, "scraping as vLLM");
+            EngineKind::default()
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freshness_needs_a_recent_success_and_no_error() {
+        let now = Instant::now();
+        let staleness = Duration::from_millis(200);
+        let mut status = ScrapeStatus::default();
+        assert!(!status.is_fresh(now, staleness), "never scraped");
+        status.fetched_at = Some(now);
+        status.metrics = Some(PodMetrics::default());
+        assert!(status.is_fresh(now + Duration::from_millis(150), staleness));
+        assert!(!status.is_fresh(now + Duration::from_millis(250), staleness));
+        status.last_error = Some(ScrapeError::Timeout);
+        assert!(
+            !status.is_fresh(now, staleness),
+            "a failing scrape is not fresh"
+        );
+    }
+}
