@@ -1,1 +1,11 @@
-//! (placeholder: filled in by its issue)
+//! `kvpick-sim`: a vLLM-compatible model-server simulator.
+//!
+//! Why it exists: everything downstream (the KV-cache index, the scheduler, the benchmarks, the
+//! demo) needs a fleet of vLLM-like model servers, and there are no GPUs here. The simulator
+//! stands in for the GPU, not for the protocols: block hashes, KV-event payloads, replay and
+//! metrics are what vLLM 0.32 sends on the wire (golden-tested against `../shared/fixtures/`).
+//! It is deliberately independent of `kvcache/` and `kvevents/`: it is the ground truth they are
+//! tested against.
+
+pub mod events;
+pub mod hashing;
