@@ -7,5 +7,7 @@
 //! It is deliberately independent of `kvcache/` and `kvevents/`: it is the ground truth they are
 //! tested against.
 
+pub mod block_pool;
+pub mod engine;
 pub mod events;
 pub mod hashing;
