@@ -11,3 +11,4 @@ pub mod block_pool;
 pub mod engine;
 pub mod events;
 pub mod hashing;
+pub mod publisher;
