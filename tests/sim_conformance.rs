@@ -191,3 +191,41 @@ fn replayed_payloads_reencode_identically() {
     }
     assert_eq!(n, 13);
 }
+
+/// The simulator tokenizes every captured prompt (completions and chat, through the real
+/// template) to the ids vLLM's `/tokenize` returned. Requests carrying `tools` are out of scope
+/// (tool normalisation and key-ordered `tojson` need minijinja's `preserve_order`; see
+/// docs/simulator.md).
+#[test]
+fn prompts_tokenize_to_the_real_engines_ids() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer");
+    let tok = kvpick::sim::tokenizer::SimTokenizer::load(&dir).expect("tokenizer");
+    let mut checked = 0;
+    let mut mismatched = Vec::new();
+    for request in jsonl(fixtures().join("vllm-0.32-kv-events/requests.jsonl")) {
+        let expected = token_ids(&request);
+        let body = &request["body"];
+        if body.get("tools").is_some() || body["messages"].to_string().contains("tool_calls") {
+            continue;
+        }
+        let ours = if let Some(prompt) = body["prompt"].as_str() {
+            tok.encode_prompt(prompt).expect("encode")
+        } else {
+            let t = &request["tokenize_request"];
+            tok.encode_chat(
+                t["messages"].as_array().expect("messages"),
+                t["add_generation_prompt"].as_bool().unwrap_or(true),
+                t["continue_final_message"].as_bool().unwrap_or(false),
+                t.get("tools"),
+                t["chat_template_kwargs"].as_object(),
+            )
+            .expect("render")
+        };
+        if ours != expected {
+            mismatched.push(request["label"].as_str().unwrap_or("?").to_owned());
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 22);
+    assert!(mismatched.is_empty(), "mismatched: {mismatched:?}");
+}

@@ -11,4 +11,6 @@ pub mod block_pool;
 pub mod engine;
 pub mod events;
 pub mod hashing;
+pub mod metrics;
 pub mod publisher;
+pub mod tokenizer;
