@@ -291,3 +291,143 @@ fn salt_changes_every_hash_and_shows_in_extra_keys() {
     assert_eq!(event.parent_block_hash, None);
     assert_eq!(event.token_ids, p[..32].to_vec());
 }
+
+mod paused_time {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use kvpick::sim::engine::{EngineConfig, SimRequest, StepCost};
+    use kvpick::sim::pod::{Faults, Pod, PodConfig, collect};
+    use tokio::time::Instant;
+
+    fn pod_config(max_num_seqs: usize) -> PodConfig {
+        PodConfig {
+            model: "sim-model".into(),
+            engine: EngineConfig {
+                block_size: 16,
+                num_gpu_blocks: 256,
+                max_num_seqs,
+                cost: StepCost {
+                    overhead: Duration::from_millis(5),
+                    per_prefill_token: Duration::from_micros(100),
+                    per_decode_seq: Duration::from_millis(1),
+                    lora_load: Duration::from_millis(20),
+                },
+                ..EngineConfig::default()
+            },
+            time_scale: 1.0,
+            publisher: None,
+        }
+    }
+
+    fn request(len: u32, max_tokens: usize) -> SimRequest {
+        SimRequest {
+            prompt: (0..len).map(|i| 500 + i).collect(),
+            max_tokens,
+            ..SimRequest::default()
+        }
+    }
+
+    /// Asserts `t` is `expected` up to tokio's 1 ms timer resolution.
+    fn assert_close(t: Duration, expected: Duration) {
+        assert!(
+            t >= expected && t < expected + Duration::from_millis(1),
+            "{t:?} vs {expected:?}"
+        );
+    }
+
+    /// Time to first token of one request, on tokio's (paused) clock.
+    async fn ttft(pod: &Pod, req: SimRequest) -> Duration {
+        let start = Instant::now();
+        let mut stream = pod.submit(req).await.expect("submit");
+        stream.next().await.expect("first token");
+        let t = start.elapsed();
+        while stream.next().await.is_some_and(|t| t.finish.is_none()) {}
+        t
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ttft_follows_the_cost_model_and_a_cached_prefix_is_cheaper() {
+        let (pod, _task) = Pod::start(pod_config(8), Arc::new(Faults::default()))
+            .await
+            .expect("pod");
+        // 200 prompt tokens: 5 ms + 200 × 0.1 ms = 25 ms.
+        assert_eq!(ttft(&pod, request(200, 3)).await, Duration::from_millis(25));
+        // 192 of them cached: 5 ms + 8 × 0.1 ms.
+        assert_close(
+            ttft(&pod, request(200, 3)).await,
+            Duration::from_micros(5_800),
+        );
+        let stats = pod.stats();
+        assert_eq!((stats.prefix_queries, stats.prefix_hits), (400, 192));
+        // Slow-down fault doubles step time.
+        pod.faults.set_slowdown(2.0);
+        assert_close(
+            ttft(&pod, request(200, 3)).await,
+            Duration::from_micros(11_600),
+        );
+        let text = kvpick::sim::metrics::render(&pod.registry);
+        assert!(
+            text.contains(
+                "vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"sim-model\"} 3"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"sim-model\"} 384"
+            )
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn overload_builds_a_queue_and_delays_first_tokens() {
+        let (pod, _task) = Pod::start(pod_config(1), Arc::new(Faults::default()))
+            .await
+            .expect("pod");
+        let start = Instant::now();
+        let a = pod.submit(request(100, 10)).await.expect("a");
+        let b = pod.submit(SimRequest {
+            prompt: (0..100).map(|i| 9000 + i).collect(),
+            max_tokens: 10,
+            ..SimRequest::default()
+        });
+        let b = b.await.expect("b");
+        tokio::task::yield_now().await;
+        let handle_b = tokio::spawn(async move {
+            let mut b = b;
+            b.next().await.expect("b first");
+            let t = Instant::now();
+            while b.next().await.is_some_and(|t| t.finish.is_none()) {}
+            t
+        });
+        let tokens_a = collect(a).await;
+        let a_done = Instant::now();
+        assert_eq!(tokens_a.len(), 10);
+        let b_first = handle_b.await.expect("join");
+        assert!(b_first > a_done, "b waited for a's slot");
+        // a: 15 ms prefill step + 9 decode steps of 6 ms; b's first token one prefill later.
+        assert_eq!(a_done - start, Duration::from_millis(15 + 9 * 6));
+        assert_eq!(b_first - start, Duration::from_millis(15 + 9 * 6 + 15));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dropping_a_stream_aborts_and_restart_empties_the_cache() {
+        let (pod, _task) = Pod::start(pod_config(8), Arc::new(Faults::default()))
+            .await
+            .expect("pod");
+        let mut s = pod.submit(request(64, 1000)).await.expect("submit");
+        s.next().await.expect("token");
+        assert_eq!(pod.stats().running, 1);
+        drop(s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(pod.stats().running, 0, "aborted");
+        assert!(pod.stats().cached_blocks >= 4);
+        pod.restart().await;
+        assert_eq!(pod.stats().cached_blocks, 0);
+        assert_close(
+            ttft(&pod, request(64, 2)).await,
+            Duration::from_micros(5_000 + 6_400),
+        );
+    }
+}

@@ -12,5 +12,6 @@ pub mod engine;
 pub mod events;
 pub mod hashing;
 pub mod metrics;
+pub mod pod;
 pub mod publisher;
 pub mod tokenizer;
