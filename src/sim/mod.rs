@@ -10,7 +10,9 @@
 pub mod block_pool;
 pub mod engine;
 pub mod events;
+pub mod fleet;
 pub mod hashing;
+pub mod http;
 pub mod metrics;
 pub mod pod;
 pub mod publisher;

@@ -337,6 +337,7 @@ impl Driver {
                 tokio::time::sleep_until(deadline).await;
             } else {
                 self.deadline = None;
+                tokio::task::yield_now().await;
             }
             self.publish(out.events);
             let now = Instant::now();
