@@ -200,3 +200,71 @@ pub async fn start_fleet(
     }
     Ok(out)
 }
+
+/// Errors parsing `--pod-override`.
+#[derive(Debug, thiserror::Error)]
+pub enum OverrideError {
+    /// Not `INDEX:key=value[,key=value…]`.
+    #[error("pod override {0:?}: expected INDEX:key=value[,key=value...]")]
+    Syntax(String),
+    /// Unknown key or bad value.
+    #[error("pod override {spec:?}: bad {key}")]
+    Value {
+        /// The whole spec.
+        spec: String,
+        /// The offending key.
+        key: String,
+    },
+}
+
+/// Parses `INDEX:blocks=N,slowdown=F,max-num-seqs=N,drop=F,refuse=true,metrics=stall|error`.
+pub fn parse_override(spec: &str) -> Result<(usize, PodOverride), OverrideError> {
+    let syntax = || OverrideError::Syntax(spec.to_owned());
+    let (index, rest) = spec.split_once(':').ok_or_else(syntax)?;
+    let index: usize = index.trim().parse().map_err(|_| syntax())?;
+    let mut over = PodOverride::default();
+    for pair in rest.split(',').filter(|p| !p.trim().is_empty()) {
+        let (key, value) = pair.split_once('=').ok_or_else(syntax)?;
+        let (key, value) = (key.trim(), value.trim());
+        let bad = || OverrideError::Value {
+            spec: spec.to_owned(),
+            key: key.to_owned(),
+        };
+        match key {
+            "blocks" => over.num_gpu_blocks = Some(value.parse().map_err(|_| bad())?),
+            "max-num-seqs" => over.max_num_seqs = Some(value.parse().map_err(|_| bad())?),
+            "slowdown" => over.slowdown = Some(value.parse().map_err(|_| bad())?),
+            "drop" => over.drop_fraction = Some(value.parse().map_err(|_| bad())?),
+            "refuse" => over.refuse = value.parse().map_err(|_| bad())?,
+            "metrics" => {
+                over.metrics = Some(match value {
+                    "ok" => MetricsFault::Ok,
+                    "stall" => MetricsFault::Stall,
+                    "error" => MetricsFault::Error,
+                    _ => return Err(bad()),
+                })
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok((index, over))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_parse_and_reject_garbage() {
+        let (i, o) =
+            parse_override("3:blocks=128,slowdown=2.5,metrics=stall,refuse=true").expect("parses");
+        assert_eq!(i, 3);
+        assert_eq!(o.num_gpu_blocks, Some(128));
+        assert_eq!(o.slowdown, Some(2.5));
+        assert_eq!(o.metrics, Some(MetricsFault::Stall));
+        assert!(o.refuse);
+        for bad in ["x:blocks=1", "1", "1:blocks", "1:color=red", "1:blocks=-4"] {
+            assert!(parse_override(bad).is_err(), "{bad}");
+        }
+    }
+}
