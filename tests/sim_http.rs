@@ -1,5 +1,5 @@
 //! The simulator's HTTP surface through real HTTP on 127.0.0.1 (hyper client), with the real
-//! tokenizer, plus its KV events through a real ZMQ SUB: the fixture's own request bodies give
+//! tokenizer, plus its KV events through real ZMQ sockets: the fixture's own request bodies give
 //! the same token counts and the same event payload as the real vLLM engine.
 
 use std::path::PathBuf;
@@ -93,21 +93,7 @@ async fn completions_chat_and_tokenize_match_the_real_engine() {
     let pod = &pods[0];
     let requests = fixture_requests();
 
-    // The first fixture request (completion) and its KV event, through a real SUB.
-    let mut sub = SubSocket::new();
-    sub.connect(
-        pod.pod
-            .publisher
-            .as_ref()
-            .expect("events")
-            .endpoint
-            .as_str(),
-    )
-    .await
-    .expect("connect");
-    sub.subscribe("").await.expect("subscribe");
-    tokio::time::sleep(Duration::from_millis(200)).await; // SUB handshake (bounded)
-
+    // The first fixture request (completion); its KV event is read back below.
     let (status, body) = post(pod, "/v1/completions", &requests[0]["body"]).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["usage"]["prompt_tokens"], 483);
@@ -116,13 +102,29 @@ async fn completions_chat_and_tokenize_match_the_real_engine() {
     assert_eq!(body["object"], "text_completion");
     assert_eq!(body["choices"][0]["finish_reason"], "length");
 
-    let msg = tokio::time::timeout(Duration::from_secs(5), sub.recv())
-        .await
-        .expect("event in time")
-        .expect("recv")
-        .into_vec();
-    assert_eq!(msg[0].as_ref(), format!("kv@{}@tiny", pod.http).as_bytes());
-    assert_eq!(msg[1].as_ref(), 0u64.to_be_bytes());
+    // Read it back through the replay socket (a real DEALER): deterministic, unlike a SUB
+    // that may join late, and byte-identical to the live message.
+    let msg = {
+        use zeromq::{DealerSocket, SocketSend, ZmqMessage};
+        let publisher = pod.pod.publisher.as_ref().expect("events");
+        let mut dealer = DealerSocket::new();
+        dealer
+            .connect(publisher.replay_endpoint.as_deref().expect("replay"))
+            .await
+            .expect("dealer");
+        let req = ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&0u64.to_be_bytes()),
+        ])
+        .expect("frames");
+        dealer.send(req).await.expect("send");
+        let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+            .await
+            .expect("replay in time")
+            .expect("recv")
+            .into_vec();
+        reply[1..].to_vec()
+    };
     let ours = EventBatch::decode(&msg[2]).expect("decodes");
     let real = std::fs::read(fixtures().join("0000.msgpack")).expect("fixture");
     let mut theirs = EventBatch::decode(&real).expect("decodes");
@@ -390,4 +392,97 @@ async fn lora_adapters_get_their_own_cache_and_info_metric() {
         metrics.contains("vllm:lora_requests_info{max_lora=\"2\""),
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_faults_drop_events_and_restart_the_pod() {
+    use zeromq::{DealerSocket, SocketSend, ZmqMessage};
+    let pods = fleet(1, 0).await;
+    let pod = &pods[0];
+    let publisher = pod.pod.publisher.as_ref().expect("events");
+    let mut sub = SubSocket::new();
+    sub.connect(publisher.endpoint.as_str())
+        .await
+        .expect("connect");
+    sub.subscribe("").await.expect("subscribe");
+    // Probe until the SUB is connected (bounded): each probe is a fresh prompt.
+    let mut probe = 0;
+    loop {
+        probe += 1;
+        assert!(probe < 100, "SUB never connected");
+        let body = json!({"prompt": format!("probe {probe} ").repeat(20), "max_tokens": 1});
+        post(pod, "/v1/completions", &body).await;
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            break;
+        }
+    }
+    // Every batch of the probes was queued before their responses: this is the next seq.
+    let next_seq = publisher.next_seq().await.expect("publisher running");
+
+    // Drop every event of one request, then let the next through: the SUB sees a gap.
+    let doc = |tag: &str| json!({"prompt": format!("{tag} document ").repeat(30), "max_tokens": 1});
+    let (status, _) = post(pod, "/admin/faults", &json!({"drop_fraction": 1.0})).await;
+    assert_eq!(status, 200);
+    post(pod, "/v1/completions", &doc("missed")).await;
+    post(pod, "/admin/faults", &json!({"drop_fraction": 0.0})).await;
+    post(pod, "/v1/completions", &doc("seen")).await;
+    let seen = loop {
+        let f = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("in time")
+            .expect("recv")
+            .into_vec();
+        let s = u64::from_be_bytes(f[1].as_ref().try_into().expect("seq"));
+        if s >= next_seq {
+            break s;
+        }
+    };
+    assert!(
+        seen > next_seq,
+        "gap: expected seq {next_seq} to be missing, got {seen}"
+    );
+
+    // Replay fills the gap with the dropped batch.
+    let mut dealer = DealerSocket::new();
+    dealer
+        .connect(publisher.replay_endpoint.as_deref().expect("replay"))
+        .await
+        .expect("dealer");
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&next_seq.to_be_bytes()),
+    ])
+    .expect("frames");
+    dealer.send(req).await.expect("send");
+    let first = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+        .await
+        .expect("in time")
+        .expect("recv")
+        .into_vec();
+    assert_eq!(
+        u64::from_be_bytes(first[2].as_ref().try_into().expect("seq")),
+        next_seq
+    );
+    let missed = EventBatch::decode(&first[3]).expect("payload");
+    assert!(!missed.events.is_empty());
+
+    // Restart: seq back to 0, cache cleared.
+    let (_, again) = post(pod, "/v1/completions", &doc("seen")).await;
+    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+    let (status, _) = post(pod, "/admin/faults", &json!({"restart": true})).await;
+    assert_eq!(status, 200);
+    let (_, after) = post(pod, "/v1/completions", &doc("seen")).await;
+    assert_eq!(after["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let seq = loop {
+        let f = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("in time")
+            .expect("recv")
+            .into_vec();
+        let s = u64::from_be_bytes(f[1].as_ref().try_into().expect("seq"));
+        if s < seen {
+            break s;
+        }
+    };
+    assert_eq!(seq, 0, "seq restarts at 0 after a restart");
 }

@@ -259,6 +259,14 @@ impl Engine {
         &self.cfg
     }
 
+    /// The longest request (prompt + output) this engine accepts: `max_model_len`, capped by
+    /// what the KV cache can hold (vLLM refuses to start otherwise).
+    pub fn max_request_tokens(cfg: &EngineConfig) -> usize {
+        let usable = cfg.num_gpu_blocks.max(2) - 1;
+        cfg.max_model_len
+            .min(usable.saturating_mul(cfg.block_size.max(1)))
+    }
+
     /// Queues a request.
     pub fn add_request(&mut self, req: SimRequest) -> Result<RequestId, AdmitError> {
         let prompt = req.prompt.len();
@@ -269,8 +277,7 @@ impl Engine {
             return Err(AdmitError::LoraDisabled);
         }
         let requested = prompt.saturating_add(req.max_tokens);
-        let cache_tokens = self.pool.capacity() * self.cfg.block_size;
-        let max = self.cfg.max_model_len.min(cache_tokens);
+        let max = Self::max_request_tokens(&self.cfg);
         if requested > max {
             return Err(AdmitError::TooLong {
                 max,
@@ -692,7 +699,10 @@ impl Engine {
             }
         }
         if let (Some(count), Some(seq)) = (report, self.seqs.get(&id)) {
-            let hashes = seq.digests[..count]
+            let hashes = seq
+                .digests
+                .get(..count)
+                .unwrap_or_default()
                 .iter()
                 .map(|d| self.engine_hash(d))
                 .collect();

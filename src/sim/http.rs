@@ -24,7 +24,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::engine::{SimRequest, TokenOut};
+use super::engine::{Engine, SimRequest, TokenOut};
 use super::pod::{MetricsFault, Pod, SubmitError};
 use super::tokenizer::{PromptError, SimTokenizer};
 
@@ -122,7 +122,7 @@ fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
 }
 
 async fn models(State(api): State<Arc<PodApi>>) -> Response {
-    let max_len = api.pod.engine.max_model_len;
+    let max_len = Engine::max_request_tokens(&api.pod.engine);
     axum::Json(json!({"object": "list", "data": [{
         "id": api.pod.model, "object": "model", "created": now_secs(), "owned_by": "vllm",
         "root": api.pod.model, "parent": null, "max_model_len": max_len, "permission": [],
@@ -382,10 +382,7 @@ async fn chat_completions(
     let body = parse_body(&body)?;
     let c = common(&api, &body, true)?;
     let ids = chat_ids(&api, &body)?;
-    let room = api
-        .pod
-        .engine
-        .max_model_len
+    let room = Engine::max_request_tokens(&api.pod.engine)
         .saturating_sub(ids.len())
         .max(1);
     let max_tokens = c.max_tokens.unwrap_or(room);
@@ -442,7 +439,7 @@ async fn tokenize(State(api): State<Arc<PodApi>>, body: Bytes) -> Result<Respons
         }
     };
     Ok(axum::Json(json!({
-        "count": ids.len(), "max_model_len": api.pod.engine.max_model_len,
+        "count": ids.len(), "max_model_len": Engine::max_request_tokens(&api.pod.engine),
         "tokens": ids, "token_strs": null,
     }))
     .into_response())
