@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 
 use kvpick::sim::engine::{Engine, EngineConfig, SimRequest, StepOutput};
-use kvpick::sim::events::{EngineHash, KvEvent};
+use kvpick::sim::events::{EngineHash, EventBatch, EventLayout, KvEvent, event_keys};
 use kvpick::sim::hashing::HashAlgo;
 use serde_json::Value;
 
@@ -113,6 +113,7 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         "| i | label | prompt blocks | hit blocks real / sim | prompt blocks stored real / sim | blocks stored real / sim | removed real / sim |"
     );
     println!("|---|---|---|---|---|---|---|");
+    let mut sim_key_sets: HashSet<Vec<String>> = HashSet::new();
     let mut i = 0;
     let (mut same_prompt_sets, mut same_hits, mut compared) = (0, 0, 0);
     let (
@@ -162,6 +163,15 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         let mut steps = Vec::new();
         while engine.has_work() {
             steps.push(engine.step());
+        }
+        for step in steps.iter().filter(|s| !s.events.is_empty()) {
+            let payload = EventBatch {
+                ts: 0.0,
+                events: step.events.clone(),
+                data_parallel_rank: Some(0),
+            }
+            .encode(EventLayout::Map);
+            sim_key_sets.extend(event_keys(&payload).expect("sim payload decodes"));
         }
         let hit_sim: usize = steps
             .iter()
@@ -226,6 +236,16 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
     println!(
         "requests (groups) compared {compared}: same prompt blocks announced {same_prompt_sets}, same hit blocks {same_hits}"
     );
+
+    // Every event shape the simulator emitted (key names, in wire order) is one the real
+    // engine emitted in this run, and every real shape was produced.
+    let mut real_key_sets: HashSet<Vec<String>> = HashSet::new();
+    for b in &batches {
+        for e in b["events"].as_array().expect("events") {
+            real_key_sets.insert(e.as_object().expect("map").keys().cloned().collect());
+        }
+    }
+    assert_eq!(sim_key_sets, real_key_sets, "event field sets");
 
     // What must agree: the prompt blocks each request announces and the hits it gets, for
     // every request or concurrent group; the queries counted; the hits to within 2%.

@@ -39,6 +39,7 @@ pub struct SimMetrics {
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
+    event_drops: IntCounter,
     last: Mutex<EngineStats>,
 }
 
@@ -145,7 +146,12 @@ impl SimMetrics {
             model,
             &TTFT_BUCKETS,
         ))?;
+        let event_drops = IntCounter::with_opts(Opts::new(
+            "kvpick_sim_kv_event_batches_dropped_total",
+            "KV-event batches dropped because the publisher queue was full (simulator only).",
+        ))?;
         for c in [
+            &event_drops,
             &prefix_queries,
             &prefix_hits,
             &preemptions,
@@ -174,6 +180,7 @@ impl SimMetrics {
             ttft,
             itl,
             e2e,
+            event_drops,
             last: Mutex::new(EngineStats::default()),
         })
     }
@@ -211,6 +218,11 @@ impl SimMetrics {
     pub fn add_tokens(&self, prompt: usize, generated: usize) {
         self.prompt_tokens.inc_by(prompt as u64);
         self.generation_tokens.inc_by(generated as u64);
+    }
+
+    /// Counts a KV-event batch the publisher queue could not take.
+    pub fn event_batch_dropped(&self) {
+        self.event_drops.inc();
     }
 
     /// Records a time to first token.

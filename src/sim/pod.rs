@@ -391,12 +391,14 @@ impl Driver {
         if events.is_empty() {
             return;
         }
-        if let Some(publisher) = &self.publisher {
-            publisher.publish(EventBatch {
+        if let Some(publisher) = &self.publisher
+            && !publisher.publish(EventBatch {
                 ts: unix_now(),
                 events,
                 data_parallel_rank: Some(0),
-            });
+            })
+        {
+            self.metrics.event_batch_dropped();
         }
     }
 
