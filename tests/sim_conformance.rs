@@ -193,9 +193,7 @@ fn replayed_payloads_reencode_identically() {
 }
 
 /// The simulator tokenizes every captured prompt (completions and chat, through the real
-/// template) to the ids vLLM's `/tokenize` returned. Requests carrying `tools` are out of scope
-/// (tool normalisation and key-ordered `tojson` need minijinja's `preserve_order`; see
-/// docs/simulator.md).
+/// template, tools and tool calls included) to the ids vLLM's `/tokenize` returned.
 #[test]
 fn prompts_tokenize_to_the_real_engines_ids() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer");
@@ -205,9 +203,6 @@ fn prompts_tokenize_to_the_real_engines_ids() {
     for request in jsonl(fixtures().join("vllm-0.32-kv-events/requests.jsonl")) {
         let expected = token_ids(&request);
         let body = &request["body"];
-        if body.get("tools").is_some() || body["messages"].to_string().contains("tool_calls") {
-            continue;
-        }
         let ours = if let Some(prompt) = body["prompt"].as_str() {
             tok.encode_prompt(prompt).expect("encode")
         } else {
@@ -226,6 +221,6 @@ fn prompts_tokenize_to_the_real_engines_ids() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 22);
+    assert_eq!(checked, 24);
     assert!(mismatched.is_empty(), "mismatched: {mismatched:?}");
 }

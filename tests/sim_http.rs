@@ -149,12 +149,8 @@ async fn completions_chat_and_tokenize_match_the_real_engine() {
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
 
-    // /tokenize equals vLLM's answer for every non-tool fixture request.
-    for r in requests
-        .iter()
-        .filter(|r| r["body"].get("tools").is_none())
-        .take(6)
-    {
+    // /tokenize equals vLLM's answer for every fixture request (tools included).
+    for r in &requests {
         let (status, body) = post(pod, "/tokenize", &r["tokenize_request"]).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["tokens"], r["prompt_token_ids"], "{}", r["label"]);
@@ -287,6 +283,10 @@ async fn hostile_input_gets_vllm_style_errors() {
             r#"{"model":"tiny","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
         ),
         ("/tokenize", r#"{"prompt":[1,2]}"#),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        ),
     ] {
         let (status, text) = call(pod, "POST", path, Some(body.to_owned())).await;
         assert_eq!(status, 400, "{path} {body}: {text}");

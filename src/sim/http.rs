@@ -381,7 +381,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let c = common(&api, &body, true)?;
-    let ids = chat_ids(&api, &body)?;
+    let ids = chat_ids(&api, &body, true)?;
     let room = Engine::max_request_tokens(&api.pod.engine)
         .saturating_sub(ids.len())
         .max(1);
@@ -389,7 +389,13 @@ async fn chat_completions(
     run(api, c, vec![ids], max_tokens, true).await
 }
 
-fn chat_ids(api: &PodApi, body: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+/// `tool_choice_applies` is false for `/tokenize`, which has no `tool_choice` and always passes
+/// the tools to the template (as vLLM's does).
+fn chat_ids(
+    api: &PodApi,
+    body: &Map<String, Value>,
+    tool_choice_applies: bool,
+) -> Result<Vec<u32>, ApiError> {
     let messages = body
         .get("messages")
         .and_then(Value::as_array)
@@ -401,7 +407,7 @@ fn chat_ids(api: &PodApi, body: &Map<String, Value>) -> Result<Vec<u32>, ApiErro
         .is_some_and(|t| !t.is_empty());
     let choice = body.get("tool_choice").filter(|c| !c.is_null());
     // vLLM without a tool parser: tools need an explicit non-"auto" tool_choice.
-    if has_tools && choice.is_none_or(|c| c.as_str() == Some("auto")) {
+    if tool_choice_applies && has_tools && choice.is_none_or(|c| c.as_str() == Some("auto")) {
         return Err(ApiError::bad(
             "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
         ));
@@ -427,7 +433,7 @@ fn chat_ids(api: &PodApi, body: &Map<String, Value>) -> Result<Vec<u32>, ApiErro
 async fn tokenize(State(api): State<Arc<PodApi>>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let ids = if body.contains_key("messages") {
-        chat_ids(&api, &body)?
+        chat_ids(&api, &body, false)?
     } else {
         match body.get("prompt") {
             Some(Value::String(s)) => api.tokenizer.encode_prompt(s)?,

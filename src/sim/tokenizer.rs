@@ -11,7 +11,9 @@
 //! Immutable after load; shared across pods behind an `Arc`.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use minijinja::value::{Enumerator, Object};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as JinjaValue};
 use serde_json::{Map, Value};
 
@@ -132,6 +134,67 @@ fn write_python_json(value: &Value, out: &mut String) {
         }
         other => out.push_str(&other.to_string()),
     }
+}
+
+/// A JSON object handed to the template with its key order kept (minijinja's own maps sort
+/// keys unless its `preserve_order` feature is on), so `tojson` prints keys as Python would.
+#[derive(Debug)]
+struct OrderedMap(Vec<(String, JinjaValue)>);
+
+impl Object for OrderedMap {
+    fn get_value(self: &Arc<Self>, key: &JinjaValue) -> Option<JinjaValue> {
+        let key = key.as_str()?;
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(
+            self.0
+                .iter()
+                .map(|(k, _)| JinjaValue::from(k.as_str()))
+                .collect(),
+        )
+    }
+}
+
+/// Converts JSON into template values, objects as [`OrderedMap`]s.
+fn to_jinja(value: &Value) -> JinjaValue {
+    match value {
+        Value::Object(map) => JinjaValue::from_object(OrderedMap(
+            map.iter().map(|(k, v)| (k.clone(), to_jinja(v))).collect(),
+        )),
+        Value::Array(items) => JinjaValue::from(items.iter().map(to_jinja).collect::<Vec<_>>()),
+        other => JinjaValue::from_serialize(other),
+    }
+}
+
+/// vLLM's tool normalisation: `{type, function: {name, description, parameters}}`, missing
+/// fields as null, unknown keys dropped.
+fn normalize_tools(tools: &Value) -> Value {
+    let Value::Array(tools) = tools else {
+        return tools.clone();
+    };
+    let field =
+        |v: Option<&Value>, k: &str| v.and_then(|v| v.get(k)).cloned().unwrap_or(Value::Null);
+    Value::Array(
+        tools
+            .iter()
+            .map(|t| {
+                let f = t.get("function");
+                serde_json::json!({
+                    "type": field(Some(t), "type"),
+                    "function": {
+                        "name": field(f, "name"),
+                        "description": field(f, "description"),
+                        "parameters": field(f, "parameters"),
+                    },
+                })
+            })
+            .collect(),
+    )
 }
 
 fn tojson_filter(value: JinjaValue) -> Result<JinjaValue, JinjaError> {
@@ -312,7 +375,10 @@ impl SimTokenizer {
             "add_generation_prompt".into(),
             Value::Bool(add_generation_prompt && !continue_final_message),
         );
-        ctx.insert("tools".into(), tools.cloned().unwrap_or(Value::Null));
+        ctx.insert(
+            "tools".into(),
+            tools.map(normalize_tools).unwrap_or(Value::Null),
+        );
         ctx.insert(
             "bos_token".into(),
             self.bos_token.clone().map_or(Value::Null, Value::String),
@@ -322,7 +388,7 @@ impl SimTokenizer {
             self.eos_token.clone().map_or(Value::Null, Value::String),
         );
         let rendered = template
-            .render(JinjaValue::from_serialize(Value::Object(ctx)))
+            .render(to_jinja(&Value::Object(ctx)))
             .map_err(|e| {
                 let mut msg = e
                     .detail()
