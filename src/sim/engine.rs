@@ -14,6 +14,9 @@
 //! The core never reads a clock: `step` returns how long the iteration takes under the cost
 //! model, and the async driver (`pod.rs`) sleeps that long on tokio's clock. Tests run it
 //! synchronously or under paused time. Owned by one task; no locking.
+//!
+//! NOTE: the waiting queue is unbounded, as vLLM's is; what bounds it is the number of open
+//! HTTP requests (each waiting request belongs to one) and `max_request_tokens` per request.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
