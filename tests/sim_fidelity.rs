@@ -31,6 +31,8 @@ struct Tally {
     stored_blocks: usize,
     stored_events: usize,
     removed: usize,
+    /// Removed hashes that are some request's prompt block, in order.
+    removed_known: Vec<u64>,
 }
 
 fn int(h: &EngineHash) -> u64 {
@@ -40,7 +42,7 @@ fn int(h: &EngineHash) -> u64 {
     }
 }
 
-fn tally_ours(steps: &[StepOutput], prompt_hashes: &HashSet<u64>) -> Tally {
+fn tally_ours(steps: &[StepOutput], prompt_hashes: &HashSet<u64>, known: &HashSet<u64>) -> Tally {
     let mut t = Tally::default();
     for e in steps.iter().flat_map(|s| &s.events) {
         match e {
@@ -54,14 +56,23 @@ fn tally_ours(steps: &[StepOutput], prompt_hashes: &HashSet<u64>) -> Tally {
                         .filter(|h| prompt_hashes.contains(h)),
                 );
             }
-            KvEvent::BlockRemoved { .. } => t.removed += 1,
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                t.removed += block_hashes.len();
+                t.removed_known
+                    .extend(block_hashes.iter().map(int).filter(|h| known.contains(h)));
+            }
             KvEvent::AllBlocksCleared => {}
         }
     }
     t
 }
 
-fn tally_real(batches: &[Value], indices: &[u64], prompt_hashes: &HashSet<u64>) -> Tally {
+fn tally_real(
+    batches: &[Value],
+    indices: &[u64],
+    prompt_hashes: &HashSet<u64>,
+    known: &HashSet<u64>,
+) -> Tally {
     let mut t = Tally::default();
     for b in batches
         .iter()
@@ -79,12 +90,33 @@ fn tally_real(batches: &[Value], indices: &[u64], prompt_hashes: &HashSet<u64>) 
                     t.stored_prompt_blocks
                         .extend(hashes.into_iter().filter(|h| prompt_hashes.contains(h)));
                 }
-                Some("BlockRemoved") => t.removed += hashes.len(),
+                Some("BlockRemoved") => {
+                    t.removed += hashes.len();
+                    t.removed_known
+                        .extend(hashes.into_iter().filter(|h| known.contains(h)));
+                }
                 _ => {}
             }
         }
     }
     t
+}
+
+/// Position of the first real `BlockStored` event that announces `request`'s first block.
+fn first_announcement(batches: &[Value], request: &Value) -> usize {
+    let first = request["prompt_block_hashes"][0]
+        .as_str()
+        .unwrap_or_default();
+    batches
+        .iter()
+        .flat_map(|b| b["events"].as_array().cloned().unwrap_or_default())
+        .position(|e| {
+            e["type"] == "BlockStored"
+                && e["block_hashes"]
+                    .as_array()
+                    .is_some_and(|h| h.iter().any(|h| h.as_str() == Some(first)))
+        })
+        .unwrap_or(usize::MAX)
 }
 
 fn metric(text: &str, name: &str) -> u64 {
@@ -114,6 +146,17 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
     );
     println!("|---|---|---|---|---|---|---|");
     let mut sim_key_sets: HashSet<Vec<String>> = HashSet::new();
+    let known: HashSet<u64> = requests
+        .iter()
+        .flat_map(|r| {
+            r["prompt_block_hashes"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|h| h.as_str()?.parse().ok())
+        .collect();
+    let (mut same_removed, mut known_evictions) = (0, 0);
     let mut i = 0;
     let (mut same_prompt_sets, mut same_hits, mut compared) = (0, 0, 0);
     let (
@@ -124,7 +167,7 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
     ) = (0, 0, 0, 0);
     while i < requests.len() {
         // Requests flagged concurrent ran together: submit the group, then run it.
-        let group: Vec<&Value> = if requests[i]["concurrent"].as_bool() == Some(true) {
+        let mut group: Vec<&Value> = if requests[i]["concurrent"].as_bool() == Some(true) {
             requests[i..]
                 .iter()
                 .take_while(|r| r["concurrent"].as_bool() == Some(true))
@@ -132,6 +175,10 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         } else {
             vec![&requests[i]]
         };
+        // Concurrent requests reached the real engine in an order the client did not control
+        // (its API server tokenizes them concurrently): submit them in the order the engine
+        // announced their first blocks, i.e. the order it admitted them.
+        group.sort_by_key(|r| first_announcement(&batches, r));
         let mut prompt_hashes = HashSet::new();
         let mut prompt_blocks = 0;
         for r in &group {
@@ -184,8 +231,15 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
             .flat_map(|r| r["event_indices"].as_array().cloned().unwrap_or_default())
             .filter_map(|v| v.as_u64())
             .collect();
-        let real = tally_real(&batches, &indices, &prompt_hashes);
-        let ours = tally_ours(&steps, &prompt_hashes);
+        let real = tally_real(&batches, &indices, &prompt_hashes, &known);
+        let ours = tally_ours(&steps, &prompt_hashes, &known);
+        same_removed += usize::from(real.removed == ours.removed);
+        // The exact eviction order of prompt blocks agrees too.
+        assert_eq!(
+            real.removed_known, ours.removed_known,
+            "eviction order at request {i}"
+        );
+        known_evictions += real.removed_known.len();
         // Real hits: prompt blocks that the request did not have to store (full-report
         // requests re-announce their hits, so count those from the sim's own definition).
         let full_report = group.iter().any(|r| r["body"]["vllm_xargs"].is_object());
@@ -234,7 +288,7 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         stats.prefix_queries, stats.prefix_hits
     );
     println!(
-        "requests (groups) compared {compared}: same prompt blocks announced {same_prompt_sets}, same hit blocks {same_hits}"
+        "requests (groups) compared {compared}: same prompt blocks announced {same_prompt_sets}, same hit blocks {same_hits}, same evictions {same_removed}; prompt-block evictions compared in order: {known_evictions}"
     );
 
     // Every event shape the simulator emitted (key names, in wire order) is one the real
@@ -265,12 +319,9 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         stored_diff < 0.05,
         "stored real {real_stored_total} sim {sim_stored_total}"
     );
-    // Evictions: within 3% (the order of unhashed partial blocks in the free queue differs
-    // slightly, see docs/simulator.md).
-    let removed_diff =
-        (sim_removed_total as f64 - real_removed_total as f64).abs() / real_removed_total as f64;
-    assert!(
-        removed_diff < 0.03,
-        "removed real {real_removed_total} sim {sim_removed_total}"
-    );
+    // Evictions: the same count for every request/group, and (checked above) the same prompt
+    // blocks evicted in the same order for every sequential request.
+    assert_eq!(same_removed, compared, "removed per request");
+    assert_eq!(sim_removed_total, real_removed_total);
+    assert!(known_evictions > 150, "{known_evictions}");
 }
