@@ -156,7 +156,7 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         })
         .filter_map(|h| h.as_str()?.parse().ok())
         .collect();
-    let (mut same_removed, mut known_evictions) = (0, 0);
+    let (mut same_removed, mut known_evictions, mut batch_checks) = (0, 0, 0);
     let mut i = 0;
     let (mut same_prompt_sets, mut same_hits, mut compared) = (0, 0, 0);
     let (
@@ -234,6 +234,12 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
         let real = tally_real(&batches, &indices, &prompt_hashes, &known);
         let ours = tally_ours(&steps, &prompt_hashes, &known);
         same_removed += usize::from(real.removed == ours.removed);
+        // A sequential request publishes as many batches (engine steps with events) as the real one.
+        let sim_batches = steps.iter().filter(|s| !s.events.is_empty()).count();
+        if group.len() == 1 {
+            assert_eq!(sim_batches, indices.len(), "batches of request {i}");
+            batch_checks += 1;
+        }
         // The exact eviction order of prompt blocks agrees too.
         assert_eq!(
             real.removed_known, ours.removed_known,
@@ -324,4 +330,5 @@ fn replaying_the_capture_matches_the_real_engine_where_comparable() {
     assert_eq!(same_removed, compared, "removed per request");
     assert_eq!(sim_removed_total, real_removed_total);
     assert!(known_evictions > 150, "{known_evictions}");
+    assert_eq!(batch_checks, compared - 1);
 }
