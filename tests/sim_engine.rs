@@ -431,3 +431,26 @@ mod paused_time {
         );
     }
 }
+
+#[test]
+fn reset_prefix_cache_clears_only_when_idle_and_announces_it() {
+    let mut engine = Engine::new(cfg(64));
+    let p = prompt(90, 64);
+    engine.add_request(req(p.clone(), 4)).expect("admit");
+    engine.step();
+    assert_eq!(
+        engine.reset_prefix_cache(),
+        None,
+        "blocks in use: refused, like vLLM"
+    );
+    run(&mut engine);
+    assert_eq!(engine.reset_prefix_cache(), Some(KvEvent::AllBlocksCleared));
+    assert_eq!(engine.stats().cached_blocks, 0);
+    engine.add_request(req(p, 1)).expect("admit");
+    let steps = run(&mut engine);
+    assert_eq!(steps[0].tokens[0].cached_tokens, 0);
+    assert!(
+        removed(&steps).is_empty(),
+        "cleared blocks are not removed again"
+    );
+}
