@@ -6,6 +6,11 @@
 //! metrics are what vLLM 0.32 sends on the wire (golden-tested against `../shared/fixtures/`).
 //! It is deliberately independent of `kvcache/` and `kvevents/`: it is the ground truth they are
 //! tested against.
+//!
+//! Layers, bottom up: [`hashing`] and [`events`] (wire formats), [`block_pool`] and [`engine`]
+//! (the deterministic, clock-free engine model), [`pod`] (one async task per pod driving the
+//! engine on tokio's clock), [`publisher`] (ZMQ PUB + replay), [`metrics`], [`tokenizer`],
+//! [`http`] (the OpenAI surface), [`fleet`] (many pods per process). See docs/simulator.md.
 
 pub mod block_pool;
 pub mod engine;
