@@ -1,0 +1,488 @@
+//! The simulator's HTTP surface through real HTTP on 127.0.0.1 (hyper client), with the real
+//! tokenizer, plus its KV events through real ZMQ sockets: the fixture's own request bodies give
+//! the same token counts and the same event payload as the real vLLM engine.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvpick::sim::engine::EngineConfig;
+use kvpick::sim::events::{EventBatch, EventLayout};
+use kvpick::sim::fleet::{FleetConfig, FleetPod, start_fleet};
+use kvpick::sim::hashing::HashAlgo;
+use kvpick::sim::tokenizer::SimTokenizer;
+use serde_json::{Value, json};
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/vllm-0.32-kv-events")
+}
+
+fn fixture_requests() -> Vec<Value> {
+    std::fs::read_to_string(fixtures().join("requests.jsonl"))
+        .expect("requests.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect()
+}
+
+async fn fleet(pods: usize, max_loras: usize) -> Vec<FleetPod> {
+    let tok =
+        SimTokenizer::load(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer"))
+            .expect("tokenizer");
+    start_fleet(
+        FleetConfig {
+            pods,
+            host: [127, 0, 0, 1].into(),
+            base_port: 0,
+            events_base_port: Some(0),
+            replay_base_port: Some(0),
+            model: "tiny".into(),
+            engine: EngineConfig {
+                block_size: 32,
+                num_gpu_blocks: 64,
+                max_num_seqs: 8,
+                max_model_len: 1536,
+                hash_algo: HashAlgo::Sha256,
+                max_loras,
+                ..EngineConfig::default()
+            },
+            time_scale: 0.0,
+            buffer_steps: 10_000,
+            layout: EventLayout::Map,
+            overrides: Vec::new(),
+        },
+        Arc::new(tok),
+    )
+    .await
+    .expect("fleet")
+}
+
+async fn call(pod: &FleetPod, method: &str, path: &str, body: Option<String>) -> (u16, String) {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{}{path}", pod.http))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .expect("request");
+    let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+        .await
+        .expect("in time")
+        .expect("response");
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+async fn post(pod: &FleetPod, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = call(pod, "POST", path, Some(body.to_string())).await;
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_chat_and_tokenize_match_the_real_engine() {
+    let pods = fleet(1, 0).await;
+    let pod = &pods[0];
+    let requests = fixture_requests();
+
+    // The first fixture request (completion); its KV event is read back below.
+    let (status, body) = post(pod, "/v1/completions", &requests[0]["body"]).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens"], 483);
+    assert_eq!(body["usage"]["completion_tokens"], 16);
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+
+    // Read it back through the replay socket (a real DEALER): deterministic, unlike a SUB
+    // that may join late, and byte-identical to the live message.
+    let msg = {
+        use zeromq::{DealerSocket, SocketSend, ZmqMessage};
+        let publisher = pod.pod.publisher.as_ref().expect("events");
+        let mut dealer = DealerSocket::new();
+        dealer
+            .connect(publisher.replay_endpoint.as_deref().expect("replay"))
+            .await
+            .expect("dealer");
+        let req = ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&0u64.to_be_bytes()),
+        ])
+        .expect("frames");
+        dealer.send(req).await.expect("send");
+        let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+            .await
+            .expect("replay in time")
+            .expect("recv")
+            .into_vec();
+        reply[1..].to_vec()
+    };
+    let ours = EventBatch::decode(&msg[2]).expect("decodes");
+    let real = std::fs::read(fixtures().join("0000.msgpack")).expect("fixture");
+    let mut theirs = EventBatch::decode(&real).expect("decodes");
+    theirs.ts = ours.ts;
+    assert_eq!(ours, theirs, "the same event as the real engine, ts aside");
+    assert_eq!(
+        ours.encode(EventLayout::Map),
+        theirs.encode(EventLayout::Map)
+    );
+
+    // The repeat is a full prefix hit (comp-doc-q1-repeat: no event at all).
+    let (_, body) = post(pod, "/v1/completions", &requests[0]["body"]).await;
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 480);
+
+    // Chat, non-streaming: chat-billing.
+    let (status, body) = post(pod, "/v1/chat/completions", &requests[2]["body"]).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        requests[2]["usage"]["prompt_tokens"]
+    );
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+
+    // /tokenize equals vLLM's answer for every fixture request (tools included).
+    for r in &requests {
+        let (status, body) = post(pod, "/tokenize", &r["tokenize_request"]).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["tokens"], r["prompt_token_ids"], "{}", r["label"]);
+        assert_eq!(body["count"], r["prompt_token_count"]);
+    }
+
+    // Token-id prompts and lists of strings.
+    let (status, body) = post(
+        pod,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["usage"]["prompt_tokens"].clone()),
+        (200, json!(3))
+    );
+    let (status, body) = post(
+        pod,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": ["hello", "hello world"], "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["choices"].as_array().map(Vec::len), Some(2));
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_sends_sse_chunks_usage_and_done() {
+    let pods = fleet(1, 0).await;
+    let requests = fixture_requests();
+    // chat-password-stream: 48 tokens, include_usage.
+    let (status, text) = call(
+        &pods[0],
+        "POST",
+        "/v1/chat/completions",
+        Some(requests[3]["body"].to_string()),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("data: prefix"))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["delta"].get("content").is_some())
+        .count();
+    assert_eq!(content, 1 + 48);
+    let usage = &chunks.last().expect("usage chunk")["usage"];
+    assert_eq!(
+        usage["prompt_tokens"],
+        requests[3]["usage"]["prompt_tokens"]
+    );
+    assert_eq!(usage["completion_tokens"], 48);
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "length"
+    );
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+
+    // Completions streaming (comp-doc-q2-stream): 16 token chunks + usage = the real 17.
+    let (_, text) = call(
+        &pods[0],
+        "POST",
+        "/v1/completions",
+        Some(requests[1]["body"].to_string()),
+    )
+    .await;
+    let n = text.split("\n\n").filter(|e| !e.is_empty()).count();
+    assert_eq!(
+        n - 1,
+        requests[1]["sse_chunks"].as_u64().expect("count") as usize
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_input_gets_vllm_style_errors() {
+    let pods = fleet(1, 0).await;
+    let pod = &pods[0];
+    for (path, body) in [
+        ("/v1/completions", "{not json"),
+        ("/v1/completions", "[]"),
+        ("/v1/completions", r#"{"model":"tiny"}"#),
+        ("/v1/completions", r#"{"model":"tiny","prompt":""}"#),
+        ("/v1/completions", r#"{"model":"tiny","prompt":[]}"#),
+        ("/v1/completions", r#"{"model":"tiny","prompt":[-1]}"#),
+        (
+            "/v1/completions",
+            r#"{"model":"tiny","prompt":[99999999999]}"#,
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"tiny","prompt":"x","max_tokens":-3}"#,
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"tiny","prompt":"x","max_tokens":100000}"#,
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"tiny","prompt":"x","stream":"yes"}"#,
+        ),
+        ("/v1/completions", r#"{"model":7,"prompt":"x"}"#),
+        ("/v1/completions", r#"{"model":"tiny","prompt":{"a":1}}"#),
+        ("/v1/chat/completions", r#"{"model":"tiny","messages":[]}"#),
+        ("/v1/chat/completions", r#"{"model":"tiny","messages":[1]}"#),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"tiny","messages":[{"content":"x"}]}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"tiny","messages":[{"role":"user","content":"a"},{"role":"system","content":"late"}]}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"tiny","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+        ),
+        ("/tokenize", r#"{"prompt":[1,2]}"#),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        ),
+    ] {
+        let (status, text) = call(pod, "POST", path, Some(body.to_owned())).await;
+        assert_eq!(status, 400, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).expect("json error");
+        assert_eq!(v["error"]["type"], "BadRequestError", "{text}");
+        assert_eq!(v["error"]["code"], 400);
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    let (status, text) = call(
+        pod,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"model":"nope","prompt":"x"}"#.into()),
+    )
+    .await;
+    assert_eq!(status, 404, "{text}");
+    let (status, _) = call(pod, "GET", "/health", None).await;
+    assert_eq!(status, 200);
+    let (status, text) = call(pod, "GET", "/v1/models", None).await;
+    assert_eq!(status, 200);
+    assert!(text.contains("\"id\":\"tiny\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_every_design_name_the_real_engine_carries() {
+    let pods = fleet(2, 0).await;
+    let (status, ours) = call(&pods[1], "GET", "/metrics", None).await;
+    assert_eq!(status, 200);
+    let design = [
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:lora_requests_info",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+    ];
+    let mut carried = 0;
+    for file in ["metrics-idle.txt", "metrics-load.txt", "metrics-final.txt"] {
+        let real = std::fs::read_to_string(fixtures().join(file)).expect("metrics fixture");
+        for name in design {
+            let in_real = real.lines().any(|l| l.starts_with(&format!("{name}{{")));
+            if in_real {
+                carried += 1;
+                assert!(
+                    ours.lines().any(|l| l.starts_with(&format!("{name}{{"))),
+                    "{name} missing"
+                );
+            }
+        }
+    }
+    assert!(carried >= 3 * 8, "{carried}");
+    assert!(ours.contains("block_size=\"32\"") && ours.contains("num_gpu_blocks=\"64\""));
+
+    // Faults: broken and refused.
+    let (status, _) = call(
+        &pods[1],
+        "POST",
+        "/admin/faults",
+        Some(r#"{"metrics":"error","refuse":true}"#.into()),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(call(&pods[1], "GET", "/metrics", None).await.0, 500);
+    let (status, _) = call(
+        &pods[1],
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt":"x"}"#.into()),
+    )
+    .await;
+    assert_eq!(status, 503);
+    // Pod 0 is unaffected.
+    assert_eq!(call(&pods[0], "GET", "/metrics", None).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_adapters_get_their_own_cache_and_info_metric() {
+    let pods = fleet(1, 2).await;
+    let pod = &pods[0];
+    let body = |model: &str| json!({"model": model, "prompt": "shared prefix ".repeat(40), "max_tokens": 2});
+    let (status, first) = post(pod, "/v1/completions", &body("adapter-a")).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["model"], "adapter-a");
+    let (_, again) = post(pod, "/v1/completions", &body("adapter-a")).await;
+    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+    let (_, other) = post(pod, "/v1/completions", &body("adapter-b")).await;
+    assert_eq!(
+        other["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "LoRA name enters the hash"
+    );
+    let (_, base) = post(pod, "/v1/completions", &body("tiny")).await;
+    assert_eq!(base["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, metrics) = call(pod, "GET", "/metrics", None).await;
+    assert!(
+        metrics.contains("vllm:lora_requests_info{max_lora=\"2\""),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_faults_drop_events_and_restart_the_pod() {
+    use zeromq::{DealerSocket, SocketSend, ZmqMessage};
+    let pods = fleet(1, 0).await;
+    let pod = &pods[0];
+    let publisher = pod.pod.publisher.as_ref().expect("events");
+    let mut sub = SubSocket::new();
+    sub.connect(publisher.endpoint.as_str())
+        .await
+        .expect("connect");
+    sub.subscribe("").await.expect("subscribe");
+    // Probe until the SUB is connected (bounded): each probe is a fresh prompt.
+    let mut probe = 0;
+    loop {
+        probe += 1;
+        assert!(probe < 100, "SUB never connected");
+        let body = json!({"prompt": format!("probe {probe} ").repeat(20), "max_tokens": 1});
+        post(pod, "/v1/completions", &body).await;
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            break;
+        }
+    }
+    // Every batch of the probes was queued before their responses: this is the next seq.
+    let next_seq = publisher.next_seq().await.expect("publisher running");
+
+    // Drop every event of one request, then let the next through: the SUB sees a gap.
+    let doc = |tag: &str| json!({"prompt": format!("{tag} document ").repeat(30), "max_tokens": 1});
+    let (status, _) = post(pod, "/admin/faults", &json!({"drop_fraction": 1.0})).await;
+    assert_eq!(status, 200);
+    post(pod, "/v1/completions", &doc("missed")).await;
+    post(pod, "/admin/faults", &json!({"drop_fraction": 0.0})).await;
+    post(pod, "/v1/completions", &doc("seen")).await;
+    let seen = loop {
+        let f = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("in time")
+            .expect("recv")
+            .into_vec();
+        let s = u64::from_be_bytes(f[1].as_ref().try_into().expect("seq"));
+        if s >= next_seq {
+            break s;
+        }
+    };
+    assert!(
+        seen > next_seq,
+        "gap: expected seq {next_seq} to be missing, got {seen}"
+    );
+
+    // Replay fills the gap with the dropped batch.
+    let mut dealer = DealerSocket::new();
+    dealer
+        .connect(publisher.replay_endpoint.as_deref().expect("replay"))
+        .await
+        .expect("dealer");
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&next_seq.to_be_bytes()),
+    ])
+    .expect("frames");
+    dealer.send(req).await.expect("send");
+    let first = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+        .await
+        .expect("in time")
+        .expect("recv")
+        .into_vec();
+    assert_eq!(
+        u64::from_be_bytes(first[2].as_ref().try_into().expect("seq")),
+        next_seq
+    );
+    let missed = EventBatch::decode(&first[3]).expect("payload");
+    assert!(!missed.events.is_empty());
+
+    // Restart: seq back to 0, cache cleared.
+    let (_, again) = post(pod, "/v1/completions", &doc("seen")).await;
+    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+    let (status, _) = post(pod, "/admin/faults", &json!({"restart": true})).await;
+    assert_eq!(status, 200);
+    let (_, after) = post(pod, "/v1/completions", &doc("seen")).await;
+    assert_eq!(after["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let seq = loop {
+        let f = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("in time")
+            .expect("recv")
+            .into_vec();
+        let s = u64::from_be_bytes(f[1].as_ref().try_into().expect("seq"));
+        if s < seen {
+            break s;
+        }
+    };
+    assert_eq!(seq, 0, "seq restarts at 0 after a restart");
+}
