@@ -1,1 +1,12 @@
-//! (placeholder: filled in by its issue)
+//! vLLM KV-cache events: wire decoding (and, in later modules, subscription and sequencing).
+//!
+//! Why this is separate from [`crate::kvcache`]: the index must not know about ZMQ, msgpack or
+//! vLLM's layouts; it consumes typed [`decode::EventBatch`]es. Everything here treats the
+//! network as hostile (see DESIGN §3 for the facts the decoder agrees with).
+
+pub mod decode;
+
+pub use decode::{
+    BlockExtra, BlockRemoved, BlockStored, DecodeError, EngineHash, EventBatch, KvEvent, Tier,
+    Topic, decode_payload, decode_seq, parse_topic, split_frames,
+};
