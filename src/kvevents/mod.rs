@@ -10,3 +10,13 @@ pub use decode::{
     BlockExtra, BlockRemoved, BlockStored, DecodeError, EngineHash, EventBatch, KvEvent, Tier,
     Topic, decode_payload, decode_seq, parse_topic, split_frames,
 };
+pub mod manager;
+pub mod metrics;
+pub mod replay;
+pub mod sequence;
+pub mod status;
+mod stream;
+pub mod subscriber;
+
+pub use manager::{KvEventsConfig, KvEventsError, KvEventsManager};
+pub use status::{KvEventsStatus, PodIndexStatus};
