@@ -24,9 +24,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use dashmap::DashMap;
+use tokio::time::Instant;
 
+use super::approx::LruBlocks;
 use super::holders::Holders;
 use super::key::{BlockKey, KeyContext, KeyHasherScratch, PrehashedState, block_keys};
+use super::speculative::Speculative;
 use crate::endpoints::PodId;
 use crate::kvevents::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 
@@ -60,6 +63,13 @@ pub struct IndexConfig {
     pub tier_weights: TierWeights,
     /// Block size assumed for a pod whose events have not told it yet.
     pub default_block_size: u32,
+    /// How long a routed request's blocks count as speculatively held by its pod.
+    pub speculative_ttl: std::time::Duration,
+    /// Bound on speculative (block, pod) entries in total.
+    pub max_speculative_entries: usize,
+    /// Blocks remembered per pod in approximate mode (pods without events), until a learned
+    /// capacity replaces it.
+    pub approx_capacity_blocks: usize,
 }
 
 impl Default for IndexConfig {
@@ -69,6 +79,9 @@ impl Default for IndexConfig {
             capacity_headroom: 2.0,
             tier_weights: TierWeights::default(),
             default_block_size: 16,
+            speculative_ttl: std::time::Duration::from_secs(2),
+            max_speculative_entries: 1 << 20,
+            approx_capacity_blocks: 16_384,
         }
     }
 }
@@ -111,43 +124,6 @@ impl ApplyStats {
     }
 }
 
-/// How much of a request's prefix one candidate pod holds.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct PrefixMatch {
-    /// The candidate (serialized as `ip:port`).
-    #[serde(serialize_with = "serialize_pod")]
-    pub pod: PodId,
-    /// The block size the request was keyed at for this pod.
-    pub block_size: u32,
-    /// Full blocks in the request.
-    pub total_blocks: usize,
-    /// Leading blocks the pod holds in any tier.
-    pub matched_blocks: usize,
-    /// The same run, each block weighted by its best tier (gpu 1.0, cpu 0.8 by default).
-    pub weighted_blocks: f64,
-}
-
-/// Serializes a [`PodId`] as its `ip:port` string.
-pub fn serialize_pod<S: serde::Serializer>(pod: &PodId, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.collect_str(pod)
-}
-
-impl PrefixMatch {
-    /// Tokens covered by the matched blocks.
-    pub fn matched_tokens(&self) -> usize {
-        self.matched_blocks * self.block_size as usize
-    }
-
-    /// The prefix-cache score in [0, 1]: weighted matched blocks / total blocks.
-    pub fn score(&self) -> f64 {
-        if self.total_blocks == 0 {
-            0.0
-        } else {
-            (self.weighted_blocks / self.total_blocks as f64).clamp(0.0, 1.0)
-        }
-    }
-}
-
 /// References of one engine hash on one pod.
 #[derive(Clone, Copy, Debug)]
 struct HashEntry {
@@ -164,12 +140,16 @@ struct PodBlocks {
     limit: usize,
     retired: bool,
     stats: ApplyStats,
+    /// Set by the first event batch: from then on routing records are speculative only.
+    precise: bool,
+    /// Approximate mode (no events yet): blocks learned from routing.
+    approx: LruBlocks,
+    approx_capacity: usize,
 }
 
 /// One pod known to the index.
 pub(crate) struct PodEntry {
-    id: PodId,
-    slot: u32,
+    pub(super) slot: u32,
     state: Mutex<PodBlocks>,
     /// Mirrors `PodBlocks::entries` for lock-free status reads.
     entries: AtomicU64,
@@ -186,26 +166,28 @@ impl PodEntry {
 }
 
 #[derive(Default)]
-struct PodTable {
-    by_id: HashMap<PodId, Arc<PodEntry>>,
-    slots: Vec<Option<PodId>>,
+pub(super) struct PodTable {
+    pub(super) by_id: HashMap<PodId, Arc<PodEntry>>,
+    pub(super) slots: Vec<Option<PodId>>,
     free: Vec<u32>,
 }
 
 /// The precise prefix index (see the module docs for its concurrency rules).
 pub struct PrefixIndex {
     config: IndexConfig,
-    blocks: DashMap<BlockKey, Holders, PrehashedState>,
+    pub(super) blocks: DashMap<BlockKey, Holders, PrehashedState>,
     pods: RwLock<PodTable>,
+    pub(super) speculative: Speculative,
 }
 
 impl PrefixIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Self {
         Self {
-            config,
             blocks: DashMap::with_hasher(PrehashedState::default()),
             pods: RwLock::new(PodTable::default()),
+            speculative: Speculative::new(config.speculative_ttl, config.max_speculative_entries),
+            config,
         }
     }
 
@@ -214,7 +196,7 @@ impl PrefixIndex {
         &self.config
     }
 
-    fn table_read(&self) -> std::sync::RwLockReadGuard<'_, PodTable> {
+    pub(super) fn table_read(&self) -> std::sync::RwLockReadGuard<'_, PodTable> {
         self.pods.read().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -245,10 +227,10 @@ impl PrefixIndex {
             *cell = Some(pod);
         }
         let entry = Arc::new(PodEntry {
-            id: pod,
             slot,
             state: Mutex::new(PodBlocks {
                 limit: self.config.max_blocks_per_pod,
+                approx_capacity: self.config.approx_capacity_blocks,
                 ..PodBlocks::default()
             }),
             entries: AtomicU64::new(0),
@@ -267,7 +249,9 @@ impl PrefixIndex {
     pub fn set_pod_capacity(&self, pod: PodId, num_blocks: usize) {
         let entry = self.pod_or_insert(pod);
         let limit = (num_blocks as f64 * self.config.capacity_headroom) as usize + 64;
-        entry.lock().limit = limit.min(self.config.max_blocks_per_pod);
+        let mut state = entry.lock();
+        state.limit = limit.min(self.config.max_blocks_per_pod);
+        state.approx_capacity = num_blocks.min(self.config.max_blocks_per_pod);
     }
 
     /// Sets a pod's block size (when known from configuration or metrics before any event).
@@ -287,6 +271,11 @@ impl PrefixIndex {
         let mut stats = ApplyStats::default();
         if state.retired {
             return stats;
+        }
+        if !state.precise {
+            // The pod publishes events: what routing history suggested is replaced by facts.
+            state.precise = true;
+            self.drop_approx(&entry, &mut state);
         }
         let mut scratch = KeyHasherScratch::default();
         for event in &batch.events {
@@ -484,6 +473,64 @@ impl PrefixIndex {
             .entry(key)
             .and_modify(|h| h.add(slot, tier))
             .or_insert_with(|| Holders::new(slot, tier));
+        self.speculative.confirm(&key, slot);
+    }
+
+    fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
+        for key in state.approx.drain() {
+            self.remove_holder(key, entry.slot, Tier::Gpu);
+            state.entries = state.entries.saturating_sub(1);
+        }
+    }
+
+    /// Records that kvpick routed a request with these tokens to `pod`. For a pod that
+    /// publishes events, its blocks count as held for the speculative TTL (until confirmed);
+    /// for a pod without events, they enter its approximate LRU set.
+    pub fn record_routed(&self, pod: PodId, context: &KeyContext, tokens: &[u32]) {
+        let entry = self.pod_or_insert(pod);
+        let keys = block_keys(context, tokens, self.block_size_for(pod));
+        if keys.is_empty() {
+            return;
+        }
+        let mut state = entry.lock();
+        if state.retired {
+            return;
+        }
+        if state.precise {
+            drop(state);
+            let missing: Vec<BlockKey> = keys
+                .into_iter()
+                .filter(|key| {
+                    !self
+                        .blocks
+                        .get(key)
+                        .is_some_and(|h| h.as_slice().iter().any(|h| h.slot == entry.slot))
+                })
+                .collect();
+            self.speculative
+                .record(entry.slot, &missing, Instant::now());
+            return;
+        }
+        let capacity = state.approx_capacity;
+        let (added, evicted) = state.approx.touch(&keys, capacity);
+        for key in &added {
+            self.add_holder(*key, entry.slot, Tier::Gpu);
+        }
+        for key in &evicted {
+            self.remove_holder(*key, entry.slot, Tier::Gpu);
+        }
+        state.entries = (state.entries + added.len()).saturating_sub(evicted.len());
+        entry.entries.store(state.entries as u64, Ordering::Relaxed);
+    }
+
+    /// Speculative entries currently stored (expired ones included until purged).
+    pub fn speculative_entries(&self) -> usize {
+        self.speculative.len()
+    }
+
+    /// Drops expired speculative entries (matching ignores them anyway; this frees memory).
+    pub fn purge_expired_speculation(&self) {
+        self.speculative.purge_expired(Instant::now());
     }
 
     fn remove_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
@@ -520,6 +567,7 @@ impl PrefixIndex {
         }
         if tier.is_none() {
             state.by_hash = HashMap::default();
+            self.drop_approx(entry, state);
             state.entries = 0;
         }
         entry.entries.store(state.entries as u64, Ordering::Relaxed);
@@ -544,6 +592,7 @@ impl PrefixIndex {
             state.retired = true;
             self.clear_locked(&entry, &mut state, None);
         }
+        self.speculative.remove_slot(entry.slot);
         let mut table = self.table_write();
         if let Some(cell) = table.slots.get_mut(entry.slot as usize) {
             *cell = None;
@@ -624,130 +673,5 @@ impl PrefixIndex {
             bytes += entry.lock().by_hash.capacity() * hash_entry;
         }
         bytes
-    }
-
-    /// For each candidate, the longest run of leading blocks of `tokens` it holds, keyed in
-    /// `context` at the pod's block size. Cost O(matched blocks × holders per block) per
-    /// distinct block size among the candidates; stops at the first block no candidate holds.
-    pub fn match_prefix(
-        &self,
-        context: &KeyContext,
-        tokens: &[u32],
-        candidates: &[PodId],
-    ) -> Vec<PrefixMatch> {
-        let mut sizes: Vec<u32> = candidates
-            .iter()
-            .map(|pod| self.block_size_for(*pod))
-            .collect();
-        let per_candidate = sizes.clone();
-        sizes.sort_unstable();
-        sizes.dedup();
-        let mut out: Vec<Option<PrefixMatch>> = vec![None; candidates.len()];
-        for size in sizes {
-            let group: Vec<(usize, PodId)> = candidates
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| per_candidate.get(*i) == Some(&size))
-                .map(|(i, pod)| (i, *pod))
-                .collect();
-            let keys = block_keys(context, tokens, size);
-            let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
-            for ((i, _), found) in group.iter().zip(self.match_keys(&keys, size, &pods)) {
-                if let Some(cell) = out.get_mut(*i) {
-                    *cell = Some(found);
-                }
-            }
-        }
-        out.into_iter().flatten().collect()
-    }
-
-    fn block_size_for(&self, pod: PodId) -> u32 {
-        self.pod_block_size(pod)
-            .unwrap_or(self.config.default_block_size.max(1))
-    }
-
-    /// Like [`Self::match_prefix`] for keys already computed at `block_size`.
-    pub fn match_keys(
-        &self,
-        keys: &[BlockKey],
-        block_size: u32,
-        candidates: &[PodId],
-    ) -> Vec<PrefixMatch> {
-        let weights = self.config.tier_weights.0;
-        let mut run = vec![0usize; candidates.len()];
-        let mut weighted = vec![0f64; candidates.len()];
-        let mut last_weight = vec![0f64; candidates.len()];
-        // slot → candidate position, built once per call (slots are small dense integers).
-        let mut position_of_slot: Vec<u32> = Vec::new();
-        let mut alive = 0usize;
-        {
-            let table = self.table_read();
-            position_of_slot.resize(table.slots.len(), u32::MAX);
-            for (position, pod) in candidates.iter().enumerate() {
-                if let Some(entry) = table.by_id.get(pod)
-                    && let Some(cell) = position_of_slot.get_mut(entry.slot as usize)
-                {
-                    *cell = position as u32;
-                    alive += 1;
-                }
-            }
-        }
-        for (i, key) in keys.iter().enumerate() {
-            if alive == 0 {
-                break;
-            }
-            let Some(holders) = self.blocks.get(key) else {
-                break;
-            };
-            let mut extended = 0;
-            for holder in holders.as_slice() {
-                let Some(&position) = position_of_slot.get(holder.slot as usize) else {
-                    continue;
-                };
-                let p = position as usize;
-                let (Some(r), Some(w), Some(last)) =
-                    (run.get_mut(p), weighted.get_mut(p), last_weight.get_mut(p))
-                else {
-                    continue;
-                };
-                let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
-                if *r == i {
-                    *r = i + 1;
-                    *w += tier_weight;
-                    *last = tier_weight;
-                    extended += 1;
-                } else if *r == i + 1 && tier_weight > *last {
-                    *w += tier_weight - *last;
-                    *last = tier_weight;
-                }
-            }
-            alive = extended;
-        }
-        candidates
-            .iter()
-            .enumerate()
-            .map(|(p, pod)| PrefixMatch {
-                pod: *pod,
-                block_size,
-                total_blocks: keys.len(),
-                matched_blocks: run.get(p).copied().unwrap_or(0),
-                weighted_blocks: weighted.get(p).copied().unwrap_or(0.0),
-            })
-            .collect()
-    }
-
-    /// Pod id of a slot (for diagnostics).
-    #[allow(dead_code)]
-    pub(crate) fn pod_of_slot(&self, slot: u32) -> Option<PodId> {
-        self.table_read()
-            .slots
-            .get(slot as usize)
-            .copied()
-            .flatten()
-    }
-
-    #[allow(dead_code)]
-    pub(crate) fn entry_id(entry: &PodEntry) -> PodId {
-        entry.id
     }
 }

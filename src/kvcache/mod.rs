@@ -4,11 +4,18 @@
 //! blocks by a chained xxh3-64 of their token ids (seeded by model, LoRA and cache salt) so a
 //! request's prefix is keyed the same way from its own tokens ([`key`]). The index
 //! ([`index`]) is fed typed batches by [`crate::kvevents`] and answers, per candidate pod, how
-//! many leading blocks of a request it holds. Concurrency rules: see [`index`].
+//! many leading blocks of a request it holds ([`matching`]). Requests kvpick routes are
+//! recorded too: as short-lived speculative holders on pods that publish events (so a burst
+//! of one prefix does not scatter before the events arrive), or in a per pod LRU set for pods
+//! without events (the approximate mode). Concurrency rules: see [`index`].
 
+mod approx;
 mod holders;
 pub mod index;
 pub mod key;
+pub mod matching;
+mod speculative;
 
-pub use index::{ApplyStats, IndexConfig, PrefixIndex, PrefixMatch, TierWeights};
+pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
 pub use key::{BlockKey, KeyContext, block_keys};
+pub use matching::PrefixMatch;

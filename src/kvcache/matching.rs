@@ -1,0 +1,176 @@
+//! Prefix matching: per candidate pod, the longest run of a request's leading blocks it holds.
+//!
+//! Why one pass over the blocks rather than one per pod: each block key is looked up once and
+//! its holder list credits every candidate still on its run, so the cost is O(matched blocks
+//! × holders per block), independent of how many candidates already dropped out, and the walk
+//! stops at the first block that no candidate holds (confirmed or speculatively).
+
+use tokio::time::Instant;
+
+use super::index::PrefixIndex;
+use super::key::{BlockKey, KeyContext, block_keys};
+use crate::endpoints::PodId;
+
+/// How much of a request's prefix one candidate pod holds.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PrefixMatch {
+    /// The candidate (serialized as `ip:port`).
+    #[serde(serialize_with = "serialize_pod")]
+    pub pod: PodId,
+    /// The block size the request was keyed at for this pod.
+    pub block_size: u32,
+    /// Full blocks in the request.
+    pub total_blocks: usize,
+    /// Leading blocks the pod holds in any tier.
+    pub matched_blocks: usize,
+    /// The same run, each block weighted by its best tier (gpu 1.0, cpu 0.8 by default).
+    pub weighted_blocks: f64,
+}
+
+/// Serializes a [`PodId`] as its `ip:port` string.
+pub fn serialize_pod<S: serde::Serializer>(pod: &PodId, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(pod)
+}
+
+impl PrefixMatch {
+    /// Tokens covered by the matched blocks.
+    pub fn matched_tokens(&self) -> usize {
+        self.matched_blocks * self.block_size as usize
+    }
+
+    /// The prefix-cache score in [0, 1]: weighted matched blocks / total blocks.
+    pub fn score(&self) -> f64 {
+        if self.total_blocks == 0 {
+            0.0
+        } else {
+            (self.weighted_blocks / self.total_blocks as f64).clamp(0.0, 1.0)
+        }
+    }
+}
+
+impl PrefixIndex {
+    /// For each candidate, the longest run of leading blocks of `tokens` it holds, keyed in
+    /// `context` at the pod's block size. Cost O(matched blocks × holders per block) per
+    /// distinct block size among the candidates; stops at the first block no candidate holds.
+    pub fn match_prefix(
+        &self,
+        context: &KeyContext,
+        tokens: &[u32],
+        candidates: &[PodId],
+    ) -> Vec<PrefixMatch> {
+        let mut sizes: Vec<u32> = candidates
+            .iter()
+            .map(|pod| self.block_size_for(*pod))
+            .collect();
+        let per_candidate = sizes.clone();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut out: Vec<Option<PrefixMatch>> = vec![None; candidates.len()];
+        for size in sizes {
+            let group: Vec<(usize, PodId)> = candidates
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| per_candidate.get(*i) == Some(&size))
+                .map(|(i, pod)| (i, *pod))
+                .collect();
+            let keys = block_keys(context, tokens, size);
+            let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
+            for ((i, _), found) in group.iter().zip(self.match_keys(&keys, size, &pods)) {
+                if let Some(cell) = out.get_mut(*i) {
+                    *cell = Some(found);
+                }
+            }
+        }
+        out.into_iter().flatten().collect()
+    }
+
+    pub(super) fn block_size_for(&self, pod: PodId) -> u32 {
+        self.pod_block_size(pod)
+            .unwrap_or(self.config().default_block_size.max(1))
+    }
+
+    /// Like [`Self::match_prefix`] for keys already computed at `block_size`.
+    pub fn match_keys(
+        &self,
+        keys: &[BlockKey],
+        block_size: u32,
+        candidates: &[PodId],
+    ) -> Vec<PrefixMatch> {
+        let weights = self.config().tier_weights.0;
+        let mut run = vec![0usize; candidates.len()];
+        let mut weighted = vec![0f64; candidates.len()];
+        let mut last_weight = vec![0f64; candidates.len()];
+        // slot → candidate position, built once per call (slots are small dense integers).
+        let mut position_of_slot: Vec<u32> = Vec::new();
+        let mut alive = 0usize;
+        {
+            let table = self.table_read();
+            position_of_slot.resize(table.slots.len(), u32::MAX);
+            for (position, pod) in candidates.iter().enumerate() {
+                if let Some(entry) = table.by_id.get(pod)
+                    && let Some(cell) = position_of_slot.get_mut(entry.slot as usize)
+                {
+                    *cell = position as u32;
+                    alive += 1;
+                }
+            }
+        }
+        let speculation = (!self.speculative.is_empty()).then(Instant::now);
+        let gpu_weight = weights.first().copied().unwrap_or(1.0);
+        for (i, key) in keys.iter().enumerate() {
+            if alive == 0 {
+                break;
+            }
+            let mut extended = 0;
+            let mut visit = |slot: u32, tier_weight: f64| {
+                let Some(&position) = position_of_slot.get(slot as usize) else {
+                    return;
+                };
+                let p = position as usize;
+                let (Some(r), Some(w), Some(last)) =
+                    (run.get_mut(p), weighted.get_mut(p), last_weight.get_mut(p))
+                else {
+                    return;
+                };
+                if *r == i {
+                    *r = i + 1;
+                    *w += tier_weight;
+                    *last = tier_weight;
+                    extended += 1;
+                } else if *r == i + 1 && tier_weight > *last {
+                    *w += tier_weight - *last;
+                    *last = tier_weight;
+                }
+            };
+            let mut found = false;
+            if let Some(holders) = self.blocks.get(key) {
+                found = true;
+                for holder in holders.as_slice() {
+                    let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
+                    visit(holder.slot, tier_weight);
+                }
+            }
+            // The block map's guard is released before the speculative map is read.
+            if let Some(now) = speculation {
+                found |= self
+                    .speculative
+                    .visit(key, now, |slot| visit(slot, gpu_weight));
+            }
+            if !found {
+                break;
+            }
+            alive = extended;
+        }
+        candidates
+            .iter()
+            .enumerate()
+            .map(|(p, pod)| PrefixMatch {
+                pod: *pod,
+                block_size,
+                total_blocks: keys.len(),
+                matched_blocks: run.get(p).copied().unwrap_or(0),
+                weighted_blocks: weighted.get(p).copied().unwrap_or(0.0),
+            })
+            .collect()
+    }
+}
