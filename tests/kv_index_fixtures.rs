@@ -230,3 +230,61 @@ fn replayed_prefix_rebuilds_the_same_state_as_live() {
     assert!(live.pod_entries(pod) > 0);
     assert_eq!(live.pod_engine_hashes(pod), replayed.pod_engine_hashes(pod));
 }
+
+#[test]
+fn lookups_are_measured_and_debug_view_has_the_design_shape() {
+    let registry = prometheus::Registry::new();
+    let index = PrefixIndex::with_registry(IndexConfig::default(), &registry).unwrap();
+    let first = &messages()[0];
+    let topic = parse_topic(&first.topic).unwrap();
+    index.apply_batch(
+        topic.pod,
+        &topic.model,
+        &decode_payload(&first.payload).unwrap(),
+    );
+    let requests: Vec<Json> = std::fs::read_to_string(capture_dir().join("requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tokens: Vec<u32> = requests[0]["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let view = index.debug_prefix(&KeyContext::model("tiny"), &tokens, &[topic.pod]);
+    let json = serde_json::to_value(&view).unwrap();
+    assert_eq!(json["token_count"], 483);
+    assert_eq!(json["pods"][0]["address"], "127.0.0.1:8101");
+    assert_eq!(json["pods"][0]["block_size"], 32);
+    assert_eq!(json["pods"][0]["matched_blocks"], 15);
+    assert_eq!(json["pods"][0]["matched_tokens"], 480);
+    index.match_prefix(&KeyContext::model("other"), &tokens, &[topic.pod]);
+    let value = |name: &str| {
+        registry
+            .gather()
+            .into_iter()
+            .find(|f| f.name() == name)
+            .map(|f| f.get_metric()[0].clone())
+            .unwrap()
+    };
+    assert_eq!(
+        value("kvpick_prefix_lookup_blocks_total")
+            .get_counter()
+            .get_value(),
+        30.0
+    );
+    assert_eq!(
+        value("kvpick_prefix_hit_blocks_total")
+            .get_counter()
+            .get_value(),
+        15.0
+    );
+    assert_eq!(
+        value("kvpick_prefix_lookup_duration_seconds")
+            .get_histogram()
+            .get_sample_count(),
+        2
+    );
+}

@@ -151,6 +151,12 @@ fn manager() -> (Arc<PrefixIndex>, KvEventsManager) {
 }
 
 fn manager_with_channel(channel_capacity: usize) -> (Arc<PrefixIndex>, KvEventsManager) {
+    let (index, manager, _) = manager_with_registry(channel_capacity);
+    (index, manager)
+}
+
+fn manager_with_registry(channel_capacity: usize) -> (Arc<PrefixIndex>, KvEventsManager, Registry) {
+    let registry = Registry::new();
     let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
     let config = KvEventsConfig {
         replay_timeout: Duration::from_secs(2),
@@ -159,8 +165,23 @@ fn manager_with_channel(channel_capacity: usize) -> (Arc<PrefixIndex>, KvEventsM
         channel_capacity,
         ..KvEventsConfig::default()
     };
-    let manager = KvEventsManager::new(index.clone(), config, &Registry::new()).unwrap();
-    (index, manager)
+    let manager = KvEventsManager::new(index.clone(), config, &registry).unwrap();
+    (index, manager, registry)
+}
+
+/// The value of a per pod metric in the registry.
+fn metric(registry: &Registry, name: &str) -> Option<f64> {
+    let family = registry.gather().into_iter().find(|f| f.name() == name)?;
+    let sample = family.get_metric().iter().find(|m| {
+        m.get_label()
+            .iter()
+            .any(|l| l.name() == "pod" && l.value() == "127.0.0.1:8101")
+    })?;
+    Some(if name.ends_with("_total") {
+        sample.get_counter().get_value()
+    } else {
+        sample.get_gauge().get_value()
+    })
 }
 
 /// The index state of applying `batches` in order, directly.
@@ -225,7 +246,7 @@ fn endpoint(publisher: &TestPublisher, with_replay: bool) -> Endpoint {
 async fn lost_messages_are_replayed_exactly() {
     let batches = capture("vllm-0.32-kv-events");
     let mut publisher = TestPublisher::bind().await;
-    let (index, manager) = manager();
+    let (index, manager, registry) = manager_with_registry(4096);
     manager.sync(&[endpoint(&publisher, true)]).await;
     wait_for(&manager, "connection", |s| s.connected).await;
     publish_all(&mut publisher, &manager, &batches, |seq| {
@@ -247,6 +268,24 @@ async fn lost_messages_are_replayed_exactly() {
     );
     assert_eq!(manager.pod_status(pod()).index_blocks, 62);
 
+    // The debug view (DESIGN §2.1 `GET /debug/pods`) and the metrics agree.
+    let view = serde_json::to_value(manager.pod_status(pod())).unwrap();
+    assert_eq!(view["address"], "127.0.0.1:8101");
+    assert_eq!(view["index_blocks"], 62);
+    assert_eq!(view["kv_events"]["connected"], true);
+    assert_eq!(view["kv_events"]["last_seq"], 67);
+    assert_eq!(view["kv_events"]["gaps"], status.gaps);
+    assert_eq!(view["kv_events"]["replays"], status.replays);
+    assert_eq!(view["kv_events"]["clears"], 0);
+    let gauge = metric(&registry, "kvpick_kv_index_entries").unwrap();
+    assert_eq!(gauge, 62.0);
+    let gaps = metric(&registry, "kvpick_kv_events_gaps_total").unwrap();
+    assert_eq!(gaps, status.gaps as f64);
+    let applied = metric(&registry, "kvpick_kv_events_applied_total").unwrap();
+    assert_eq!(applied, 68.0);
+    let received = metric(&registry, "kvpick_kv_events_received_total").unwrap();
+    assert_eq!(received, status.received as f64);
+
     // The pod leaves the pool: subscription stopped, entries purged.
     manager.sync(&[]).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -256,6 +295,7 @@ async fn lost_messages_are_replayed_exactly() {
     }
     assert_eq!(index.distinct_blocks(), 0);
     assert!(manager.status(pod()).is_none());
+    assert!(metric(&registry, "kvpick_kv_index_entries").is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,6 +29,7 @@ use tokio::time::Instant;
 use super::approx::LruBlocks;
 use super::holders::Holders;
 use super::key::{BlockKey, KeyContext, KeyHasherScratch, PrehashedState, block_keys};
+use super::metrics::IndexMetrics;
 use super::speculative::Speculative;
 use crate::endpoints::PodId;
 use crate::kvevents::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
@@ -178,6 +179,7 @@ pub struct PrefixIndex {
     pub(super) blocks: DashMap<BlockKey, Holders, PrehashedState>,
     pods: RwLock<PodTable>,
     pub(super) speculative: Speculative,
+    pub(super) metrics: Option<IndexMetrics>,
 }
 
 impl PrefixIndex {
@@ -188,7 +190,18 @@ impl PrefixIndex {
             pods: RwLock::new(PodTable::default()),
             speculative: Speculative::new(config.speculative_ttl, config.max_speculative_entries),
             config,
+            metrics: None,
         }
+    }
+
+    /// An empty index whose lookups are measured in `registry` (latency, hit ratio).
+    pub fn with_registry(
+        config: IndexConfig,
+        registry: &prometheus::Registry,
+    ) -> prometheus::Result<Self> {
+        let mut index = Self::new(config);
+        index.metrics = Some(IndexMetrics::new(registry)?);
+        Ok(index)
     }
 
     /// The index's configuration.

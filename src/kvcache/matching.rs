@@ -58,6 +58,27 @@ impl PrefixIndex {
         tokens: &[u32],
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
+        let started = std::time::Instant::now();
+        let found = self.match_grouped(context, tokens, candidates);
+        if let Some(metrics) = &self.metrics {
+            metrics
+                .lookup_seconds
+                .observe(started.elapsed().as_secs_f64());
+            if let Some(total) = found.iter().map(|m| m.total_blocks).max() {
+                metrics.lookup_blocks.inc_by(total as u64);
+            }
+            let best = found.iter().map(|m| m.matched_blocks).max().unwrap_or(0);
+            metrics.hit_blocks.inc_by(best as u64);
+        }
+        found
+    }
+
+    fn match_grouped(
+        &self,
+        context: &KeyContext,
+        tokens: &[u32],
+        candidates: &[PodId],
+    ) -> Vec<PrefixMatch> {
         let mut sizes: Vec<u32> = candidates
             .iter()
             .map(|pod| self.block_size_for(*pod))
@@ -172,5 +193,51 @@ impl PrefixIndex {
                 weighted_blocks: weighted.get(p).copied().unwrap_or(0.0),
             })
             .collect()
+    }
+}
+
+/// The answer of `POST /debug/prefix` (DESIGN §2.1).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct DebugPrefix {
+    /// Tokens in the request.
+    pub token_count: usize,
+    /// Per candidate pod: block size, matched blocks and tokens.
+    pub pods: Vec<DebugPrefixPod>,
+}
+
+/// One pod of [`DebugPrefix`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct DebugPrefixPod {
+    /// `ip:port`.
+    pub address: String,
+    /// Block size the request was keyed at for this pod.
+    pub block_size: u32,
+    /// Leading blocks held.
+    pub matched_blocks: usize,
+    /// Tokens those blocks cover.
+    pub matched_tokens: usize,
+}
+
+impl PrefixIndex {
+    /// The `POST /debug/prefix` view of a token list over `candidates`.
+    pub fn debug_prefix(
+        &self,
+        context: &KeyContext,
+        tokens: &[u32],
+        candidates: &[PodId],
+    ) -> DebugPrefix {
+        DebugPrefix {
+            token_count: tokens.len(),
+            pods: self
+                .match_prefix(context, tokens, candidates)
+                .into_iter()
+                .map(|m| DebugPrefixPod {
+                    address: m.pod.to_string(),
+                    block_size: m.block_size,
+                    matched_blocks: m.matched_blocks,
+                    matched_tokens: m.matched_tokens(),
+                })
+                .collect(),
+        }
     }
 }

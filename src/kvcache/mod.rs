@@ -14,8 +14,10 @@ mod holders;
 pub mod index;
 pub mod key;
 pub mod matching;
+pub mod metrics;
 mod speculative;
 
 pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
 pub use key::{BlockKey, KeyContext, block_keys};
-pub use matching::PrefixMatch;
+pub use matching::{DebugPrefix, DebugPrefixPod, PrefixMatch};
+pub use metrics::IndexMetrics;

@@ -66,6 +66,11 @@ impl SeqTracker {
         self.last.clear();
     }
 
+    /// The last seq applied on one rank.
+    pub fn last_for(&self, rank: Option<i64>) -> Option<u64> {
+        self.last.get(&rank).copied()
+    }
+
     /// The highest seq applied on any rank.
     pub fn last_seq(&self) -> Option<u64> {
         self.last.values().max().copied()

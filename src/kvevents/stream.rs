@@ -46,6 +46,16 @@ pub(crate) struct PodStream {
     counters: Arc<PodEventCounters>,
     shared: Arc<Shared>,
     tx: mpsc::Sender<IndexUpdate>,
+    /// The newest batch dropped on a full channel and not yet repaired: if no later batch
+    /// comes to reveal the gap, the subscriber repairs it when the socket goes quiet.
+    pending: Option<Pending>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    model: Arc<str>,
+    rank: Option<i64>,
+    seq: u64,
 }
 
 impl PodStream {
@@ -64,6 +74,24 @@ impl PodStream {
             counters,
             shared,
             tx,
+            pending: None,
+        }
+    }
+
+    /// Whether a dropped batch still waits for repair.
+    pub(crate) fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Repairs the dropped batches that no later batch revealed (call when the socket is
+    /// quiet).
+    pub(crate) async fn repair_pending(&mut self) {
+        let Some(pending) = self.pending.take() else {
+            return;
+        };
+        if let SeqVerdict::Gap { from } = self.tracker.classify(pending.rank, pending.seq + 1) {
+            self.gap(from, pending.seq + 1);
+            self.recover(&pending.model, from, pending.seq + 1).await;
         }
     }
 
@@ -117,6 +145,7 @@ impl PodStream {
                 warn!(pod = %self.pod, seq, last = ?self.tracker.last_seq(), "KV-event seq went back: engine restarted, clearing its entries");
                 self.clear().await;
                 self.tracker.forget(rank);
+                self.pending = None;
                 if seq != 0 {
                     self.gap(0, seq);
                     self.recover(&model, 0, seq).await;
@@ -126,6 +155,14 @@ impl PodStream {
         }
         if let Some(last) = self.tracker.last_seq() {
             self.counters.last_seq.store(last, Ordering::Relaxed);
+        }
+        if let Some(pending) = &self.pending
+            && self
+                .tracker
+                .last_for(pending.rank)
+                .is_some_and(|last| last >= pending.seq)
+        {
+            self.pending = None;
         }
     }
 
@@ -147,8 +184,12 @@ impl PodStream {
         };
         match self.tx.try_send(update) {
             Ok(()) => self.tracker.record(rank, seq),
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                // Left unrecorded: the next batch shows a gap from this seq and is repaired.
+            Err(mpsc::error::TrySendError::Full(update)) => {
+                // Left unrecorded: the next batch shows a gap from this seq and is repaired;
+                // if none comes, `repair_pending` does it.
+                if let IndexUpdate::Apply { model, .. } = update {
+                    self.pending = Some(Pending { model, rank, seq });
+                }
                 debug!(pod = %self.pod, seq, "index channel full, batch dropped");
                 bump(&self.counters.dropped);
                 self.shared

@@ -20,6 +20,10 @@ use super::manager::Shared;
 use super::stream::{IndexUpdate, PodStream};
 use crate::endpoints::{Endpoint, PodId};
 
+/// How long the socket must be quiet before a dropped batch that no later batch revealed is
+/// repaired.
+const QUIET_REPAIR_DELAY: Duration = Duration::from_millis(50);
+
 /// Capped exponential backoff.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Backoff {
@@ -86,7 +90,18 @@ pub(crate) async fn run_pod_subscriber(
         stream.counters().connected.store(true, Ordering::Relaxed);
         backoff.reset();
         loop {
-            match socket.recv().await {
+            let received = if stream.has_pending() {
+                match tokio::time::timeout(QUIET_REPAIR_DELAY, socket.recv()).await {
+                    Ok(received) => received,
+                    Err(_) => {
+                        stream.repair_pending().await;
+                        continue;
+                    }
+                }
+            } else {
+                socket.recv().await
+            };
+            match received {
                 Ok(message) => match frames(message) {
                     Some((topic, seq, payload)) => {
                         let model = parse_topic(&topic)
@@ -129,7 +144,20 @@ pub(crate) async fn run_central(
     let mut streams: HashMap<PodId, PodStream> = HashMap::new();
     let mut backoff = Backoff::new(shared.config.backoff_initial, shared.config.backoff_max);
     loop {
-        let message = match socket.recv().await {
+        let received = if streams.values().any(PodStream::has_pending) {
+            match tokio::time::timeout(QUIET_REPAIR_DELAY, socket.recv()).await {
+                Ok(received) => received,
+                Err(_) => {
+                    for stream in streams.values_mut() {
+                        stream.repair_pending().await;
+                    }
+                    continue;
+                }
+            }
+        } else {
+            socket.recv().await
+        };
+        let message = match received {
             Ok(message) => {
                 backoff.reset();
                 message
