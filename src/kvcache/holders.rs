@@ -1,8 +1,8 @@
 //! The pods (and tiers) that hold one block key: the value of the global block map.
 //!
-//! Why this shape: most blocks are held by one pod, so one holder is stored inline (no heap
-//! allocation); more holders live in a boxed slice, resized on change (changes are rare
-//! compared with reads, and a boxed slice is 8 bytes smaller than a `Vec`).
+//! Why this shape: most blocks are held by one pod, so the first holder is stored inline and
+//! the rest behind one thin pointer (16 bytes in all, no heap allocation for a single holder);
+//! changes are rare compared with reads.
 
 use crate::kvevents::Tier;
 
@@ -16,93 +16,105 @@ pub(crate) struct Holder {
 }
 
 /// The holders of one block key; never empty while stored in the map.
+// NOTE: `Box<Vec<_>>` on purpose: a thin 8-byte pointer keeps the map value at 16 bytes; the
+// extra allocation only exists for blocks held by two or more (pod, tier) pairs.
+#[allow(clippy::box_collection)]
 #[derive(Clone, Debug)]
-pub(crate) enum Holders {
-    One(Holder),
-    Many(Box<[Holder]>),
+pub(crate) struct Holders {
+    first: Holder,
+    rest: Option<Box<Vec<Holder>>>,
 }
 
 impl Holders {
     pub(crate) fn new(slot: u32, tier: Tier) -> Self {
-        Holders::One(Holder {
-            slot,
-            refs: 1,
-            tier: tier.index() as u8,
-        })
-    }
-
-    pub(crate) fn as_slice(&self) -> &[Holder] {
-        match self {
-            Holders::One(holder) => std::slice::from_ref(holder),
-            Holders::Many(holders) => holders,
+        Holders {
+            first: Holder {
+                slot,
+                refs: 1,
+                tier: tier.index() as u8,
+            },
+            rest: None,
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [Holder] {
-        match self {
-            Holders::One(holder) => std::slice::from_mut(holder),
-            Holders::Many(holders) => holders,
+    /// Every holder.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Holder> {
+        std::iter::once(&self.first).chain(self.rest.iter().flat_map(|rest| rest.iter()))
+    }
+
+    fn find_mut(&mut self, slot: u32, tier: u8) -> Option<&mut Holder> {
+        if self.first.slot == slot && self.first.tier == tier {
+            return Some(&mut self.first);
         }
+        self.rest
+            .as_mut()?
+            .iter_mut()
+            .find(|h| h.slot == slot && h.tier == tier)
     }
 
     /// Adds one reference for (slot, tier).
     pub(crate) fn add(&mut self, slot: u32, tier: Tier) {
         let tier = tier.index() as u8;
-        if let Some(holder) = self
-            .as_mut_slice()
-            .iter_mut()
-            .find(|h| h.slot == slot && h.tier == tier)
-        {
+        if let Some(holder) = self.find_mut(slot, tier) {
             holder.refs = holder.refs.saturating_add(1);
             return;
         }
-        let mut all = self.as_slice().to_vec();
-        all.push(Holder {
+        self.rest.get_or_insert_with(Box::default).push(Holder {
             slot,
             refs: 1,
             tier,
         });
-        *self = Holders::Many(all.into_boxed_slice());
     }
 
     /// Drops one reference for (slot, tier); returns true when no holder is left.
     pub(crate) fn remove(&mut self, slot: u32, tier: Tier) -> bool {
         let tier = tier.index() as u8;
-        let slice = self.as_mut_slice();
-        let Some(position) = slice.iter().position(|h| h.slot == slot && h.tier == tier) else {
-            return slice.is_empty();
+        let Some(holder) = self.find_mut(slot, tier) else {
+            return false;
         };
-        if let Some(holder) = slice.get_mut(position) {
-            holder.refs = holder.refs.saturating_sub(1);
-            if holder.refs > 0 {
-                return false;
-            }
+        holder.refs = holder.refs.saturating_sub(1);
+        if holder.refs > 0 {
+            return false;
         }
-        let rest: Vec<Holder> = self
-            .as_slice()
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != position)
-            .map(|(_, h)| *h)
-            .collect();
-        match rest.as_slice() {
-            [] => true,
-            [only] => {
-                *self = Holders::One(*only);
-                false
+        if self.first.slot == slot && self.first.tier == tier {
+            match self.rest.as_mut().and_then(|rest| rest.pop()) {
+                Some(next) => self.first = next,
+                None => return true,
             }
-            _ => {
-                *self = Holders::Many(rest.into_boxed_slice());
-                false
-            }
+        } else if let Some(rest) = self.rest.as_mut() {
+            rest.retain(|h| !(h.slot == slot && h.tier == tier));
         }
+        if self.rest.as_ref().is_some_and(|rest| rest.is_empty()) {
+            self.rest = None;
+        }
+        false
     }
 
     /// Heap bytes owned beyond the inline value.
     pub(crate) fn heap_bytes(&self) -> usize {
-        match self {
-            Holders::One(_) => 0,
-            Holders::Many(holders) => std::mem::size_of_val::<[Holder]>(holders),
-        }
+        self.rest.as_ref().map_or(0, |rest| {
+            std::mem::size_of::<Vec<Holder>>() + rest.capacity() * std::mem::size_of::<Holder>()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holders_count_references_and_stay_compact() {
+        assert_eq!(std::mem::size_of::<Holders>(), 16);
+        let mut h = Holders::new(1, Tier::Gpu);
+        h.add(2, Tier::Gpu);
+        h.add(1, Tier::Cpu);
+        h.add(1, Tier::Gpu);
+        assert_eq!(h.iter().count(), 3);
+        assert!(!h.remove(1, Tier::Gpu)); // 2 refs → 1
+        assert!(!h.remove(1, Tier::Gpu)); // gone; another holder moves inline
+        assert_eq!(h.iter().count(), 2);
+        assert!(!h.remove(9, Tier::Gpu));
+        assert!(!h.remove(2, Tier::Gpu));
+        assert!(h.remove(1, Tier::Cpu));
     }
 }

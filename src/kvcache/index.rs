@@ -399,40 +399,32 @@ impl PrefixIndex {
         reannounce: bool,
         stats: &mut ApplyStats,
     ) -> bool {
+        use std::collections::hash_map::Entry;
         let t = tier.index();
-        let limit = state.limit;
-        let at_limit = state.entries >= limit;
-        let held = state.by_hash.get(&hash).map(|e| (e.key, e.refs[t]));
-        match held {
-            Some((_, refs)) if refs > 0 => {
-                if reannounce {
-                    stats.reannounced += 1;
-                    return true;
+        let at_limit = state.entries >= state.limit;
+        let added_key = match state.by_hash.entry(hash) {
+            Entry::Occupied(mut occupied) => {
+                let existing_key = occupied.get().key;
+                let Some(refs) = occupied.get_mut().refs.get_mut(t) else {
+                    return false;
+                };
+                if *refs > 0 {
+                    if reannounce {
+                        stats.reannounced += 1;
+                        return true;
+                    }
+                    *refs = refs.saturating_add(1);
+                    stats.duplicate_stores += 1;
+                    return false;
                 }
-                if let Some(e) = state.by_hash.get_mut(&hash)
-                    && let Some(r) = e.refs.get_mut(t)
-                {
-                    *r = r.saturating_add(1);
-                }
-                stats.duplicate_stores += 1;
-                false
-            }
-            Some((existing_key, _)) => {
                 if at_limit {
                     stats.capacity_drops += 1;
                     return false;
                 }
-                if let Some(e) = state.by_hash.get_mut(&hash)
-                    && let Some(r) = e.refs.get_mut(t)
-                {
-                    *r = 1;
-                }
-                self.add_holder(existing_key, entry.slot, tier);
-                state.entries += 1;
-                stats.blocks_added += 1;
-                false
+                *refs = 1;
+                existing_key
             }
-            None => {
+            Entry::Vacant(vacant) => {
                 if at_limit {
                     stats.capacity_drops += 1;
                     return false;
@@ -441,13 +433,14 @@ impl PrefixIndex {
                 if let Some(r) = refs.get_mut(t) {
                     *r = 1;
                 }
-                state.by_hash.insert(hash, HashEntry { key, refs });
-                self.add_holder(key, entry.slot, tier);
-                state.entries += 1;
-                stats.blocks_added += 1;
-                false
+                vacant.insert(HashEntry { key, refs });
+                key
             }
-        }
+        };
+        self.add_holder(added_key, entry.slot, tier);
+        state.entries += 1;
+        stats.blocks_added += 1;
+        false
     }
 
     fn apply_removed(
@@ -517,7 +510,7 @@ impl PrefixIndex {
                     !self
                         .blocks
                         .get(key)
-                        .is_some_and(|h| h.as_slice().iter().any(|h| h.slot == entry.slot))
+                        .is_some_and(|h| h.iter().any(|h| h.slot == entry.slot))
                 })
                 .collect();
             self.speculative
@@ -670,7 +663,7 @@ impl PrefixIndex {
         };
         self.blocks
             .get(&key)
-            .is_some_and(|h| h.as_slice().iter().any(|h| h.slot == entry.slot))
+            .is_some_and(|h| h.iter().any(|h| h.slot == entry.slot))
     }
 
     /// An estimate of the bytes the index uses (tables at their capacity, plus boxed holder

@@ -68,10 +68,9 @@ impl KeyHasherScratch {
     /// The key of one block given the previous key (or the context seed for block 0), and
     /// an optional digest of extra keys that a plain text prefix cannot carry.
     pub fn next_key(&mut self, previous: u64, tokens: &[u32], opaque: Option<u64>) -> BlockKey {
-        self.bytes.clear();
-        self.bytes.reserve(tokens.len() * 4);
-        for token in tokens {
-            self.bytes.extend_from_slice(&token.to_le_bytes());
+        self.bytes.resize(tokens.len() * 4, 0);
+        for (bytes, token) in self.bytes.chunks_exact_mut(4).zip(tokens) {
+            bytes.copy_from_slice(&token.to_le_bytes());
         }
         let key = xxh3_64_with_seed(&self.bytes, previous);
         BlockKey(match opaque {
@@ -83,18 +82,44 @@ impl KeyHasherScratch {
 
 /// The keys of every full block of `tokens` (a trailing partial block has no key).
 pub fn block_keys(context: &KeyContext, tokens: &[u32], block_size: u32) -> Vec<BlockKey> {
-    let size = block_size.max(1) as usize;
-    let mut scratch = KeyHasherScratch::default();
-    let mut previous = context.seed();
-    tokens
-        .chunks_exact(size)
-        .map(|block| {
-            let key = scratch.next_key(previous, block, None);
-            previous = key.0;
-            key
-        })
-        .collect()
+    BlockKeys::new(context, tokens, block_size).collect()
 }
+
+/// The chain of block keys of a token sequence, computed one block at a time (so matching
+/// only hashes as far as it walks).
+pub struct BlockKeys<'a> {
+    blocks: std::slice::ChunksExact<'a, u32>,
+    previous: u64,
+    scratch: KeyHasherScratch,
+}
+
+impl<'a> BlockKeys<'a> {
+    /// The keys of `tokens` in `context` at `block_size` (0 is treated as 1).
+    pub fn new(context: &KeyContext, tokens: &'a [u32], block_size: u32) -> Self {
+        Self {
+            blocks: tokens.chunks_exact(block_size.max(1) as usize),
+            previous: context.seed(),
+            scratch: KeyHasherScratch::default(),
+        }
+    }
+}
+
+impl Iterator for BlockKeys<'_> {
+    type Item = BlockKey;
+
+    fn next(&mut self) -> Option<BlockKey> {
+        let block = self.blocks.next()?;
+        let key = self.scratch.next_key(self.previous, block, None);
+        self.previous = key.0;
+        Some(key)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.blocks.size_hint()
+    }
+}
+
+impl ExactSizeIterator for BlockKeys<'_> {}
 
 /// A fast hasher for keys that are already uniformly distributed 64-bit hashes (one multiply,
 /// FxHash style); not for attacker-chosen keys of arbitrary shape.

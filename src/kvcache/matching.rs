@@ -8,7 +8,7 @@
 use tokio::time::Instant;
 
 use super::index::PrefixIndex;
-use super::key::{BlockKey, KeyContext, block_keys};
+use super::key::{BlockKey, BlockKeys, KeyContext};
 use crate::endpoints::PodId;
 
 /// How much of a request's prefix one candidate pod holds.
@@ -94,9 +94,11 @@ impl PrefixIndex {
                 .filter(|(i, _)| per_candidate.get(*i) == Some(&size))
                 .map(|(i, pod)| (i, *pod))
                 .collect();
-            let keys = block_keys(context, tokens, size);
+            // Keys are computed lazily: only as far as some candidate still matches.
+            let keys = BlockKeys::new(context, tokens, size);
+            let total = keys.len();
             let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
-            for ((i, _), found) in group.iter().zip(self.match_keys(&keys, size, &pods)) {
+            for ((i, _), found) in group.iter().zip(self.match_iter(keys, total, size, &pods)) {
                 if let Some(cell) = out.get_mut(*i) {
                     *cell = Some(found);
                 }
@@ -114,6 +116,16 @@ impl PrefixIndex {
     pub fn match_keys(
         &self,
         keys: &[BlockKey],
+        block_size: u32,
+        candidates: &[PodId],
+    ) -> Vec<PrefixMatch> {
+        self.match_iter(keys.iter().copied(), keys.len(), block_size, candidates)
+    }
+
+    fn match_iter(
+        &self,
+        keys: impl Iterator<Item = BlockKey>,
+        total_blocks: usize,
         block_size: u32,
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
@@ -138,10 +150,11 @@ impl PrefixIndex {
         }
         let speculation = (!self.speculative.is_empty()).then(Instant::now);
         let gpu_weight = weights.first().copied().unwrap_or(1.0);
-        for (i, key) in keys.iter().enumerate() {
+        for (i, key) in keys.enumerate() {
             if alive == 0 {
                 break;
             }
+            let key = &key;
             let mut extended = 0;
             let mut visit = |slot: u32, tier_weight: f64| {
                 let Some(&position) = position_of_slot.get(slot as usize) else {
@@ -166,7 +179,7 @@ impl PrefixIndex {
             let mut found = false;
             if let Some(holders) = self.blocks.get(key) {
                 found = true;
-                for holder in holders.as_slice() {
+                for holder in holders.iter() {
                     let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
                     visit(holder.slot, tier_weight);
                 }
@@ -188,7 +201,7 @@ impl PrefixIndex {
             .map(|(p, pod)| PrefixMatch {
                 pod: *pod,
                 block_size,
-                total_blocks: keys.len(),
+                total_blocks,
                 matched_blocks: run.get(p).copied().unwrap_or(0),
                 weighted_blocks: weighted.get(p).copied().unwrap_or(0.0),
             })
