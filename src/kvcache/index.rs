@@ -155,7 +155,7 @@ pub(crate) struct PodEntry {
     /// Mirrors `PodBlocks::entries` for lock-free status reads.
     entries: AtomicU64,
     /// Block size learned from events (0 = unknown).
-    block_size: AtomicU32,
+    pub(super) block_size: AtomicU32,
 }
 
 impl PodEntry {

@@ -5,6 +5,8 @@
 //! × holders per block), independent of how many candidates already dropped out, and the walk
 //! stops at the first block that no candidate holds (confirmed or speculatively).
 
+use std::sync::atomic::Ordering;
+
 use tokio::time::Instant;
 
 use super::index::PrefixIndex;
@@ -79,13 +81,30 @@ impl PrefixIndex {
         tokens: &[u32],
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
-        let mut sizes: Vec<u32> = candidates
-            .iter()
-            .map(|pod| self.block_size_for(*pod))
-            .collect();
-        let per_candidate = sizes.clone();
+        let default_size = self.config().default_block_size.max(1);
+        let per_candidate: Vec<u32> = {
+            let table = self.table_read();
+            candidates
+                .iter()
+                .map(|pod| {
+                    table
+                        .by_id
+                        .get(pod)
+                        .map(|entry| entry.block_size.load(Ordering::Relaxed))
+                        .filter(|size| *size > 0)
+                        .unwrap_or(default_size)
+                })
+                .collect()
+        };
+        let mut sizes = per_candidate.clone();
         sizes.sort_unstable();
         sizes.dedup();
+        if let [size] = sizes[..] {
+            // The common case: one block size for every candidate.
+            let keys = BlockKeys::new(context, tokens, size);
+            let total = keys.len();
+            return self.match_iter(keys, total, size, candidates);
+        }
         let mut out: Vec<Option<PrefixMatch>> = vec![None; candidates.len()];
         for size in sizes {
             let group: Vec<(usize, PodId)> = candidates
