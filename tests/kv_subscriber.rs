@@ -59,8 +59,19 @@ impl TestPublisher {
     }
 
     async fn with_socket(socket: PubSocket, events: String) -> Self {
+        Self::with_sockets(socket, events, "tcp://127.0.0.1:0").await
+    }
+
+    /// A publisher whose PUB and ROUTER listen on fixed endpoints (a restarted engine).
+    async fn bind_at(events: &str, replay: &str) -> Self {
+        let mut socket = PubSocket::new();
+        let events = socket.bind(events).await.unwrap().to_string();
+        Self::with_sockets(socket, events, replay).await
+    }
+
+    async fn with_sockets(socket: PubSocket, events: String, replay: &str) -> Self {
         let mut router = RouterSocket::new();
-        let replay = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let replay = router.bind(replay).await.unwrap().to_string();
         let buffer: Buffer = Arc::default();
         let served = buffer.clone();
         let router = tokio::spawn(async move {
@@ -353,6 +364,59 @@ async fn restart_clears_stale_entries() {
     }
     // The first life's blocks that the second life did not store again are gone.
     assert!(index.pod_entries(pod()) < 62);
+}
+
+#[tokio::test]
+async fn restart_unseen_across_a_reconnect_is_rebuilt_not_patched() {
+    // Life A publishes 3 batches and dies; life B (same endpoints) publishes seq 0..=25 while
+    // we are disconnected, then 26..=30 once we are back. Seq 26 > 2 looks like a gap; after
+    // a reconnect it must be treated as a restart: clear, then rebuild B from seq 0.
+    let life_a = capture("vllm-0.32-kv-events/restart/after");
+    let life_b: Vec<(Bytes, Bytes)> = capture("vllm-0.32-kv-events")
+        .into_iter()
+        .take(31)
+        .collect();
+    let mut a = TestPublisher::bind().await;
+    let (index, manager) = manager();
+    manager.sync(&[endpoint(&a, true)]).await;
+    wait_for(&manager, "connection", |s| s.connected).await;
+    publish_all(&mut a, &manager, &life_a, |_| false).await;
+    wait_for(&manager, "life A applied", |s| s.last_seq == Some(2)).await;
+    let (events, replay) = (a.events.clone(), a.replay.clone());
+    drop(a);
+    wait_for(&manager, "disconnect", |s| !s.connected).await;
+    let mut b = TestPublisher::bind_at(&events, &replay).await;
+    for (seq, (topic, payload)) in life_b.iter().enumerate().take(26) {
+        b.publish(seq as u64, topic, payload, true).await;
+    }
+    wait_for(&manager, "reconnect", |s| s.connected).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut seq = 26;
+    while manager.status(pod()).is_none_or(|s| s.last_seq != Some(30)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            manager.status(pod())
+        );
+        if seq <= 30 {
+            let (topic, payload) = &life_b[seq as usize];
+            b.publish(seq, topic, payload, false).await;
+            seq += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let expected = reference(&life_b);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while index.pod_engine_hashes(pod()) != expected.pod_engine_hashes(pod()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?} vs {} expected entries",
+            manager.status(pod()),
+            expected.pod_entries(pod())
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(manager.status(pod()).unwrap().clears >= 1);
 }
 
 #[tokio::test]

@@ -1,8 +1,14 @@
-//! vLLM KV-cache events: wire decoding (and, in later modules, subscription and sequencing).
+//! vLLM KV-cache events in: ZMQ subscriptions, wire decoding, sequencing and replay.
+//!
+//! Pipeline: [`subscriber`] (one SUB per pod, or one central bound SUB) → `stream` (decode,
+//! seq per (pod, dp rank), gap → [`replay`], restart → clear) → one bounded channel → the
+//! index writer in [`manager`] → [`crate::kvcache::PrefixIndex`]. [`KvEventsManager::sync`]
+//! follows the pool; [`status`] and [`metrics`] report per pod.
 //!
 //! Why this is separate from [`crate::kvcache`]: the index must not know about ZMQ, msgpack or
 //! vLLM's layouts; it consumes typed [`decode::EventBatch`]es. Everything here treats the
-//! network as hostile (see DESIGN §3 for the facts the decoder agrees with).
+//! network as hostile (see DESIGN §3 for the facts the decoder agrees with). Concurrency and
+//! ordering rules: see [`manager`] and the `stream` module.
 
 pub mod decode;
 

@@ -12,6 +12,9 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMes
 
 use super::decode::decode_seq;
 
+/// Most batches kept from one replay exchange.
+pub const MAX_REPLAY_BATCHES: u64 = 50_000;
+
 /// The end marker's seq frame.
 pub const END_MARKER_SEQ: u64 = u64::MAX;
 
@@ -69,7 +72,9 @@ async fn fetch_inner(
     ])
     .map_err(|_| ReplayError::Malformed(0))?;
     socket.send(request).await?;
-    let wanted = until.saturating_sub(from);
+    // NOTE: bounded by vLLM's replay buffer size (buffer_steps, default 10,000) with room to
+    // spare; a larger gap is not coverable anyway and ends in a clear.
+    let wanted = until.saturating_sub(from).min(MAX_REPLAY_BATCHES);
     let mut out = Vec::new();
     loop {
         let reply = socket.recv().await?;

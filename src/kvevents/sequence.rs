@@ -33,8 +33,11 @@ impl SeqTracker {
             None if seq == 0 => SeqVerdict::InOrder,
             None => SeqVerdict::Gap { from: 0 },
             Some(&last) if seq <= last => SeqVerdict::Restart,
-            Some(&last) if seq == last + 1 => SeqVerdict::InOrder,
-            Some(&last) => SeqVerdict::Gap { from: last + 1 },
+            // `seq > last` here, so `last + 1` cannot overflow.
+            Some(&last) if seq == last.saturating_add(1) => SeqVerdict::InOrder,
+            Some(&last) => SeqVerdict::Gap {
+                from: last.saturating_add(1),
+            },
         }
     }
 
@@ -98,5 +101,10 @@ mod tests {
         assert_eq!(t.last_seq(), Some(7));
         t.unrecord(Some(0), 0);
         assert_eq!(t.classify(Some(0), 1), SeqVerdict::Gap { from: 0 });
+        // Hostile extremes do not overflow.
+        t.record(None, u64::MAX);
+        assert_eq!(t.classify(None, u64::MAX), SeqVerdict::Restart);
+        t.record(None, u64::MAX - 1);
+        assert_eq!(t.classify(None, u64::MAX), SeqVerdict::InOrder);
     }
 }

@@ -49,6 +49,8 @@ pub(crate) struct PodStream {
     /// The newest batch dropped on a full channel and not yet repaired: if no later batch
     /// comes to reveal the gap, the subscriber repairs it when the socket goes quiet.
     pending: Option<Pending>,
+    /// The subscriber reconnected: the publisher may have restarted meanwhile.
+    reconnected: bool,
 }
 
 #[derive(Debug)]
@@ -75,7 +77,16 @@ impl PodStream {
             shared,
             tx,
             pending: None,
+            reconnected: false,
         }
+    }
+
+    /// The connection was lost and re-established. A restarted engine that published past
+    /// our last seq before we reconnected would look like a mere gap, and replaying its new
+    /// batches on top of the old state would keep stale blocks; so after a reconnect any
+    /// discontinuity is treated as a restart (clear, then rebuild from seq 0 by replay).
+    pub(crate) fn mark_reconnected(&mut self) {
+        self.reconnected = true;
     }
 
     /// Whether a dropped batch still waits for repair.
@@ -89,9 +100,10 @@ impl PodStream {
         let Some(pending) = self.pending.take() else {
             return;
         };
-        if let SeqVerdict::Gap { from } = self.tracker.classify(pending.rank, pending.seq + 1) {
-            self.gap(from, pending.seq + 1);
-            self.recover(&pending.model, from, pending.seq + 1).await;
+        let until = pending.seq.saturating_add(1);
+        if let SeqVerdict::Gap { from } = self.tracker.classify(pending.rank, until) {
+            self.gap(from, until);
+            self.recover(&pending.model, from, until).await;
         }
     }
 
@@ -134,7 +146,12 @@ impl PodStream {
         };
         let rank = batch.dp_rank;
         let model: Arc<str> = Arc::from(model);
-        match self.tracker.classify(rank, seq) {
+        let mut verdict = self.tracker.classify(rank, seq);
+        if std::mem::take(&mut self.reconnected) && matches!(verdict, SeqVerdict::Gap { .. }) {
+            // NOTE: conservative: costs a rebuild after a mere network blip with a gap.
+            verdict = SeqVerdict::Restart;
+        }
+        match verdict {
             SeqVerdict::InOrder => self.deliver_live(model, rank, seq, batch),
             SeqVerdict::Gap { from } => {
                 self.gap(from, seq);
@@ -152,9 +169,6 @@ impl PodStream {
                 }
                 self.deliver(model, rank, seq, batch).await;
             }
-        }
-        if let Some(last) = self.tracker.last_seq() {
-            self.counters.last_seq.store(last, Ordering::Relaxed);
         }
         if let Some(pending) = &self.pending
             && self
@@ -183,7 +197,7 @@ impl PodStream {
             batch,
         };
         match self.tx.try_send(update) {
-            Ok(()) => self.tracker.record(rank, seq),
+            Ok(()) => self.record(rank, seq),
             Err(mpsc::error::TrySendError::Full(update)) => {
                 // Left unrecorded: the next batch shows a gap from this seq and is repaired;
                 // if none comes, `repair_pending` does it.
@@ -209,7 +223,15 @@ impl PodStream {
             batch,
         };
         if self.tx.send(update).await.is_ok() {
-            self.tracker.record(rank, seq);
+            self.record(rank, seq);
+        }
+    }
+
+    /// Records `seq` as handed to the writer, for sequencing and for the status view.
+    fn record(&mut self, rank: Option<i64>, seq: u64) {
+        self.tracker.record(rank, seq);
+        if let Some(last) = self.tracker.last_seq() {
+            self.counters.last_seq.store(last, Ordering::Relaxed);
         }
     }
 
@@ -248,7 +270,7 @@ impl PodStream {
         };
         replayed.sort_by_key(|b| b.seq);
         replayed.dedup_by_key(|b| b.seq);
-        let covered = replayed.len() as u64 == until - from
+        let covered = replayed.len() as u64 == until.saturating_sub(from)
             && replayed.first().is_some_and(|b| b.seq == from);
         if !covered {
             warn!(pod = %self.pod, from, until, got = replayed.len(), "replay cannot cover the gap: clearing the pod's entries");

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use futures::StreamExt;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
-use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
 
 use super::decode::{decode_seq, parse_topic};
 use super::manager::Shared;
@@ -23,6 +24,9 @@ use crate::endpoints::{Endpoint, PodId};
 /// How long the socket must be quiet before a dropped batch that no later batch revealed is
 /// repaired.
 const QUIET_REPAIR_DELAY: Duration = Duration::from_millis(50);
+
+/// Receive timeout when nothing is pending (only to loop; nothing happens on expiry).
+const IDLE_WAIT: Duration = Duration::from_secs(3600);
 
 /// Capped exponential backoff.
 #[derive(Clone, Copy, Debug)]
@@ -75,8 +79,12 @@ pub(crate) async fn run_pod_subscriber(
     let pod = endpoint.id;
     let mut stream = PodStream::new(pod, endpoint.kv_replay.clone(), shared.clone(), tx);
     let mut backoff = Backoff::new(shared.config.backoff_initial, shared.config.backoff_max);
+    let mut connected_before = false;
     loop {
         let mut socket = sub_socket(shared.config.connect_timeout);
+        // The SUB reconnects by itself after a publisher goes away; its monitor is how we learn
+        // that the stream may have been interrupted (and the engine possibly restarted).
+        let mut monitor = socket.monitor();
         let connected = match socket.subscribe("").await {
             Ok(()) => socket.connect(&events).await,
             Err(error) => Err(error),
@@ -87,19 +95,42 @@ pub(crate) async fn run_pod_subscriber(
             continue;
         }
         info!(%pod, %events, "KV-event subscriber connected");
+        if std::mem::replace(&mut connected_before, true) {
+            stream.mark_reconnected();
+        }
         stream.counters().connected.store(true, Ordering::Relaxed);
         backoff.reset();
         loop {
-            let received = if stream.has_pending() {
-                match tokio::time::timeout(QUIET_REPAIR_DELAY, socket.recv()).await {
+            let quiet = if stream.has_pending() {
+                QUIET_REPAIR_DELAY
+            } else {
+                IDLE_WAIT
+            };
+            let received = tokio::select! {
+                received = tokio::time::timeout(quiet, socket.recv()) => match received {
                     Ok(received) => received,
                     Err(_) => {
                         stream.repair_pending().await;
                         continue;
                     }
+                },
+                event = monitor.next() => {
+                    match event {
+                        Some(SocketEvent::Disconnected(_)) => {
+                            warn!(%pod, "KV-event publisher disconnected; the SUB reconnects");
+                            stream.counters().connected.store(false, Ordering::Relaxed);
+                            stream.mark_reconnected();
+                        }
+                        Some(SocketEvent::Connected(..)) => {
+                            info!(%pod, "KV-event publisher reconnected");
+                            stream.counters().connected.store(true, Ordering::Relaxed);
+                        }
+                        Some(_) => {}
+                        // The monitor is gone with its socket: start over.
+                        None => break,
+                    }
+                    continue;
                 }
-            } else {
-                socket.recv().await
             };
             match received {
                 Ok(message) => match frames(message) {
@@ -195,6 +226,9 @@ pub(crate) async fn run_central(
         });
         stream.set_replay(replay);
         stream.counters().connected.store(true, Ordering::Relaxed);
+        // NOTE: in central mode a disconnect cannot be tied to a pod (the ZMQ peer is not the
+        // topic), so an engine restart is detected by its seq going back only; a restart that
+        // publishes past our last seq before we hear from it again is taken for a gap.
         // NOTE: one task serves every pod in central mode, so a replay for one pod (bounded by
         // the replay timeout) delays the others; their messages wait in the socket buffer.
         stream.on_message(&parsed.model, seq, &payload).await;
