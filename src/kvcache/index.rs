@@ -681,3 +681,80 @@ impl PrefixIndex {
         bytes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvevents::BlockExtra;
+    use std::net::SocketAddr;
+
+    fn pod() -> PodId {
+        PodId(SocketAddr::from(([127, 0, 0, 1], 1)))
+    }
+
+    fn stored(blocks: usize, tier: Tier, tokens: bool) -> EventBatch {
+        let token_ids: Vec<u32> = if tokens {
+            (0..blocks as u32 * 4).collect()
+        } else {
+            Vec::new()
+        };
+        EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..blocks as u64).map(EngineHash).collect(),
+                token_ids,
+                block_size: Some(4),
+                tier,
+                extra: vec![BlockExtra::default(); blocks],
+                ..BlockStored::default()
+            })],
+            dp_rank: None,
+        }
+    }
+
+    #[test]
+    fn a_pod_cannot_grow_past_its_limit() {
+        let index = PrefixIndex::new(IndexConfig {
+            max_blocks_per_pod: 1000,
+            ..IndexConfig::default()
+        });
+        index.set_pod_capacity(pod(), 4); // 4 × 2 + 64 = 72
+        let stats = index.apply_batch(pod(), "m", &stored(100, Tier::Gpu, true));
+        assert_eq!(index.pod_entries(pod()), 72);
+        assert_eq!(stats.capacity_drops, 28);
+        // The hard cap wins over a huge learned capacity.
+        index.set_pod_capacity(pod(), 1 << 30);
+        index.clear_pod(pod());
+        index.apply_batch(pod(), "m", &stored(1200, Tier::Gpu, true));
+        assert_eq!(index.pod_entries(pod()), 1000);
+    }
+
+    #[test]
+    fn tiers_clear_separately_and_offload_copies_resolve_by_hash() {
+        let index = PrefixIndex::new(IndexConfig::default());
+        index.apply_batch(pod(), "m", &stored(3, Tier::Gpu, true));
+        // CPU copies announced without tokens are keyed through the GPU entries.
+        let stats = index.apply_batch(pod(), "m", &stored(3, Tier::Cpu, false));
+        assert_eq!((stats.blocks_added, stats.orphan_blocks), (3, 0));
+        assert_eq!(index.pod_entries(pod()), 6);
+        let tokens: Vec<u32> = (0..12).collect();
+        let context = KeyContext::model("m");
+        let found = &index.match_prefix(&context, &tokens, &[pod()])[0];
+        assert_eq!((found.matched_blocks, found.weighted_blocks), (3, 3.0));
+        let clear_gpu = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::AllBlocksCleared {
+                tier: Some(Tier::Gpu),
+            }],
+            dp_rank: None,
+        };
+        index.apply_batch(pod(), "m", &clear_gpu);
+        assert_eq!(index.pod_entries(pod()), 3);
+        let found = &index.match_prefix(&context, &tokens, &[pod()])[0];
+        assert_eq!(found.matched_blocks, 3);
+        assert!((found.weighted_blocks - 2.4).abs() < 1e-9, "cpu weight 0.8");
+        // Copies of unknown hashes cannot be keyed.
+        let stats = index.apply_batch(pod(), "m", &stored(5, Tier::Other, false));
+        assert_eq!(stats.orphan_blocks, 2);
+    }
+}
