@@ -288,6 +288,7 @@ async fn lost_messages_are_replayed_exactly() {
     assert_eq!(view["kv_events"]["gaps"], status.gaps);
     assert_eq!(view["kv_events"]["replays"], status.replays);
     assert_eq!(view["kv_events"]["clears"], 0);
+    assert_eq!(manager.pods_status(), vec![manager.pod_status(pod())]);
     let gauge = metric(&registry, "kvpick_kv_index_entries").unwrap();
     assert_eq!(gauge, 62.0);
     let gaps = metric(&registry, "kvpick_kv_events_gaps_total").unwrap();

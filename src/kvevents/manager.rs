@@ -238,6 +238,16 @@ impl KvEventsManager {
         }
     }
 
+    /// [`Self::pod_status`] of every pod the index knows, sorted by address.
+    pub fn pods_status(&self) -> Vec<PodIndexStatus> {
+        self.shared
+            .index
+            .pods()
+            .into_iter()
+            .map(|pod| self.pod_status(pod))
+            .collect()
+    }
+
     /// Stops every task (also done on drop).
     pub fn shutdown(&self) {
         if let Ok(mut tasks) = self.tasks.try_lock() {
