@@ -289,6 +289,29 @@ async fn lost_messages_are_replayed_exactly() {
     assert_eq!(view["kv_events"]["replays"], status.replays);
     assert_eq!(view["kv_events"]["clears"], 0);
     assert_eq!(manager.pods_status(), vec![manager.pod_status(pod())]);
+
+    // Hostile messages are counted and skipped; the index is untouched.
+    let topic = batches[0].0.clone();
+    publisher
+        .publish(68, &topic, &Bytes::from_static(b"\xc1not msgpack"), false)
+        .await;
+    let two_frames = ZmqMessage::try_from(vec![topic, Bytes::from_static(b"x")]).unwrap();
+    publisher.socket.send(two_frames).await.unwrap();
+    wait_for(&manager, "two malformed", |s| s.malformed == 2).await;
+    let status = manager.status(pod()).unwrap();
+    assert_eq!(
+        (status.last_seq, status.clears),
+        (Some(67), 0),
+        "{status:?}"
+    );
+    assert_eq!(
+        index.pod_engine_hashes(pod()),
+        expected.pod_engine_hashes(pod())
+    );
+    assert_eq!(
+        metric(&registry, "kvpick_kv_events_malformed_total"),
+        Some(2.0)
+    );
     let gauge = metric(&registry, "kvpick_kv_index_entries").unwrap();
     assert_eq!(gauge, 62.0);
     let gaps = metric(&registry, "kvpick_kv_events_gaps_total").unwrap();
