@@ -1,1 +1,23 @@
-//! (placeholder: filled in by its issue)
+//! The precise prefix index: kvpick's own block keys, which pods hold them, prefix matching.
+//!
+//! Why its own keys: the engine's hash depends on its algorithm, version and seed; kvpick keys
+//! blocks by a chained xxh3-64 of their token ids (seeded by model, LoRA and cache salt) so a
+//! request's prefix is keyed the same way from its own tokens ([`key`]). The index
+//! ([`index`]) is fed typed batches by [`crate::kvevents`] and answers, per candidate pod, how
+//! many leading blocks of a request it holds ([`matching`]). Requests kvpick routes are
+//! recorded too: as short-lived speculative holders on pods that publish events (so a burst
+//! of one prefix does not scatter before the events arrive), or in a per pod LRU set for pods
+//! without events (the approximate mode). Concurrency rules: see [`index`].
+
+mod approx;
+mod holders;
+pub mod index;
+pub mod key;
+pub mod matching;
+pub mod metrics;
+mod speculative;
+
+pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
+pub use key::{BlockKey, BlockKeys, KeyContext, block_keys};
+pub use matching::{DebugPrefix, DebugPrefixPod, PrefixMatch};
+pub use metrics::IndexMetrics;

@@ -1,0 +1,212 @@
+//! Prefix index figures: ingest rate (blocks/s, one core), match latency for a 2,048-block
+//! prompt over 100 pods, and memory per (block, pod) entry (printed).
+//!
+//! Run: `cargo bench --bench kvcache`.
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use kvpick::endpoints::PodId;
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, block_keys};
+use kvpick::kvevents::{
+    BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
+};
+
+const BLOCK: usize = 16;
+
+fn pod(i: usize) -> PodId {
+    PodId(SocketAddr::from((
+        [10, 0, (i / 250) as u8, (i % 250) as u8],
+        8000,
+    )))
+}
+
+/// `chains` chains of `per_chain` blocks each, with distinct tokens; engine hashes are
+/// arbitrary distinct numbers (the index never interprets them).
+fn store_batch(seed: u32, chains: usize, per_chain: usize) -> (EventBatch, Vec<EngineHash>) {
+    let mut events = Vec::new();
+    let mut hashes = Vec::new();
+    for chain in 0..chains {
+        let tokens: Vec<u32> = (0..per_chain * BLOCK)
+            .map(|t| seed.wrapping_mul(7919) ^ (chain as u32 * 100_003 + t as u32))
+            .collect();
+        let chain_hashes: Vec<EngineHash> = (0..per_chain)
+            .map(|b| {
+                EngineHash(
+                    (u64::from(seed) << 40) ^ ((chain as u64) << 20) ^ b as u64 ^ 0x9e37_79b9,
+                )
+            })
+            .collect();
+        hashes.extend(&chain_hashes);
+        events.push(KvEvent::BlockStored(BlockStored {
+            block_hashes: chain_hashes,
+            parent_block_hash: None,
+            token_ids: tokens,
+            block_size: Some(BLOCK as u32),
+            tier: Tier::Gpu,
+            extra: vec![BlockExtra::default(); per_chain],
+            ..BlockStored::default()
+        }));
+    }
+    let batch = EventBatch {
+        ts: 0.0,
+        events,
+        dp_rank: Some(0),
+    };
+    (batch, hashes)
+}
+
+fn remove_batch(hashes: &[EngineHash]) -> EventBatch {
+    EventBatch {
+        ts: 0.0,
+        // vLLM sends one hash per BlockRemoved event.
+        events: hashes
+            .iter()
+            .rev()
+            .map(|h| {
+                KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: vec![*h],
+                    tier: Tier::Gpu,
+                    group_idx: None,
+                })
+            })
+            .collect(),
+        dp_rank: Some(0),
+    }
+}
+
+fn ingest(c: &mut Criterion) {
+    let (stores, hashes) = store_batch(1, 64, 64);
+    let removes = remove_batch(&hashes);
+    let mut group = c.benchmark_group("ingest");
+    group.throughput(Throughput::Elements(hashes.len() as u64));
+    group.bench_function("store_4096_blocks", |b| {
+        b.iter_batched(
+            || PrefixIndex::new(IndexConfig::default()),
+            |index| {
+                index.apply_batch(pod(0), "m", &stores);
+                index
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    group.bench_function("remove_4096_blocks", |b| {
+        b.iter_batched(
+            || {
+                let index = PrefixIndex::new(IndexConfig::default());
+                index.apply_batch(pod(0), "m", &stores);
+                index
+            },
+            |index| {
+                index.apply_batch(pod(0), "m", &removes);
+                index
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    group.finish();
+}
+
+/// A 2,048-block prompt and an index of 100 pods; `shared` makes every pod hold a prefix of
+/// it (pod i the first 2048·(i+1)/100 blocks: the worst case, ~100 holders per block), else one pod
+/// holds it all and the others hold unrelated blocks.
+fn match_setup(shared: bool) -> (PrefixIndex, Vec<u32>, Vec<PodId>) {
+    let index = PrefixIndex::new(IndexConfig::default());
+    let context = KeyContext::model("m");
+    let prompt: Vec<u32> = (0..2048 * BLOCK as u32)
+        .map(|t| t.wrapping_mul(31))
+        .collect();
+    let pods: Vec<PodId> = (0..100).map(pod).collect();
+    for (i, p) in pods.iter().enumerate() {
+        let held = if shared {
+            2048 * (i + 1) / 100
+        } else if i == 0 {
+            2048
+        } else {
+            0
+        };
+        let mut stored = BlockStored {
+            block_hashes: (0..held).map(|b| EngineHash(b as u64 + 1)).collect(),
+            token_ids: prompt[..held * BLOCK].to_vec(),
+            block_size: Some(BLOCK as u32),
+            extra: vec![BlockExtra::default(); held],
+            ..BlockStored::default()
+        };
+        if held == 0 {
+            let (other, _) = store_batch(i as u32 + 10, 4, 512);
+            index.apply_batch(*p, "m", &other);
+            continue;
+        }
+        stored.tier = if i % 2 == 0 { Tier::Gpu } else { Tier::Cpu };
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(stored)],
+            dp_rank: None,
+        };
+        index.apply_batch(*p, "m", &batch);
+    }
+    let found = index.match_prefix(&context, &prompt, &pods);
+    assert_eq!(found.iter().map(|m| m.matched_blocks).max(), Some(2048));
+    (index, prompt, pods)
+}
+
+fn matching(c: &mut Criterion) {
+    let context = KeyContext::model("m");
+    let mut group = c.benchmark_group("match_2048_blocks_100_pods");
+    for shared in [false, true] {
+        let (index, prompt, pods) = match_setup(shared);
+        let name = if shared {
+            "all_pods_hold_prefixes"
+        } else {
+            "one_pod_holds_it"
+        };
+        group.bench_function(format!("{name}/tokens"), |b| {
+            b.iter(|| black_box(index.match_prefix(&context, black_box(&prompt), &pods)))
+        });
+        let keys = block_keys(&context, &prompt, BLOCK as u32);
+        group.bench_function(format!("{name}/keys_precomputed"), |b| {
+            b.iter(|| black_box(index.match_keys(black_box(&keys), BLOCK as u32, &pods)))
+        });
+    }
+    group.bench_function("keying_only", |b| {
+        let prompt: Vec<u32> = (0..2048 * BLOCK as u32).collect();
+        b.iter(|| black_box(block_keys(&context, black_box(&prompt), BLOCK as u32)))
+    });
+    group.finish();
+}
+
+/// Prints bytes per (block, pod) entry for 100 pods × 20,000 blocks, unshared and with every
+/// block held by 10 pods.
+fn memory(_: &mut Criterion) {
+    for holders_per_block in [1usize, 10] {
+        let index = PrefixIndex::new(IndexConfig::default());
+        let pods = 100;
+        let per_pod = 20_000;
+        for i in 0..pods {
+            // Pods in groups of `holders_per_block` store the same chains.
+            let group = i / holders_per_block;
+            let (batch, _) = store_batch(group as u32 + 1, 20, per_pod / 20);
+            index.apply_batch(pod(i), "m", &batch);
+        }
+        let entries: usize = (0..pods).map(|i| index.pod_entries(pod(i))).sum();
+        let bytes = index.memory_bytes();
+        println!(
+            "memory: {holders_per_block} pod(s) per block: {entries} (block, pod) entries, \
+             {} distinct blocks, {bytes} bytes, {:.1} B/entry",
+            index.distinct_blocks(),
+            bytes as f64 / entries as f64
+        );
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(30);
+    targets = memory, ingest, matching
+}
+criterion_main!(benches);

@@ -1,0 +1,760 @@
+//! The precise prefix index: which pods hold which blocks, fed by KV events.
+//!
+//! Two structures, kept consistent by one writer per pod:
+//! - the global block map `BlockKey → holders (pod slot, tier, refs)`, read by matching;
+//! - per pod, `engine hash → (BlockKey, refs per tier)`, used to key `BlockRemoved` events
+//!   (which carry only engine hashes), to chain `BlockStored` events that start at a parent,
+//!   and to count references: vLLM can store the same hash twice and remove it twice (DESIGN
+//!   §3), so a block leaves the index at its last removal.
+//!
+//! # Concurrency rules
+//! - Matching never blocks on a whole pod: it takes one shard read lock of the block map per
+//!   block, so it sees each holder change atomically but may see a batch half applied (a
+//!   batch is a few blocks; the next lookup sees the rest).
+//! - All writes for a pod (apply, clear, purge) take that pod's mutex first, then touch block
+//!   map shards one at a time (never two at once). Lock order: pod table → pod mutex → shard.
+//!   No lock is held across an `.await`.
+//! - The mutex makes concurrent writers for one pod safe, not ordered: the caller (the pod's
+//!   subscriber) must feed batches in sequence order from one task.
+//! - A purged pod is marked retired under its mutex before its slot is freed, so a writer
+//!   that raced the purge cannot re-insert holders under a slot that may be reused.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+use super::approx::LruBlocks;
+use super::holders::Holders;
+use super::key::{BlockKey, KeyContext, KeyHasherScratch, PrehashedState, block_keys};
+use super::metrics::IndexMetrics;
+use super::speculative::Speculative;
+use crate::endpoints::PodId;
+use crate::kvevents::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+
+/// Weight of a matched block per tier (index = [`Tier::index`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierWeights(pub [f64; 3]);
+
+impl Default for TierWeights {
+    /// gpu 1.0, cpu 0.8 (DESIGN §5), anything slower 0.5.
+    fn default() -> Self {
+        TierWeights([1.0, 0.8, 0.5])
+    }
+}
+
+impl TierWeights {
+    /// The weight of one tier.
+    pub fn of(&self, tier: Tier) -> f64 {
+        self.0.get(tier.index()).copied().unwrap_or(0.0)
+    }
+}
+
+/// Limits and defaults of the index.
+#[derive(Clone, Debug)]
+pub struct IndexConfig {
+    /// Hard cap of (block, tier) entries per pod, whatever the pod reports.
+    pub max_blocks_per_pod: usize,
+    /// Headroom over a learned capacity (`num_gpu_blocks`): limit = capacity × this + 64
+    /// (offload tiers and re-announcements need some room), never above the hard cap.
+    pub capacity_headroom: f64,
+    /// Tier weights for matching.
+    pub tier_weights: TierWeights,
+    /// Block size assumed for a pod whose events have not told it yet.
+    pub default_block_size: u32,
+    /// How long a routed request's blocks count as speculatively held by its pod.
+    pub speculative_ttl: std::time::Duration,
+    /// Bound on speculative (block, pod) entries in total.
+    pub max_speculative_entries: usize,
+    /// Blocks remembered per pod in approximate mode (pods without events), until a learned
+    /// capacity replaces it.
+    pub approx_capacity_blocks: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            max_blocks_per_pod: 4 << 20,
+            capacity_headroom: 2.0,
+            tier_weights: TierWeights::default(),
+            default_block_size: 16,
+            speculative_ttl: std::time::Duration::from_secs(2),
+            max_speculative_entries: 1 << 20,
+            approx_capacity_blocks: 16_384,
+        }
+    }
+}
+
+/// What applying one batch did (also accumulated per pod).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ApplyStats {
+    /// Blocks newly held (a tier went from 0 to 1 reference).
+    pub blocks_added: u64,
+    /// Blocks no longer held (last reference removed).
+    pub blocks_removed: u64,
+    /// Stores of a hash already held, counted as another reference.
+    pub duplicate_stores: u64,
+    /// Stores re-announcing blocks already held (a chain from block 0 whose blocks are all
+    /// held: `kv_cache_report_mode: "full"`), not counted again.
+    pub reannounced: u64,
+    /// Removals of hashes not held (events lost before we subscribed, or already cleared).
+    pub unknown_removals: u64,
+    /// Blocks whose parent is unknown (so their key cannot be computed); skipped.
+    pub orphan_blocks: u64,
+    /// Events that contradict themselves (token count ≠ blocks × block size); skipped.
+    pub inconsistent_events: u64,
+    /// Blocks refused because the pod reached its block limit.
+    pub capacity_drops: u64,
+    /// `AllBlocksCleared` events applied.
+    pub cleared: u64,
+}
+
+impl ApplyStats {
+    fn add(&mut self, other: &ApplyStats) {
+        self.blocks_added += other.blocks_added;
+        self.blocks_removed += other.blocks_removed;
+        self.duplicate_stores += other.duplicate_stores;
+        self.reannounced += other.reannounced;
+        self.unknown_removals += other.unknown_removals;
+        self.orphan_blocks += other.orphan_blocks;
+        self.inconsistent_events += other.inconsistent_events;
+        self.capacity_drops += other.capacity_drops;
+        self.cleared += other.cleared;
+    }
+}
+
+/// References of one engine hash on one pod.
+#[derive(Clone, Copy, Debug)]
+struct HashEntry {
+    key: BlockKey,
+    refs: [u16; 3],
+}
+
+/// Per pod state guarded by the pod's mutex.
+#[derive(Default)]
+struct PodBlocks {
+    by_hash: HashMap<EngineHash, HashEntry, PrehashedState>,
+    /// (block, tier) entries held: the quantity bounded by `limit`.
+    entries: usize,
+    limit: usize,
+    retired: bool,
+    stats: ApplyStats,
+    /// Set by the first event batch: from then on routing records are speculative only.
+    precise: bool,
+    /// Approximate mode (no events yet): blocks learned from routing.
+    approx: LruBlocks,
+    approx_capacity: usize,
+}
+
+/// One pod known to the index.
+pub(crate) struct PodEntry {
+    pub(super) slot: u32,
+    state: Mutex<PodBlocks>,
+    /// Mirrors `PodBlocks::entries` for lock-free status reads.
+    entries: AtomicU64,
+    /// Block size learned from events (0 = unknown).
+    pub(super) block_size: AtomicU32,
+}
+
+impl PodEntry {
+    fn lock(&self) -> MutexGuard<'_, PodBlocks> {
+        // NOTE: a panic while holding the lock cannot leave the maps unsafe to read, only
+        // incomplete; keep serving rather than propagate the poison.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Default)]
+pub(super) struct PodTable {
+    pub(super) by_id: HashMap<PodId, Arc<PodEntry>>,
+    pub(super) slots: Vec<Option<PodId>>,
+    free: Vec<u32>,
+}
+
+/// The precise prefix index (see the module docs for its concurrency rules).
+pub struct PrefixIndex {
+    config: IndexConfig,
+    pub(super) blocks: DashMap<BlockKey, Holders, PrehashedState>,
+    pods: RwLock<PodTable>,
+    pub(super) speculative: Speculative,
+    pub(super) metrics: Option<IndexMetrics>,
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    pub fn new(config: IndexConfig) -> Self {
+        Self {
+            blocks: DashMap::with_hasher(PrehashedState::default()),
+            pods: RwLock::new(PodTable::default()),
+            speculative: Speculative::new(config.speculative_ttl, config.max_speculative_entries),
+            config,
+            metrics: None,
+        }
+    }
+
+    /// An empty index whose lookups are measured in `registry` (latency, hit ratio).
+    pub fn with_registry(
+        config: IndexConfig,
+        registry: &prometheus::Registry,
+    ) -> prometheus::Result<Self> {
+        let mut index = Self::new(config);
+        index.metrics = Some(IndexMetrics::new(registry)?);
+        Ok(index)
+    }
+
+    /// The index's configuration.
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    pub(super) fn table_read(&self) -> std::sync::RwLockReadGuard<'_, PodTable> {
+        self.pods.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn table_write(&self) -> std::sync::RwLockWriteGuard<'_, PodTable> {
+        self.pods.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pod(&self, pod: PodId) -> Option<Arc<PodEntry>> {
+        self.table_read().by_id.get(&pod).cloned()
+    }
+
+    fn pod_or_insert(&self, pod: PodId) -> Arc<PodEntry> {
+        if let Some(entry) = self.pod(pod) {
+            return entry;
+        }
+        let mut table = self.table_write();
+        if let Some(entry) = table.by_id.get(&pod) {
+            return entry.clone();
+        }
+        let slot = match table.free.pop() {
+            Some(slot) => slot,
+            None => {
+                table.slots.push(None);
+                (table.slots.len() - 1) as u32
+            }
+        };
+        if let Some(cell) = table.slots.get_mut(slot as usize) {
+            *cell = Some(pod);
+        }
+        let entry = Arc::new(PodEntry {
+            slot,
+            state: Mutex::new(PodBlocks {
+                limit: self.config.max_blocks_per_pod,
+                approx_capacity: self.config.approx_capacity_blocks,
+                ..PodBlocks::default()
+            }),
+            entries: AtomicU64::new(0),
+            block_size: AtomicU32::new(0),
+        });
+        table.by_id.insert(pod, entry.clone());
+        entry
+    }
+
+    /// Registers a pod (idempotent); matching treats unknown pods as holding nothing anyway.
+    pub fn ensure_pod(&self, pod: PodId) {
+        self.pod_or_insert(pod);
+    }
+
+    /// Bounds a pod by its learned capacity (`num_gpu_blocks` from `cache_config_info`).
+    pub fn set_pod_capacity(&self, pod: PodId, num_blocks: usize) {
+        let entry = self.pod_or_insert(pod);
+        let limit = (num_blocks as f64 * self.config.capacity_headroom) as usize + 64;
+        let mut state = entry.lock();
+        state.limit = limit.min(self.config.max_blocks_per_pod);
+        state.approx_capacity = num_blocks.min(self.config.max_blocks_per_pod);
+    }
+
+    /// Sets a pod's block size (when known from configuration or metrics before any event).
+    pub fn set_pod_block_size(&self, pod: PodId, block_size: u32) {
+        if block_size > 0 {
+            self.pod_or_insert(pod)
+                .block_size
+                .store(block_size, Ordering::Relaxed);
+        }
+    }
+
+    /// Applies one decoded batch from `pod`, whose topic names `model`. Batches of one pod must
+    /// be applied in sequence order, from one task at a time.
+    pub fn apply_batch(&self, pod: PodId, model: &str, batch: &EventBatch) -> ApplyStats {
+        let entry = self.pod_or_insert(pod);
+        let mut state = entry.lock();
+        let mut stats = ApplyStats::default();
+        if state.retired {
+            return stats;
+        }
+        if !state.precise {
+            // The pod publishes events: what routing history suggested is replaced by facts.
+            state.precise = true;
+            self.drop_approx(&entry, &mut state);
+        }
+        let mut scratch = KeyHasherScratch::default();
+        for event in &batch.events {
+            match event {
+                KvEvent::BlockStored(stored) => {
+                    self.apply_stored(&entry, &mut state, model, stored, &mut scratch, &mut stats)
+                }
+                KvEvent::BlockRemoved(removed) => {
+                    self.apply_removed(&entry, &mut state, removed, &mut stats)
+                }
+                KvEvent::AllBlocksCleared { tier } => {
+                    self.clear_locked(&entry, &mut state, *tier);
+                    stats.cleared += 1;
+                }
+                KvEvent::Unknown(_) => {}
+            }
+        }
+        state.stats.add(&stats);
+        entry.entries.store(state.entries as u64, Ordering::Relaxed);
+        stats
+    }
+
+    fn apply_stored(
+        &self,
+        entry: &PodEntry,
+        state: &mut PodBlocks,
+        model: &str,
+        stored: &BlockStored,
+        scratch: &mut KeyHasherScratch,
+        stats: &mut ApplyStats,
+    ) {
+        let blocks = stored.block_hashes.len();
+        if blocks == 0 {
+            return;
+        }
+        let tier = stored.tier;
+        if stored.token_ids.is_empty() {
+            // Offload tiers may omit tokens: the same hash is already keyed in another tier.
+            for hash in &stored.block_hashes {
+                match state.by_hash.get(hash).map(|e| e.key) {
+                    Some(key) => {
+                        self.insert(entry, state, *hash, key, tier, false, stats);
+                    }
+                    None => stats.orphan_blocks += 1,
+                }
+            }
+            return;
+        }
+        let block_size = match stored.block_size {
+            Some(size) if size as usize * blocks == stored.token_ids.len() => size as usize,
+            None if stored.token_ids.len().is_multiple_of(blocks) => {
+                stored.token_ids.len() / blocks
+            }
+            _ => {
+                stats.inconsistent_events += 1;
+                return;
+            }
+        };
+        if block_size == 0 {
+            stats.inconsistent_events += 1;
+            return;
+        }
+        entry.block_size.store(block_size as u32, Ordering::Relaxed);
+        let mut previous = match stored.parent_block_hash {
+            None => KeyContext {
+                model: model.to_string(),
+                lora_name: stored.lora_name.clone(),
+                cache_salt: stored.extra.first().and_then(|e| e.cache_salt.clone()),
+            }
+            .seed(),
+            Some(parent) => match state.by_hash.get(&parent) {
+                Some(parent) => parent.key.0,
+                None => {
+                    stats.orphan_blocks += blocks as u64;
+                    return;
+                }
+            },
+        };
+        // NOTE: a chain from block 0 whose leading blocks are all held already is a
+        // re-announcement (`kv_cache_report_mode: "full"`), not new physical blocks; counting it
+        // would keep those blocks in the index after their single real eviction (a false
+        // positive). The cost: two identical physical copies of block 0 stored concurrently are
+        // counted once, so the index may forget them one removal early (a false negative).
+        let mut reannounce = stored.parent_block_hash.is_none();
+        for (i, (hash, tokens)) in stored
+            .block_hashes
+            .iter()
+            .zip(stored.token_ids.chunks_exact(block_size))
+            .enumerate()
+        {
+            let opaque = stored.extra.get(i).and_then(|e| e.opaque);
+            let key = scratch.next_key(previous, tokens, opaque);
+            previous = key.0;
+            reannounce = self.insert(entry, state, *hash, key, tier, reannounce, stats);
+        }
+    }
+
+    /// Adds one reference of `hash` in `tier`; returns whether the re-announcement run
+    /// continues (the block was already held).
+    #[allow(clippy::too_many_arguments)]
+    fn insert(
+        &self,
+        entry: &PodEntry,
+        state: &mut PodBlocks,
+        hash: EngineHash,
+        key: BlockKey,
+        tier: Tier,
+        reannounce: bool,
+        stats: &mut ApplyStats,
+    ) -> bool {
+        use std::collections::hash_map::Entry;
+        let t = tier.index();
+        let at_limit = state.entries >= state.limit;
+        let added_key = match state.by_hash.entry(hash) {
+            Entry::Occupied(mut occupied) => {
+                let existing_key = occupied.get().key;
+                let Some(refs) = occupied.get_mut().refs.get_mut(t) else {
+                    return false;
+                };
+                if *refs > 0 {
+                    if reannounce {
+                        stats.reannounced += 1;
+                        return true;
+                    }
+                    *refs = refs.saturating_add(1);
+                    stats.duplicate_stores += 1;
+                    return false;
+                }
+                if at_limit {
+                    stats.capacity_drops += 1;
+                    return false;
+                }
+                *refs = 1;
+                existing_key
+            }
+            Entry::Vacant(vacant) => {
+                if at_limit {
+                    stats.capacity_drops += 1;
+                    return false;
+                }
+                let mut refs = [0u16; 3];
+                if let Some(r) = refs.get_mut(t) {
+                    *r = 1;
+                }
+                vacant.insert(HashEntry { key, refs });
+                key
+            }
+        };
+        self.add_holder(added_key, entry.slot, tier);
+        state.entries += 1;
+        stats.blocks_added += 1;
+        false
+    }
+
+    fn apply_removed(
+        &self,
+        entry: &PodEntry,
+        state: &mut PodBlocks,
+        removed: &BlockRemoved,
+        stats: &mut ApplyStats,
+    ) {
+        let t = removed.tier.index();
+        for hash in &removed.block_hashes {
+            let Some(e) = state.by_hash.get_mut(hash) else {
+                stats.unknown_removals += 1;
+                continue;
+            };
+            let Some(r) = e.refs.get_mut(t).filter(|r| **r > 0) else {
+                stats.unknown_removals += 1;
+                continue;
+            };
+            *r -= 1;
+            if *r > 0 {
+                continue;
+            }
+            let key = e.key;
+            if e.refs.iter().all(|r| *r == 0) {
+                state.by_hash.remove(hash);
+            }
+            self.remove_holder(key, entry.slot, removed.tier);
+            state.entries = state.entries.saturating_sub(1);
+            stats.blocks_removed += 1;
+        }
+    }
+
+    fn add_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
+        self.blocks
+            .entry(key)
+            .and_modify(|h| h.add(slot, tier))
+            .or_insert_with(|| Holders::new(slot, tier));
+        self.speculative.confirm(&key, slot);
+    }
+
+    fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
+        for key in state.approx.drain() {
+            self.remove_holder(key, entry.slot, Tier::Gpu);
+            state.entries = state.entries.saturating_sub(1);
+        }
+    }
+
+    /// Records that kvpick routed a request with these tokens to `pod`. For a pod that
+    /// publishes events, its blocks count as held for the speculative TTL (until confirmed);
+    /// for a pod without events, they enter its approximate LRU set.
+    pub fn record_routed(&self, pod: PodId, context: &KeyContext, tokens: &[u32]) {
+        let entry = self.pod_or_insert(pod);
+        let keys = block_keys(context, tokens, self.block_size_for(pod));
+        if keys.is_empty() {
+            return;
+        }
+        let mut state = entry.lock();
+        if state.retired {
+            return;
+        }
+        if state.precise {
+            drop(state);
+            let missing: Vec<BlockKey> = keys
+                .into_iter()
+                .filter(|key| {
+                    !self
+                        .blocks
+                        .get(key)
+                        .is_some_and(|h| h.iter().any(|h| h.slot == entry.slot))
+                })
+                .collect();
+            self.speculative
+                .record(entry.slot, &missing, Instant::now());
+            return;
+        }
+        let capacity = state.approx_capacity;
+        let (added, evicted) = state.approx.touch(&keys, capacity);
+        for key in &added {
+            self.add_holder(*key, entry.slot, Tier::Gpu);
+        }
+        for key in &evicted {
+            self.remove_holder(*key, entry.slot, Tier::Gpu);
+        }
+        state.entries = (state.entries + added.len()).saturating_sub(evicted.len());
+        entry.entries.store(state.entries as u64, Ordering::Relaxed);
+    }
+
+    /// Speculative entries currently stored (expired ones included until purged).
+    pub fn speculative_entries(&self) -> usize {
+        self.speculative.len()
+    }
+
+    /// Drops expired speculative entries (matching ignores them anyway; this frees memory).
+    pub fn purge_expired_speculation(&self) {
+        self.speculative.purge_expired(Instant::now());
+    }
+
+    fn remove_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
+        if let dashmap::Entry::Occupied(mut occupied) = self.blocks.entry(key)
+            && occupied.get_mut().remove(slot, tier)
+        {
+            occupied.remove();
+        }
+    }
+
+    /// Drops the pod's entries in one tier (or all), keeping the pod registered.
+    fn clear_locked(&self, entry: &PodEntry, state: &mut PodBlocks, tier: Option<Tier>) {
+        let mut emptied = Vec::new();
+        for (hash, e) in state.by_hash.iter_mut() {
+            for t in Tier::ALL {
+                if tier.is_some_and(|only| only != t) {
+                    continue;
+                }
+                let Some(r) = e.refs.get_mut(t.index()) else {
+                    continue;
+                };
+                if *r > 0 {
+                    *r = 0;
+                    self.remove_holder(e.key, entry.slot, t);
+                    state.entries = state.entries.saturating_sub(1);
+                }
+            }
+            if e.refs.iter().all(|r| *r == 0) {
+                emptied.push(*hash);
+            }
+        }
+        for hash in emptied {
+            state.by_hash.remove(&hash);
+        }
+        if tier.is_none() {
+            state.by_hash = HashMap::default();
+            self.drop_approx(entry, state);
+            state.entries = 0;
+        }
+        entry.entries.store(state.entries as u64, Ordering::Relaxed);
+    }
+
+    /// Drops everything known about a pod's cache (engine restart, unrecoverable gap); the pod
+    /// stays registered and rebuilds from new events.
+    pub fn clear_pod(&self, pod: PodId) {
+        if let Some(entry) = self.pod(pod) {
+            let mut state = entry.lock();
+            self.clear_locked(&entry, &mut state, None);
+        }
+    }
+
+    /// Removes a pod entirely (it left the pool): its entries, counters and slot.
+    pub fn purge_pod(&self, pod: PodId) {
+        let Some(entry) = self.table_write().by_id.remove(&pod) else {
+            return;
+        };
+        {
+            let mut state = entry.lock();
+            state.retired = true;
+            self.clear_locked(&entry, &mut state, None);
+        }
+        self.speculative.remove_slot(entry.slot);
+        let mut table = self.table_write();
+        if let Some(cell) = table.slots.get_mut(entry.slot as usize) {
+            *cell = None;
+        }
+        table.free.push(entry.slot);
+    }
+
+    /// Pods the index knows.
+    pub fn pods(&self) -> Vec<PodId> {
+        let mut pods: Vec<PodId> = self.table_read().by_id.keys().copied().collect();
+        pods.sort();
+        pods
+    }
+
+    /// (block, tier) entries a pod holds.
+    pub fn pod_entries(&self, pod: PodId) -> usize {
+        self.pod(pod)
+            .map_or(0, |e| e.entries.load(Ordering::Relaxed) as usize)
+    }
+
+    /// The block size learned for a pod, when any.
+    pub fn pod_block_size(&self, pod: PodId) -> Option<u32> {
+        self.pod(pod)
+            .map(|e| e.block_size.load(Ordering::Relaxed))
+            .filter(|b| *b > 0)
+    }
+
+    /// Counters accumulated over every batch applied for a pod.
+    pub fn pod_stats(&self, pod: PodId) -> Option<ApplyStats> {
+        self.pod(pod).map(|e| e.lock().stats)
+    }
+
+    /// The engine hashes a pod holds, per tier (for tests and debugging; copies the map).
+    pub fn pod_engine_hashes(&self, pod: PodId) -> Vec<(EngineHash, Tier)> {
+        let Some(entry) = self.pod(pod) else {
+            return Vec::new();
+        };
+        let state = entry.lock();
+        let mut out: Vec<(EngineHash, Tier)> = state
+            .by_hash
+            .iter()
+            .flat_map(|(hash, e)| {
+                Tier::ALL
+                    .into_iter()
+                    .filter(|t| e.refs.get(t.index()).is_some_and(|r| *r > 0))
+                    .map(|t| (*hash, t))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Distinct block keys in the index.
+    pub fn distinct_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether `pod` holds `key` in any tier.
+    pub fn holds(&self, pod: PodId, key: BlockKey) -> bool {
+        let Some(entry) = self.pod(pod) else {
+            return false;
+        };
+        self.blocks
+            .get(&key)
+            .is_some_and(|h| h.iter().any(|h| h.slot == entry.slot))
+    }
+
+    /// An estimate of the bytes the index uses (tables at their capacity, plus boxed holder
+    /// lists), for the memory-per-entry figure.
+    pub fn memory_bytes(&self) -> usize {
+        let block_entry = std::mem::size_of::<(BlockKey, Holders)>() + 1;
+        let mut bytes = self.blocks.capacity() * block_entry;
+        for item in self.blocks.iter() {
+            bytes += item.value().heap_bytes();
+        }
+        let hash_entry = std::mem::size_of::<(EngineHash, HashEntry)>() + 1;
+        for entry in self.table_read().by_id.values() {
+            bytes += entry.lock().by_hash.capacity() * hash_entry;
+        }
+        bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvevents::BlockExtra;
+    use std::net::SocketAddr;
+
+    fn pod() -> PodId {
+        PodId(SocketAddr::from(([127, 0, 0, 1], 1)))
+    }
+
+    fn stored(blocks: usize, tier: Tier, tokens: bool) -> EventBatch {
+        let token_ids: Vec<u32> = if tokens {
+            (0..blocks as u32 * 4).collect()
+        } else {
+            Vec::new()
+        };
+        EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..blocks as u64).map(EngineHash).collect(),
+                token_ids,
+                block_size: Some(4),
+                tier,
+                extra: vec![BlockExtra::default(); blocks],
+                ..BlockStored::default()
+            })],
+            dp_rank: None,
+        }
+    }
+
+    #[test]
+    fn a_pod_cannot_grow_past_its_limit() {
+        let index = PrefixIndex::new(IndexConfig {
+            max_blocks_per_pod: 1000,
+            ..IndexConfig::default()
+        });
+        index.set_pod_capacity(pod(), 4); // 4 × 2 + 64 = 72
+        let stats = index.apply_batch(pod(), "m", &stored(100, Tier::Gpu, true));
+        assert_eq!(index.pod_entries(pod()), 72);
+        assert_eq!(stats.capacity_drops, 28);
+        // The hard cap wins over a huge learned capacity.
+        index.set_pod_capacity(pod(), 1 << 30);
+        index.clear_pod(pod());
+        index.apply_batch(pod(), "m", &stored(1200, Tier::Gpu, true));
+        assert_eq!(index.pod_entries(pod()), 1000);
+    }
+
+    #[test]
+    fn tiers_clear_separately_and_offload_copies_resolve_by_hash() {
+        let index = PrefixIndex::new(IndexConfig::default());
+        index.apply_batch(pod(), "m", &stored(3, Tier::Gpu, true));
+        // CPU copies announced without tokens are keyed through the GPU entries.
+        let stats = index.apply_batch(pod(), "m", &stored(3, Tier::Cpu, false));
+        assert_eq!((stats.blocks_added, stats.orphan_blocks), (3, 0));
+        assert_eq!(index.pod_entries(pod()), 6);
+        let tokens: Vec<u32> = (0..12).collect();
+        let context = KeyContext::model("m");
+        let found = &index.match_prefix(&context, &tokens, &[pod()])[0];
+        assert_eq!((found.matched_blocks, found.weighted_blocks), (3, 3.0));
+        let clear_gpu = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::AllBlocksCleared {
+                tier: Some(Tier::Gpu),
+            }],
+            dp_rank: None,
+        };
+        index.apply_batch(pod(), "m", &clear_gpu);
+        assert_eq!(index.pod_entries(pod()), 3);
+        let found = &index.match_prefix(&context, &tokens, &[pod()])[0];
+        assert_eq!(found.matched_blocks, 3);
+        assert!((found.weighted_blocks - 2.4).abs() < 1e-9, "cpu weight 0.8");
+        // Copies of unknown hashes cannot be keyed.
+        let stats = index.apply_batch(pod(), "m", &stored(5, Tier::Other, false));
+        assert_eq!(stats.orphan_blocks, 2);
+    }
+}

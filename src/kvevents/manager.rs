@@ -1,0 +1,307 @@
+//! The KV-event manager: starts and stops one subscriber per pod as the pool changes, runs
+//! the central bind mode, owns the single index writer, and reports status.
+//!
+//! # Concurrency rules
+//! - One writer task applies every index change from every stream, in channel order; the
+//!   channel is bounded ([`KvEventsConfig::channel_capacity`]).
+//! - Per pod, changes are ordered because one stream produces them (see [`super::stream`]).
+//! - A pod leaving the pool: its task is aborted first, then a purge is queued behind anything
+//!   it already sent, so no batch can re-create the pod after the purge.
+//! - `sync` calls are serialized by an async mutex; status reads are lock-free atomics.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use prometheus::Registry;
+use tokio::sync::{Mutex, mpsc};
+use tokio::task::JoinHandle;
+use tracing::info;
+
+use super::metrics::KvEventsMetrics;
+use super::status::{KvEventsStatus, PodEventCounters, PodIndexStatus};
+use super::stream::IndexUpdate;
+use super::subscriber::{bind_central, run_central, run_pod_subscriber};
+use crate::endpoints::{Endpoint, PodId};
+use crate::kvcache::PrefixIndex;
+
+/// Tuning of the event pipeline.
+#[derive(Clone, Debug)]
+pub struct KvEventsConfig {
+    /// Capacity (in batches) of the channel from the streams to the index writer.
+    pub channel_capacity: usize,
+    /// Upper bound of one replay exchange.
+    pub replay_timeout: Duration,
+    /// Upper bound of one connection attempt.
+    pub connect_timeout: Duration,
+    /// First reconnect delay.
+    pub backoff_initial: Duration,
+    /// Largest reconnect delay.
+    pub backoff_max: Duration,
+    /// Model name used to key blocks when a topic does not name one (vLLM's default topic is
+    /// empty; configure `kv@<ip:port>@<model>` as DESIGN §3 says).
+    pub fallback_model: String,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            channel_capacity: 4096,
+            replay_timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(5),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            fallback_model: String::new(),
+        }
+    }
+}
+
+/// Why the manager could not do something.
+#[derive(Debug, thiserror::Error)]
+pub enum KvEventsError {
+    /// Registering metrics failed (e.g. registered twice in one registry).
+    #[error("metrics registration failed: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// Binding the central socket failed.
+    #[error("binding the central KV-event socket failed: {0}")]
+    Bind(#[from] zeromq::ZmqError),
+}
+
+/// State shared by the manager, its streams and its writer.
+pub(crate) struct Shared {
+    pub(crate) index: Arc<PrefixIndex>,
+    pub(crate) config: KvEventsConfig,
+    pub(crate) metrics: KvEventsMetrics,
+    counters: DashMap<PodId, Arc<PodEventCounters>>,
+    /// Pods in the pool → their replay endpoint (central mode accepts only these).
+    known: RwLock<HashMap<PodId, Option<String>>>,
+}
+
+impl Shared {
+    pub(crate) fn counters_for(&self, pod: PodId) -> Arc<PodEventCounters> {
+        self.counters.entry(pod).or_default().clone()
+    }
+
+    /// `Some(replay endpoint)` when the pod is in the pool.
+    pub(crate) fn known_replay(&self, pod: PodId) -> Option<Option<String>> {
+        self.known
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&pod)
+            .cloned()
+    }
+}
+
+struct PodTask {
+    events: String,
+    replay: Option<String>,
+    handle: JoinHandle<()>,
+}
+
+/// Owns the event subscriptions of a pool and the writer that feeds the [`PrefixIndex`].
+pub struct KvEventsManager {
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<IndexUpdate>,
+    tasks: Mutex<HashMap<PodId, PodTask>>,
+    writer: JoinHandle<()>,
+    central: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl KvEventsManager {
+    /// Creates the manager and spawns its index writer (call inside a tokio runtime).
+    pub fn new(
+        index: Arc<PrefixIndex>,
+        config: KvEventsConfig,
+        registry: &Registry,
+    ) -> Result<Self, KvEventsError> {
+        let metrics = KvEventsMetrics::new(registry)?;
+        let (tx, rx) = mpsc::channel(config.channel_capacity.max(1));
+        let shared = Arc::new(Shared {
+            index,
+            config,
+            metrics,
+            counters: DashMap::new(),
+            known: RwLock::new(HashMap::new()),
+        });
+        let writer = tokio::spawn(run_writer(shared.clone(), rx));
+        Ok(Self {
+            shared,
+            tx,
+            tasks: Mutex::new(HashMap::new()),
+            writer,
+            central: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The index this manager feeds.
+    pub fn index(&self) -> &Arc<PrefixIndex> {
+        &self.shared.index
+    }
+
+    /// Brings subscriptions in line with the pool: starts a subscriber for each endpoint with
+    /// `kv_events` (restarting it if its addresses changed), stops those of endpoints that left
+    /// or lost their event address, and purges the entries of pods that left the pool.
+    pub async fn sync(&self, endpoints: &[Endpoint]) {
+        let mut tasks = self.tasks.lock().await;
+        let wanted: HashMap<PodId, &Endpoint> = endpoints.iter().map(|e| (e.id, e)).collect();
+        let removed: Vec<PodId> = {
+            let mut known = self.shared.known.write().unwrap_or_else(|e| e.into_inner());
+            let removed = known
+                .keys()
+                .filter(|pod| !wanted.contains_key(pod))
+                .copied()
+                .collect();
+            *known = endpoints
+                .iter()
+                .map(|e| (e.id, e.kv_replay.clone()))
+                .collect();
+            removed
+        };
+        let stale: Vec<PodId> = tasks
+            .iter()
+            .filter(|(pod, task)| match wanted.get(pod) {
+                Some(e) => e.kv_events.as_ref() != Some(&task.events) || e.kv_replay != task.replay,
+                None => true,
+            })
+            .map(|(pod, _)| *pod)
+            .collect();
+        for pod in stale {
+            if let Some(task) = tasks.remove(&pod) {
+                task.handle.abort();
+                let _ = task.handle.await;
+                info!(%pod, "KV-event subscriber stopped");
+                if wanted.contains_key(&pod) {
+                    // Another publisher (or none) now: what the old one told us is stale.
+                    let _ = self.tx.send(IndexUpdate::Clear { pod }).await;
+                    self.shared.counters.remove(&pod);
+                }
+            }
+        }
+        for pod in removed {
+            let _ = self.tx.send(IndexUpdate::Purge { pod }).await;
+            self.shared.counters.remove(&pod);
+        }
+        for endpoint in endpoints {
+            let Some(events) = endpoint.kv_events.clone() else {
+                continue;
+            };
+            if tasks.contains_key(&endpoint.id) {
+                continue;
+            }
+            self.shared.index.ensure_pod(endpoint.id);
+            let handle = tokio::spawn(run_pod_subscriber(
+                endpoint.clone(),
+                events.clone(),
+                self.shared.clone(),
+                self.tx.clone(),
+            ));
+            tasks.insert(
+                endpoint.id,
+                PodTask {
+                    events,
+                    replay: endpoint.kv_replay.clone(),
+                    handle,
+                },
+            );
+        }
+    }
+
+    /// Binds the central socket (e.g. `tcp://0.0.0.0:5557`) that pods dial into; returns the
+    /// bound endpoint. Only pods in the pool (the last `sync`) are accepted.
+    pub async fn bind_central(&self, endpoint: &str) -> Result<String, KvEventsError> {
+        let (socket, bound) = bind_central(endpoint, self.shared.config.connect_timeout).await?;
+        let handle = tokio::spawn(run_central(socket, self.shared.clone(), self.tx.clone()));
+        let previous = self
+            .central
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(handle);
+        if let Some(previous) = previous {
+            previous.abort();
+        }
+        Ok(bound)
+    }
+
+    /// The event stream state of one pod, when it has one.
+    pub fn status(&self, pod: PodId) -> Option<KvEventsStatus> {
+        self.shared.counters.get(&pod).map(|c| c.snapshot())
+    }
+
+    /// One pod's view for `GET /debug/pods` (`index_blocks`, `kv_events`).
+    pub fn pod_status(&self, pod: PodId) -> PodIndexStatus {
+        PodIndexStatus {
+            address: pod.to_string(),
+            index_blocks: self.shared.index.pod_entries(pod),
+            kv_events: self.status(pod),
+        }
+    }
+
+    /// [`Self::pod_status`] of every pod the index knows, sorted by address.
+    pub fn pods_status(&self) -> Vec<PodIndexStatus> {
+        self.shared
+            .index
+            .pods()
+            .into_iter()
+            .map(|pod| self.pod_status(pod))
+            .collect()
+    }
+
+    /// Stops every task (also done on drop).
+    pub fn shutdown(&self) {
+        if let Ok(mut tasks) = self.tasks.try_lock() {
+            for (_, task) in tasks.drain() {
+                task.handle.abort();
+            }
+        }
+        if let Some(central) = self
+            .central
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            central.abort();
+        }
+        self.writer.abort();
+    }
+}
+
+impl Drop for KvEventsManager {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The single index writer.
+async fn run_writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<IndexUpdate>) {
+    while let Some(update) = rx.recv().await {
+        match update {
+            IndexUpdate::Apply { pod, model, batch } => {
+                shared.index.apply_batch(pod, &model, &batch);
+                let label = pod.to_string();
+                if let Some(counters) = shared.counters.get(&pod) {
+                    counters.applied.fetch_add(1, Ordering::Relaxed);
+                }
+                shared.metrics.applied.with_label_values(&[&label]).inc();
+                shared
+                    .metrics
+                    .index_entries
+                    .with_label_values(&[&label])
+                    .set(shared.index.pod_entries(pod) as i64);
+            }
+            IndexUpdate::Clear { pod } => {
+                shared.index.clear_pod(pod);
+                shared
+                    .metrics
+                    .index_entries
+                    .with_label_values(&[&pod.to_string()])
+                    .set(0);
+            }
+            IndexUpdate::Purge { pod } => {
+                shared.index.purge_pod(pod);
+                shared.metrics.forget(pod);
+            }
+        }
+    }
+}

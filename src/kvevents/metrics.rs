@@ -1,0 +1,121 @@
+//! Prometheus metrics of the KV-event pipeline, per pod (label `pod` = `ip:port`).
+
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+
+use crate::endpoints::PodId;
+
+/// Counters of the event pipeline; registers itself into the registry handed to `new`.
+#[derive(Clone)]
+pub struct KvEventsMetrics {
+    /// Batches received from the wire.
+    pub received: IntCounterVec,
+    /// Batches applied to the index.
+    pub applied: IntCounterVec,
+    /// Messages or payloads that failed to decode (skipped).
+    pub malformed: IntCounterVec,
+    /// Batches dropped because the channel to the index was full (then repaired as a gap).
+    pub dropped: IntCounterVec,
+    /// Sequence gaps detected (including a first seq ≠ 0).
+    pub gaps: IntCounterVec,
+    /// Replay requests made.
+    pub replays: IntCounterVec,
+    /// Times a pod's entries were cleared (restart, unrecoverable gap).
+    pub clears: IntCounterVec,
+    /// (block, tier) entries the index holds per pod.
+    pub index_entries: IntGaugeVec,
+    /// Messages from pods that are not in the pool (central mode), by reason.
+    pub rejected: IntCounterVec,
+}
+
+fn counter(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    label: &str,
+) -> prometheus::Result<IntCounterVec> {
+    let metric = IntCounterVec::new(Opts::new(name, help), &[label])?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+impl KvEventsMetrics {
+    /// Creates and registers the metrics.
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let index_entries = IntGaugeVec::new(
+            Opts::new(
+                "kvpick_kv_index_entries",
+                "(block, tier) entries the prefix index holds per pod",
+            ),
+            &["pod"],
+        )?;
+        registry.register(Box::new(index_entries.clone()))?;
+        Ok(Self {
+            received: counter(
+                registry,
+                "kvpick_kv_events_received_total",
+                "KV-event batches received",
+                "pod",
+            )?,
+            applied: counter(
+                registry,
+                "kvpick_kv_events_applied_total",
+                "KV-event batches applied to the index",
+                "pod",
+            )?,
+            malformed: counter(
+                registry,
+                "kvpick_kv_events_malformed_total",
+                "KV-event messages that failed to decode",
+                "pod",
+            )?,
+            dropped: counter(
+                registry,
+                "kvpick_kv_events_dropped_total",
+                "KV-event batches dropped on a full channel",
+                "pod",
+            )?,
+            gaps: counter(
+                registry,
+                "kvpick_kv_events_gaps_total",
+                "KV-event sequence gaps detected",
+                "pod",
+            )?,
+            replays: counter(
+                registry,
+                "kvpick_kv_events_replays_total",
+                "KV-event replay requests",
+                "pod",
+            )?,
+            clears: counter(
+                registry,
+                "kvpick_kv_index_clears_total",
+                "Times a pod's index entries were cleared",
+                "pod",
+            )?,
+            index_entries,
+            rejected: counter(
+                registry,
+                "kvpick_kv_events_rejected_total",
+                "KV-event messages from unknown publishers",
+                "reason",
+            )?,
+        })
+    }
+
+    /// Removes a pod's series (it left the pool).
+    pub fn forget(&self, pod: PodId) {
+        let label = pod.to_string();
+        for vec in [
+            &self.received,
+            &self.applied,
+            &self.malformed,
+            &self.dropped,
+            &self.gaps,
+            &self.replays,
+            &self.clears,
+        ] {
+            let _ = vec.remove_label_values(&[&label]);
+        }
+        let _ = self.index_entries.remove_label_values(&[&label]);
+    }
+}

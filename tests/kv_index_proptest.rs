@@ -1,0 +1,237 @@
+//! Differential property test: random event streams (stores, removes, clears, duplicates,
+//! re-announcements, chains starting at unknown parents, several pods and tiers) applied to
+//! the index and to a naive reference model give the same match answers.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::net::SocketAddr;
+
+use kvpick::endpoints::PodId;
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
+use kvpick::kvevents::{
+    BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
+};
+use proptest::prelude::*;
+
+const BLOCK: usize = 4;
+const PODS: usize = 3;
+const MODEL: &str = "m";
+
+/// Documents share prefixes: block b of doc d uses tokens from a tiny alphabet.
+fn documents() -> Vec<Vec<u32>> {
+    let mut docs = Vec::new();
+    for d in 0..6u32 {
+        let mut tokens = Vec::new();
+        for b in 0..6u32 {
+            // Docs 0-2 share their first two blocks, 3-5 share the first one.
+            let family = if b < 2 && d < 3 || b < 1 {
+                d / 3
+            } else {
+                d * 10 + b
+            };
+            tokens.extend((0..BLOCK as u32).map(|t| family * 100 + b * 7 + t));
+        }
+        docs.push(tokens);
+    }
+    docs
+}
+
+/// The engine's hash of a prefix (any deterministic function of the content will do).
+fn engine_hash(prefix: &[u32]) -> EngineHash {
+    let mut hasher = DefaultHasher::new();
+    prefix.hash(&mut hasher);
+    EngineHash(hasher.finish())
+}
+
+fn pod(i: usize) -> PodId {
+    PodId(SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16)))
+}
+
+fn tier(i: u8) -> Tier {
+    if i == 0 { Tier::Gpu } else { Tier::Cpu }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store {
+        pod: usize,
+        doc: usize,
+        start: usize,
+        len: usize,
+        tier: u8,
+    },
+    /// An offload copy announced without token ids (resolved through the hash map).
+    StoreNoTokens {
+        pod: usize,
+        doc: usize,
+        block: usize,
+    },
+    Remove {
+        pod: usize,
+        doc: usize,
+        block: usize,
+        tier: u8,
+    },
+    ClearAll {
+        pod: usize,
+    },
+    ClearPod {
+        pod: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..PODS, 0..6usize, 0..6usize, 1..4usize, 0..2u8)
+            .prop_map(|(pod, doc, start, len, tier)| Op::Store { pod, doc, start, len, tier }),
+        1 => (0..PODS, 0..6usize, 0..6usize)
+            .prop_map(|(pod, doc, block)| Op::StoreNoTokens { pod, doc, block }),
+        5 => (0..PODS, 0..6usize, 0..6usize, 0..2u8)
+            .prop_map(|(pod, doc, block, tier)| Op::Remove { pod, doc, block, tier }),
+        1 => (0..PODS).prop_map(|pod| Op::ClearAll { pod }),
+        1 => (0..PODS).prop_map(|pod| Op::ClearPod { pod }),
+    ]
+}
+
+/// Reference: per pod, engine hash → references per tier; matching walks prefixes by content.
+#[derive(Default, Clone)]
+struct Reference {
+    refs: Vec<HashMap<EngineHash, [i64; 2]>>,
+}
+
+impl Reference {
+    fn new() -> Self {
+        Self {
+            refs: vec![HashMap::new(); PODS],
+        }
+    }
+
+    fn held_any(&self, pod: usize, hash: EngineHash) -> bool {
+        self.refs[pod]
+            .get(&hash)
+            .is_some_and(|r| r.iter().any(|c| *c > 0))
+    }
+
+    fn store(&mut self, pod: usize, doc: &[u32], start: usize, len: usize, t: usize) {
+        if start > 0 && !self.held_any(pod, engine_hash(&doc[..start * BLOCK])) {
+            return; // unknown parent: cannot be keyed
+        }
+        let mut reannounce = start == 0;
+        for b in start..(start + len).min(6) {
+            let h = engine_hash(&doc[..(b + 1) * BLOCK]);
+            let entry = self.refs[pod].entry(h).or_default();
+            if entry[t] > 0 && reannounce {
+                continue;
+            }
+            reannounce = false;
+            entry[t] += 1;
+        }
+    }
+
+    fn matched(&self, pod: usize, request: &[u32]) -> (usize, f64) {
+        let mut blocks = 0;
+        let mut weighted = 0.0;
+        for b in 0..request.len() / BLOCK {
+            let h = engine_hash(&request[..(b + 1) * BLOCK]);
+            let Some(r) = self.refs[pod].get(&h) else {
+                break;
+            };
+            if r[0] > 0 {
+                weighted += 1.0;
+            } else if r[1] > 0 {
+                weighted += 0.8;
+            } else {
+                break;
+            }
+            blocks += 1;
+        }
+        (blocks, weighted)
+    }
+}
+
+fn batch(event: KvEvent) -> EventBatch {
+    EventBatch {
+        ts: 0.0,
+        events: vec![event],
+        dp_rank: Some(0),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_matches_reference(ops in proptest::collection::vec(op(), 1..80),
+                               requests in proptest::collection::vec((0..6usize, 1..7usize), 1..6)) {
+        let docs = documents();
+        let index = PrefixIndex::new(IndexConfig::default());
+        let mut reference = Reference::new();
+        for op in &ops {
+            match *op {
+                Op::Store { pod: p, doc, start, len, tier: t } => {
+                    let tokens = &docs[doc];
+                    let end = (start + len).min(6);
+                    let stored = BlockStored {
+                        block_hashes: (start..end).map(|b| engine_hash(&tokens[..(b + 1) * BLOCK])).collect(),
+                        parent_block_hash: (start > 0).then(|| engine_hash(&tokens[..start * BLOCK])),
+                        token_ids: tokens[start * BLOCK..end * BLOCK].to_vec(),
+                        block_size: Some(BLOCK as u32),
+                        tier: tier(t),
+                        extra: vec![BlockExtra::default(); end - start],
+                        ..BlockStored::default()
+                    };
+                    index.apply_batch(pod(p), MODEL, &batch(KvEvent::BlockStored(stored)));
+                    reference.store(p, tokens, start, len, t as usize);
+                }
+                Op::StoreNoTokens { pod: p, doc, block } => {
+                    let h = engine_hash(&docs[doc][..(block + 1) * BLOCK]);
+                    let stored = BlockStored {
+                        block_hashes: vec![h],
+                        parent_block_hash: None,
+                        tier: Tier::Cpu,
+                        ..BlockStored::default()
+                    };
+                    index.apply_batch(pod(p), MODEL, &batch(KvEvent::BlockStored(stored)));
+                    if reference.held_any(p, h) {
+                        reference.refs[p].entry(h).or_default()[1] += 1;
+                    }
+                }
+                Op::Remove { pod: p, doc, block, tier: t } => {
+                    let h = engine_hash(&docs[doc][..(block + 1) * BLOCK]);
+                    let removed = BlockRemoved { block_hashes: vec![h], tier: tier(t), group_idx: None };
+                    index.apply_batch(pod(p), MODEL, &batch(KvEvent::BlockRemoved(removed)));
+                    if let Some(r) = reference.refs[p].get_mut(&h)
+                        && r[t as usize] > 0
+                    {
+                        r[t as usize] -= 1;
+                    }
+                }
+                Op::ClearAll { pod: p } => {
+                    index.apply_batch(pod(p), MODEL, &batch(KvEvent::AllBlocksCleared { tier: None }));
+                    reference.refs[p].clear();
+                }
+                Op::ClearPod { pod: p } => {
+                    index.clear_pod(pod(p));
+                    reference.refs[p].clear();
+                }
+            }
+            // Bookkeeping agrees after every step.
+            for p in 0..PODS {
+                let expected: usize = reference.refs[p].values()
+                    .map(|r| r.iter().filter(|c| **c > 0).count())
+                    .sum();
+                prop_assert_eq!(index.pod_entries(pod(p)), expected);
+            }
+        }
+        let candidates: Vec<PodId> = (0..PODS).map(pod).collect();
+        for (doc, blocks) in requests {
+            let request = &docs[doc][..blocks * BLOCK];
+            let found = index.match_prefix(&KeyContext::model(MODEL), request, &candidates);
+            for (p, m) in found.iter().enumerate() {
+                let (blocks, weighted) = reference.matched(p, request);
+                prop_assert_eq!(m.matched_blocks, blocks, "pod {} doc {}", p, doc);
+                prop_assert!((m.weighted_blocks - weighted).abs() < 1e-9);
+            }
+        }
+    }
+}
