@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
-use kvpick::tokenize::{ModelTokenizer, PrefixTokenCache};
+use kvpick::tokenize::{ModelTokenizer, PrefixTokenCache, WordEncoder};
 use proptest::prelude::*;
 use tokenizers::Tokenizer;
 
@@ -83,16 +83,23 @@ proptest! {
         cut in 0.0f64..1.0,
     ) {
         let tok = MODEL.tokenizer();
+        // Both encoders behind the cache: the tokenizers crate, and the fast path.
+        let slow = WordEncoder::new(tok, None);
+        let fast = MODEL.word_encoder();
         let cache = PrefixTokenCache::new(1 << 20, 64);
+        let fast_cache = PrefixTokenCache::new(1 << 20, 64);
         let mut k = (base.len() as f64 * cut) as usize;
         while !base.is_char_boundary(k) { k -= 1; }
         let first = format!("{}{}", &base[..k], b);
         let second = format!("{}{}", &base[..k], c);
         for (i, text) in [&base, &first, &second, &base].into_iter().enumerate() {
-            let got = cache.encode(tok, text).unwrap();
-            prop_assert_eq!(&got.ids, &full(tok, text));
-            if i > 0 && k >= 1500 {
-                prop_assert!(got.reused_tokens > 0, "no reuse at k={}", k);
+            let want = full(tok, text);
+            for (enc, cache) in [(&slow, &cache), (&fast, &fast_cache)] {
+                let got = cache.encode(enc, text).unwrap();
+                prop_assert_eq!(&got.ids, &want);
+                if i > 0 && k >= 1500 {
+                    prop_assert!(got.reused_tokens > 0, "no reuse at k={}", k);
+                }
             }
         }
     }
@@ -118,14 +125,15 @@ proptest! {
 #[test]
 fn long_shared_prefix_is_reused_and_memory_is_bounded() {
     let tok = MODEL.tokenizer();
+    let enc = MODEL.word_encoder();
     let prefix: String = (0..400)
         .map(|i| format!("Line {i}: 한국어 텍스트 and café, naïve 'quotes' ... \n"))
         .collect();
     let cache = PrefixTokenCache::new(4 << 20, 64);
     let a = format!("{prefix}first question?");
     let b = format!("{prefix}second question, longer than the first one!");
-    assert_eq!(cache.encode(tok, &a).unwrap().reused_tokens, 0);
-    let warm = cache.encode(tok, &b).unwrap();
+    assert_eq!(cache.encode(&enc, &a).unwrap().reused_tokens, 0);
+    let warm = cache.encode(&enc, &b).unwrap();
     assert_eq!(warm.ids, full(tok, &b));
     assert!(
         warm.reused_tokens + 40 > full(tok, &prefix).len(),
@@ -137,7 +145,7 @@ fn long_shared_prefix_is_reused_and_memory_is_bounded() {
     let small = PrefixTokenCache::new(prefix.len() * 3, 64);
     for i in 0..5 {
         let t = format!("{i}{prefix}");
-        assert_eq!(small.encode(tok, &t).unwrap().ids, full(tok, &t));
+        assert_eq!(small.encode(&enc, &t).unwrap().ids, full(tok, &t));
         assert!(small.bytes() <= prefix.len() * 3, "bytes {}", small.bytes());
     }
 }

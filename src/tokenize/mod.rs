@@ -12,6 +12,7 @@
 //! completion prompts with them (the request's `add_special_tokens` decides).
 
 mod error;
+mod fast_bpe;
 mod model;
 mod prefix_cache;
 mod pyjson;
@@ -19,8 +20,9 @@ mod registry;
 mod template;
 
 pub use error::TokenizeError;
+pub use fast_bpe::{FastEncoder, QWEN2_PATTERN, WordEncoding};
 pub use model::ModelTokenizer;
-pub use prefix_cache::{ANCHOR_BYTES, CachedTokens, PrefixTokenCache};
+pub use prefix_cache::{ANCHOR_BYTES, CachedTokens, PrefixTokenCache, WordEncoder};
 pub use pyjson::{dumps as python_json_dumps, python_float_repr};
 pub use registry::{
     ApproximatePrompt, ApproximateReason, DEFAULT_PREFIX_CACHE_BYTES, PromptTokens,

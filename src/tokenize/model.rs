@@ -7,7 +7,8 @@ use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
 use super::error::TokenizeError;
-use super::prefix_cache::{CachedTokens, PrefixTokenCache};
+use super::fast_bpe::FastEncoder;
+use super::prefix_cache::{CachedTokens, PrefixTokenCache, WordEncoder};
 use super::template::{ChatTemplate, ContentFormat};
 use crate::request::ChatPrompt;
 
@@ -23,6 +24,7 @@ pub struct ModelTokenizer {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     adds_special_tokens: bool,
+    fast: Option<FastEncoder>,
     cache: PrefixTokenCache,
 }
 
@@ -72,8 +74,10 @@ impl ModelTokenizer {
             .map(|t| t.content.len())
             .max()
             .unwrap_or(0);
+        let fast = FastEncoder::new(&tokenizer);
         Ok(Self {
             dir: dir.to_path_buf(),
+            fast,
             tokenizer,
             template,
             adds_special_tokens,
@@ -128,7 +132,17 @@ impl ModelTokenizer {
                 reused_tokens: 0,
             });
         }
-        self.cache.encode(&self.tokenizer, text)
+        self.cache.encode(&self.word_encoder(), text)
+    }
+
+    /// The encoder the prefix cache uses (fast path when supported).
+    pub fn word_encoder(&self) -> WordEncoder<'_> {
+        WordEncoder::new(&self.tokenizer, self.fast.as_ref())
+    }
+
+    /// Whether the exact fast byte-level BPE path is active for this tokenizer.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 }
 

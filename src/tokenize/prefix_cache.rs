@@ -30,10 +30,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use tokenizers::{Encoding, Tokenizer};
+use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::error::TokenizeError;
+use super::fast_bpe::{FastEncoder, WordEncoding};
 use super::template::py_is_space;
 
 /// Texts are indexed at every multiple of this many bytes; shorter texts are not cached.
@@ -109,11 +110,15 @@ impl PrefixTokenCache {
     }
 
     /// Encodes `text` without special tokens, reusing a cached prefix when one is safe.
-    pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<CachedTokens, TokenizeError> {
+    pub fn encode(
+        &self,
+        encoder: &WordEncoder<'_>,
+        text: &str,
+    ) -> Result<CachedTokens, TokenizeError> {
         if text.len() < ANCHOR_BYTES || self.max_bytes == 0 {
-            let enc = encode_raw(tokenizer, text)?;
+            let (ids, _) = encoder.encode(text)?;
             return Ok(CachedTokens {
-                ids: enc.get_ids().to_vec(),
+                ids,
                 reused_tokens: 0,
             });
         }
@@ -133,19 +138,19 @@ impl PrefixTokenCache {
                     Some(&(c, j)) if text.is_char_boundary(c as usize) => {
                         let (c, j) = (c as usize, j as usize);
                         let tail = text.get(c..).unwrap_or("");
-                        let enc = encode_raw(tokenizer, tail)?;
-                        let mut ids = Vec::with_capacity(j + enc.get_ids().len());
+                        let (tail_ids, words) = encoder.encode(tail)?;
+                        let mut ids = Vec::with_capacity(j + tail_ids.len());
                         ids.extend_from_slice(entry.ids.get(..j).unwrap_or(&[]));
-                        ids.extend_from_slice(enc.get_ids());
+                        ids.extend_from_slice(&tail_ids);
                         let mut cuts: Vec<(u32, u32)> =
                             entry.cuts.get(..idx).unwrap_or(&[]).to_vec();
-                        collect_cuts(text, &enc, c, j, &mut cuts);
+                        collect_cuts(text, &words, c, j, &mut cuts);
                         (ids, cuts, j)
                     }
-                    _ => full(tokenizer, text)?,
+                    _ => full(encoder, text)?,
                 }
             }
-            None => full(tokenizer, text)?,
+            None => full(encoder, text)?,
         };
         self.insert(Entry {
             text: text.into(),
@@ -241,17 +246,49 @@ impl Inner {
     }
 }
 
-fn full(tokenizer: &Tokenizer, text: &str) -> Result<Encoded, TokenizeError> {
-    let enc = encode_raw(tokenizer, text)?;
+fn full(encoder: &WordEncoder<'_>, text: &str) -> Result<Encoded, TokenizeError> {
+    let (ids, words) = encoder.encode(text)?;
     let mut cuts = Vec::new();
-    collect_cuts(text, &enc, 0, 0, &mut cuts);
-    Ok((enc.get_ids().to_vec(), cuts, 0))
+    collect_cuts(text, &words, 0, 0, &mut cuts);
+    Ok((ids, cuts, 0))
 }
 
-fn encode_raw(tokenizer: &Tokenizer, text: &str) -> Result<Encoding, TokenizeError> {
-    tokenizer
-        .encode(text, false)
-        .map_err(|e| TokenizeError::Encode(e.to_string()))
+/// Encodes text without special tokens, reporting where pre-tokens (words) start: through the
+/// exact fast path when the tokenizer supports it, else through the tokenizers crate.
+#[derive(Debug, Clone, Copy)]
+pub struct WordEncoder<'a> {
+    tokenizer: &'a Tokenizer,
+    fast: Option<&'a FastEncoder>,
+}
+
+impl<'a> WordEncoder<'a> {
+    /// An encoder using the fast path when `fast` is given.
+    pub fn new(tokenizer: &'a Tokenizer, fast: Option<&'a FastEncoder>) -> Self {
+        Self { tokenizer, fast }
+    }
+
+    /// Ids plus `(byte offset, token index)` of each word start after the first.
+    pub fn encode(&self, text: &str) -> Result<WordEncoding, TokenizeError> {
+        if let Some(fast) = self.fast {
+            return fast.encode(self.tokenizer, text);
+        }
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let (w, o) = (enc.get_word_ids(), enc.get_offsets());
+        let mut words = Vec::new();
+        for i in 1..enc.len() {
+            if let (Some(a), Some(b), Some(prev), Some(off)) =
+                (w.get(i - 1), w.get(i), o.get(i - 1), o.get(i))
+                && a != b
+                && prev.1 <= off.0
+            {
+                words.push((off.0, i));
+            }
+        }
+        Ok((enc.get_ids().to_vec(), words))
+    }
 }
 
 /// Chained xxh3 of each full [`ANCHOR_BYTES`] block.
@@ -265,35 +302,22 @@ fn anchor_hashes(text: &[u8]) -> Vec<u64> {
         .collect()
 }
 
-/// Appends the safe cut points of `enc` (the encoding of `text[base..]`, whose first token is
-/// token `tok_base` of the whole text) to `cuts`.
+/// Appends the safe cut points among `words` (word starts of the encoding of `text[base..]`,
+/// whose first token is token `tok_base` of the whole text) to `cuts`.
 fn collect_cuts(
     text: &str,
-    enc: &Encoding,
+    words: &[(usize, usize)],
     base: usize,
     tok_base: usize,
     cuts: &mut Vec<(u32, u32)>,
 ) {
-    let words = enc.get_word_ids();
-    let offsets = enc.get_offsets();
     let mut last = cuts.last().map_or(0, |&(c, _)| c as usize);
-    for i in 1..enc.len() {
-        let (Some(w_prev), Some(w), Some(o_prev), Some(o)) = (
-            words.get(i - 1),
-            words.get(i),
-            offsets.get(i - 1),
-            offsets.get(i),
-        ) else {
-            continue;
-        };
-        if w_prev == w || o_prev.1 > o.0 {
-            continue;
-        }
-        let c = base + o.0;
+    for &(offset, tok) in words {
+        let c = base + offset;
         if c < last + CUT_SPACING || !is_safe_cut(text, c) {
             continue;
         }
-        let (Ok(c32), Ok(t32)) = (u32::try_from(c), u32::try_from(tok_base + i)) else {
+        let (Ok(c32), Ok(t32)) = (u32::try_from(c), u32::try_from(tok_base + tok)) else {
             return;
         };
         cuts.push((c32, t32));
