@@ -133,7 +133,19 @@ fn main() {
         let mut bare = Vec::new();
         let mut cold = Vec::new();
         let mut warm = Vec::new();
+        let mut parse = Vec::new();
+        let mut render = Vec::new();
         for _ in 0..reps {
+            let b = cold_body(counter.fetch_add(1, Ordering::Relaxed));
+            let t = Instant::now();
+            let req = request::parse("/v1/chat/completions", &b).expect("parse");
+            parse.push(t.elapsed());
+            let Prompt::Chat(chat) = &req.prompt else {
+                panic!("chat")
+            };
+            let t = Instant::now();
+            black_box(model.render(chat).expect("render").len());
+            render.push(t.elapsed());
             let t = Instant::now();
             black_box(
                 model
@@ -158,17 +170,20 @@ fn main() {
             median(bare),
             median(cold),
             median(warm),
+            median(parse),
+            median(render),
         ));
     }
     c.final_summary();
     println!(
-        "\nsize   body_bytes  bare_encode   cold(parse+template+tokenize)  cold/bare  warm95   cold/warm95"
+        "\nsize   body_bytes  bare_encode  cold(parse+template+tokenize)  cold/bare  warm95  cold/warm95  bare/warm95  parse  render"
     );
-    for (name, bytes, bare, cold, warm) in summary {
+    for (name, bytes, bare, cold, warm, parse, render) in summary {
         println!(
-            "{name:<6} {bytes:>10}  {bare:>10.2?}  {cold:>10.2?}                     {:>5.2}x  {warm:>8.2?}  {:>6.1}x",
+            "{name:<6} {bytes:>10}  {bare:>10.2?}  {cold:>10.2?}  {:>5.2}x  {warm:>8.2?}  {:>6.1}x  {:>6.1}x  {parse:>8.2?}  {render:>8.2?}",
             cold.as_secs_f64() / bare.as_secs_f64(),
-            cold.as_secs_f64() / warm.as_secs_f64()
+            cold.as_secs_f64() / warm.as_secs_f64(),
+            bare.as_secs_f64() / warm.as_secs_f64()
         );
     }
 }

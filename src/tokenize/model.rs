@@ -18,7 +18,6 @@ const SPECIAL_TOKEN_KEYS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "u
 /// A loaded tokenizer directory.
 ///
 /// Concurrency: immutable except for the internally locked prefix cache; share via `Arc`.
-#[derive(Debug)]
 pub struct ModelTokenizer {
     dir: PathBuf,
     tokenizer: Tokenizer,
@@ -143,6 +142,18 @@ impl ModelTokenizer {
     /// Whether the exact fast byte-level BPE path is active for this tokenizer.
     pub fn has_fast_path(&self) -> bool {
         self.fast.is_some()
+    }
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    // NOTE: hand-written so that debug output never dumps the whole vocabulary.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("dir", &self.dir)
+            .field("has_template", &self.template.is_some())
+            .field("fast_path", &self.fast.is_some())
+            .field("cache_bytes", &self.cache.bytes())
+            .finish()
     }
 }
 
