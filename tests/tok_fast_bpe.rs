@@ -95,6 +95,32 @@ const ASCII_PIECES: &[&str] = &[
     "|>",
 ];
 
+const UNICODE_PIECES: &[&str] = &[
+    "한국어",
+    " 텍스트",
+    "é",
+    "e\u{301}",
+    "\u{301}",
+    " \u{301}",
+    "\t\u{301}",
+    "\u{3000}",
+    "\u{a0}",
+    "\u{85}",
+    "\u{180e}",
+    "\u{200b}",
+    "\u{2028}",
+    "ﬁ",
+    "Å",
+    "A\u{30a}",
+    "👩\u{200d}👩\u{200d}👧",
+    "🇰🇷",
+    "٣",
+    "Ⅻ",
+    "ǅ",
+    "'ſ",
+    "'K",
+];
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -109,7 +135,11 @@ proptest! {
     #[test]
     fn random_mixed_text_matches_the_crate(
         pieces in prop::collection::vec(
-            prop_oneof![prop::sample::select(ASCII_PIECES).prop_map(str::to_owned), any::<char>().prop_map(String::from)],
+            prop_oneof![
+                prop::sample::select(ASCII_PIECES).prop_map(str::to_owned),
+                prop::sample::select(UNICODE_PIECES).prop_map(str::to_owned),
+                any::<char>().prop_map(String::from)
+            ],
             0..60)
     ) {
         let text = pieces.concat();

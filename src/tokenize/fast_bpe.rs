@@ -148,23 +148,97 @@ impl FastEncoder {
         words: &mut Vec<(usize, usize)>,
     ) -> Result<(), TokenizeError> {
         if !segment.is_ascii() {
-            let enc = tokenizer
-                .encode(segment, false)
-                .map_err(|e| TokenizeError::Encode(e.to_string()))?;
-            let (w, o) = (enc.get_word_ids(), enc.get_offsets());
-            let first = ids.len();
-            for i in 1..enc.len() {
-                if let (Some(a), Some(b), Some(prev), Some(off)) =
-                    (w.get(i - 1), w.get(i), o.get(i - 1), o.get(i))
-                    && a != b
-                    && prev.1 <= off.0
-                {
-                    words.push((base + off.0, first + i));
+            // Split at guaranteed pre-token boundaries into ASCII runs (scanned here) and
+            // non-ASCII runs (the crate).
+            let mut run_start = 0;
+            let mut run_ascii = true;
+            let mut piece_start = 0;
+            for c in split_points(segment).chain(std::iter::once(segment.len())) {
+                let piece = segment.get(piece_start..c).unwrap_or("");
+                let ascii = piece.is_ascii();
+                if piece_start > run_start && ascii != run_ascii {
+                    self.encode_run(
+                        tokenizer,
+                        bpe,
+                        segment,
+                        run_start..piece_start,
+                        run_ascii,
+                        base,
+                        ids,
+                        words,
+                    )?;
+                    run_start = piece_start;
                 }
+                if piece_start == run_start {
+                    run_ascii = ascii;
+                }
+                piece_start = c;
             }
-            ids.extend_from_slice(enc.get_ids());
+            if segment.len() > run_start {
+                self.encode_run(
+                    tokenizer,
+                    bpe,
+                    segment,
+                    run_start..segment.len(),
+                    run_ascii,
+                    base,
+                    ids,
+                    words,
+                )?;
+            }
             return Ok(());
         }
+        self.encode_ascii(bpe, segment, base, ids, words)
+    }
+
+    /// Encodes `segment[range]`, a run that starts at a pre-token boundary.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_run(
+        &self,
+        tokenizer: &Tokenizer,
+        bpe: &tokenizers::models::bpe::BPE,
+        segment: &str,
+        range: std::ops::Range<usize>,
+        ascii: bool,
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizeError> {
+        let start = range.start;
+        let run = segment.get(range).unwrap_or("");
+        if start > 0 {
+            words.push((base + start, ids.len()));
+        }
+        if ascii {
+            return self.encode_ascii(bpe, run, base + start, ids, words);
+        }
+        let enc = tokenizer
+            .encode(run, false)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let (w, o) = (enc.get_word_ids(), enc.get_offsets());
+        let first = ids.len();
+        for i in 1..enc.len() {
+            if let (Some(a), Some(b), Some(prev), Some(off)) =
+                (w.get(i - 1), w.get(i), o.get(i - 1), o.get(i))
+                && a != b
+                && prev.1 <= off.0
+            {
+                words.push((base + start + off.0, first + i));
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(())
+    }
+
+    /// Encodes an all-ASCII segment with the hand-written pre-tokenizer.
+    fn encode_ascii(
+        &self,
+        bpe: &tokenizers::models::bpe::BPE,
+        segment: &str,
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizeError> {
         let bytes = segment.as_bytes();
         let mut mapped = String::with_capacity(64);
         let mut i = 0;
@@ -185,6 +259,33 @@ impl FastEncoder {
         }
         Ok(())
     }
+}
+
+/// Positions `c` (ascending, `c > 0`) that are pre-token boundaries of `segment` whatever its
+/// context, and where NFC does not act across: `segment[c]` is a space or tab and the character
+/// before is not whitespace. No alternative of the pattern continues from a non-space character
+/// into a following space/tab (letter runs, digits and symbol runs stop there; the symbol run's
+/// `[\r\n]*` takes only newlines), every decision before `c` looks at `segment[c]` at most
+/// (where a space/tab and the end of text behave alike), and an ASCII starter never composes
+/// with what precedes it.
+fn split_points(segment: &str) -> impl Iterator<Item = usize> + '_ {
+    segment
+        .char_indices()
+        .scan(None::<char>, |prev, (i, ch)| {
+            let before = prev.replace(ch);
+            Some((i, ch, before))
+        })
+        .filter_map(move |(i, ch, before)| {
+            let is_cut = matches!(ch, ' ' | '\t') && before.is_some_and(|p| !maybe_space(p));
+            is_cut.then_some(i)
+        })
+}
+
+/// Unicode White_Space (Oniguruma's `\s`), widened with characters some Unicode versions or
+/// Python treat as spaces, so that a regex-table difference can only make us cut less.
+fn maybe_space(c: char) -> bool {
+    c.is_whitespace()
+        || matches!(c, '\u{1c}'..='\u{1f}' | '\u{180e}' | '\u{200b}'..='\u{200d}' | '\u{2060}' | '\u{feff}')
 }
 
 /// GPT-2's byte → printable char table (the ByteLevel pre-tokenizer's alphabet).
