@@ -194,6 +194,8 @@ fn unknown_paths_guess_from_shape() {
     assert!(matches!(r.prompt, Prompt::Chat(_)));
     let r = parse("/x", br#"{"model":"m","prompt":"p"}"#).unwrap();
     assert_eq!(r.prompt, Prompt::Texts(vec!["p".into()]));
+    let r = parse("/debug/prefix", br#"{"model":"m","token_ids":[7,8]}"#).unwrap();
+    assert_eq!(r.prompt, Prompt::TokenIds(vec![vec![7, 8]]));
     let r = parse("/x", br#"{"model":"m"}"#).unwrap();
     assert_eq!(r.prompt, Prompt::None);
 }

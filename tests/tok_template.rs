@@ -202,3 +202,62 @@ fn template_environment_is_python_compatible() {
         "<s>{\"b\": 1.0, \"a\": \"<é>\"}|{\n  \"b\": 1.0,\n  \"a\": \"<é>\"\n}|a|p1\np2;|a|2"
     );
 }
+
+fn exact(req: &request::InferenceRequest) -> Vec<u32> {
+    match TOKENIZERS.prompt_tokens(req) {
+        PromptTokens::Exact(ids) => ids,
+        other => panic!("not exact: {other:?}"),
+    }
+}
+
+#[test]
+fn responses_and_anthropic_bodies_tokenize_like_the_equivalent_chat() {
+    let chat = chat_body(json!({"model": "tiny", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"}
+    ]}));
+    let responses = request::parse(
+        "/v1/responses",
+        json!({"model": "tiny", "instructions": "Be brief.", "input": "What is 2+2?"})
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    let anthropic = request::parse(
+        "/v1/messages",
+        json!({"model": "tiny", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}],
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}]})
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let want = exact(&chat);
+    assert!(!want.is_empty());
+    assert_eq!(exact(&responses), want);
+    assert_eq!(exact(&anthropic), want);
+}
+
+#[test]
+fn prompts_differing_inside_a_multibyte_character_at_an_anchor_boundary() {
+    // Two prompts identical up to the middle of a 2-byte character that straddles byte 1024
+    // (the prefix cache's anchor size) and again at other offsets: ids must be exact.
+    for offset in [1023usize, 1024, 1025, 2047, 2100] {
+        let filler = "x ".repeat(offset / 2) + &"y".repeat(offset % 2);
+        let a = format!("{filler}é and more text after it");
+        let b = format!("{filler}ê and more text after it");
+        assert_eq!(a.as_bytes()[..offset], b.as_bytes()[..offset]);
+        for text in [&a, &b, &a] {
+            let body = json!({"model": "tiny", "prompt": text}).to_string();
+            let req = request::parse("/v1/completions", body.as_bytes()).unwrap();
+            let want = TOKENIZERS
+                .tokenizer_for("tiny")
+                .unwrap()
+                .tokenizer()
+                .encode(text.as_str(), true)
+                .unwrap()
+                .get_ids()
+                .to_vec();
+            assert_eq!(exact(&req), want, "offset {offset}");
+        }
+    }
+}

@@ -114,6 +114,10 @@ fn guess_prompt(obj: &Map<String, Value>) -> Result<(Prompt, bool), RequestError
     if obj.contains_key("prompt") {
         return text_prompt(obj, "prompt");
     }
+    if obj.contains_key("token_ids") {
+        // kvpick's own `/debug/prefix` form: `{"model": m, "token_ids": [..]}`.
+        return text_prompt(obj, "token_ids");
+    }
     if obj.contains_key("instructions")
         || matches!(obj.get("input"), Some(Value::Array(items)) if items.first().is_some_and(Value::is_object))
     {

@@ -165,6 +165,35 @@ mod tests {
     }
 
     #[test]
+    fn json_response_rewrite_touches_only_the_top_level_model() {
+        let rw = ResponseModelRewriter::new("клиент/model");
+        let body = br#"{"id":"x","model":"served","choices":[{"model":"inner"}],"usage":{"prompt_tokens":3}}"#;
+        assert_eq!(
+            std::str::from_utf8(&rw.rewrite_json(body)).unwrap(),
+            r#"{"id":"x","model":"клиент/model","choices":[{"model":"inner"}],"usage":{"prompt_tokens":3}}"#
+        );
+        assert_eq!(&rw.rewrite_json(b"not json")[..], b"not json");
+        assert_eq!(
+            &rw.rewrite_json(br#"{"object":"list"}"#)[..],
+            br#"{"object":"list"}"#
+        );
+    }
+
+    #[test]
+    fn sse_rewrite_handles_multibyte_names_split_across_chunks() {
+        let stream = "data: {\"model\":\"séрвер\"}\n\n";
+        let expected = "data: {\"model\":\"клиент\"}\n\n";
+        let bytes = stream.as_bytes();
+        for cut in 0..=bytes.len() {
+            let mut rw = ResponseModelRewriter::new("клиент");
+            let mut out = rw.push(&bytes[..cut]).to_vec();
+            out.extend_from_slice(&rw.push(&bytes[cut..]));
+            out.extend_from_slice(&rw.finish());
+            assert_eq!(std::str::from_utf8(&out).unwrap(), expected, "cut {cut}");
+        }
+    }
+
+    #[test]
     fn sse_rewrite_handles_every_chunk_boundary() {
         let stream = "data: {\"id\":\"1\",\"model\":\"served-x\",\"choices\":[]}\n\n: keepalive\ndata: {\"model\":\"served-x\"}\r\n\r\ndata: [DONE]\n\n";
         let expected = stream.replace("served-x", "client");
