@@ -131,6 +131,8 @@ pub fn detect_content_format(source: &str) -> ContentFormat {
         if let Some(f) = stmt.strip_prefix("for ")
             && let Some((_, iter)) = f.split_once(" in ")
         {
+            // `for x in xs if cond` / `for x in xs recursive`: only the iterable counts.
+            let iter = iter.split(" if ").next().unwrap_or(iter);
             let mentions_content = iter
                 .split(|c: char| !(c.is_alphanumeric() || c == '_'))
                 .any(|w| w == "content");
@@ -411,6 +413,12 @@ mod tests {
                 "{%- for part in message['content'] -%}{{ part.text }}{%- endfor %}"
             ),
             ContentFormat::OpenAi
+        );
+        assert_eq!(
+            detect_content_format(
+                "{% for m in messages if m.content %}{{ m.content }}{% endfor %}"
+            ),
+            ContentFormat::String
         );
     }
 
