@@ -261,3 +261,41 @@ fn prompts_differing_inside_a_multibyte_character_at_an_anchor_boundary() {
         }
     }
 }
+
+#[test]
+fn default_dir_serves_unknown_models_and_a_broken_template_only_degrades_chat() {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(
+        tokenizer_dir().join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("chat_template.jinja"), "{% for %}broken").unwrap();
+    let tok = Tokenizers::new(
+        TokenizersConfig {
+            default_dir: Some(dir.path().to_path_buf()),
+            prefix_cache_bytes: 1 << 20,
+            ..Default::default()
+        },
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
+    let req = request::parse(
+        "/v1/completions",
+        br#"{"model":"anything","prompt":"hello world"}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        tok.prompt_tokens(&req),
+        PromptTokens::Exact(vec![14990, 1879])
+    );
+    let req =
+        chat_body(json!({"model": "anything", "messages": [{"role": "user", "content": "hi"}]}));
+    match tok.prompt_tokens(&req) {
+        PromptTokens::Approximate(a) => {
+            assert_eq!(a.reason, ApproximateReason::NoTemplate);
+            assert!(a.text.contains("hi"));
+        }
+        other => panic!("{other:?}"),
+    }
+}

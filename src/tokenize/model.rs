@@ -58,9 +58,15 @@ impl ModelTokenizer {
                 special.insert(key.to_owned(), Json::String(tok));
             }
         }
-        let template = source
-            .map(|s| ChatTemplate::new(s, special, content_format))
-            .transpose()?;
+        // NOTE: a template minijinja cannot compile leaves the model without a template (chat
+        // prompts for it are routed approximately) rather than failing startup.
+        let template = source.and_then(|s| match ChatTemplate::new(s, special, content_format) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "chat template does not compile; chat prompts will be approximate");
+                None
+            }
+        });
         let adds_special_tokens = match (tokenizer.encode("a", true), tokenizer.encode("a", false))
         {
             (Ok(with), Ok(without)) => with.get_ids() != without.get_ids(),

@@ -54,7 +54,7 @@ impl ChatTemplate {
         env.add_filter("trim", py_trim_filter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(TEMPLATE_NAME, source)
+        env.add_template_owned(TEMPLATE_NAME, strip_generation_tags(&source))
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
         Ok(Self {
             env,
@@ -113,6 +113,37 @@ fn error_chain(e: &Error) -> String {
         Some(d) => d.to_string(),
         None => e.to_string(),
     }
+}
+
+/// transformers' `AssistantTracker` extension adds `{% generation %}…{% endgeneration %}` (it only
+/// marks assistant tokens; the body renders unchanged). minijinja does not know the tag, so it
+/// becomes `{% if true %}…{% endif %}`, keeping the tags' whitespace control.
+fn strip_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let (head, tail) = rest.split_at(start);
+        out.push_str(head);
+        let Some(end) = tail.find("%}") else {
+            rest = tail;
+            break;
+        };
+        let (tag, after) = tail.split_at(end + 2);
+        let inner = tag.get(2..tag.len() - 2).unwrap_or("");
+        let word = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let replacement = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => out.push_str(&tag.replacen(word, r, 1)),
+            None => out.push_str(tag),
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
 }
 
 /// vLLM's detection: "openai" when the template loops over a message's content (directly or
@@ -420,6 +451,24 @@ mod tests {
             ),
             ContentFormat::String
         );
+    }
+
+    #[test]
+    fn generation_tags_render_their_body() {
+        let t = ChatTemplate::new(
+            "a{%- generation -%} b {%- endgeneration %}c".into(),
+            Map::new(),
+            None,
+        )
+        .unwrap();
+        let chat = ChatPrompt {
+            messages: Vec::new(),
+            tools: None,
+            add_generation_prompt: false,
+            continue_final_message: false,
+            chat_template_kwargs: Map::new(),
+        };
+        assert_eq!(t.render(&chat).unwrap(), "abc");
     }
 
     #[test]
