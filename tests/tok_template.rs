@@ -299,3 +299,18 @@ fn default_dir_serves_unknown_models_and_a_broken_template_only_degrades_chat() 
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn flags_and_thread_safety() {
+    let mut cfg = TokenizersConfig::default();
+    cfg.add_flag("tiny=/models/tiny");
+    cfg.add_flag("/models/default");
+    assert_eq!(
+        cfg.models,
+        vec![("tiny".to_string(), PathBuf::from("/models/tiny"))]
+    );
+    assert_eq!(cfg.default_dir, Some(PathBuf::from("/models/default")));
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizers>();
+    assert_send_sync::<kvpick::request::InferenceRequest>();
+}

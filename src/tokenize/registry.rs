@@ -42,6 +42,19 @@ pub struct TokenizersConfig {
     pub content_format: Option<ContentFormat>,
 }
 
+impl TokenizersConfig {
+    /// Adds one `--tokenizer` flag value: `MODEL=DIR` for one model, or `DIR` alone for the
+    /// default. A value whose part before the first `=` is an existing directory is a `DIR`.
+    pub fn add_flag(&mut self, value: &str) {
+        match value.split_once('=') {
+            Some((model, dir)) if !model.is_empty() && !std::path::Path::new(model).is_dir() => {
+                self.models.push((model.to_owned(), PathBuf::from(dir)));
+            }
+            _ => self.default_dir = Some(PathBuf::from(value)),
+        }
+    }
+}
+
 /// A request's prompt as token ids, or approximately as text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptTokens {
