@@ -283,7 +283,7 @@ fn split_points(segment: &str) -> impl Iterator<Item = usize> + '_ {
 
 /// Unicode White_Space (Oniguruma's `\s`), widened with characters some Unicode versions or
 /// Python treat as spaces, so that a regex-table difference can only make us cut less.
-fn maybe_space(c: char) -> bool {
+pub(crate) fn maybe_space(c: char) -> bool {
     c.is_whitespace()
         || matches!(c, '\u{1c}'..='\u{1f}' | '\u{180e}' | '\u{200b}'..='\u{200d}' | '\u{2060}' | '\u{feff}')
 }

@@ -34,8 +34,7 @@ use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::error::TokenizeError;
-use super::fast_bpe::{FastEncoder, WordEncoding};
-use super::template::py_is_space;
+use super::fast_bpe::{FastEncoder, WordEncoding, maybe_space};
 
 /// Texts are indexed at every multiple of this many bytes; shorter texts are not cached.
 pub const ANCHOR_BYTES: usize = 1024;
@@ -334,6 +333,6 @@ fn is_safe_cut(text: &str, c: usize) -> bool {
     let prev_ok = before
         .chars()
         .next_back()
-        .is_some_and(|p| !py_is_space(p) && !p.is_control());
+        .is_some_and(|p| !maybe_space(p) && !p.is_control());
     next_ascii && prev_ok
 }
