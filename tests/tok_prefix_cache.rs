@@ -149,3 +149,25 @@ fn long_shared_prefix_is_reused_and_memory_is_bounded() {
         assert!(small.bytes() <= prefix.len() * 3, "bytes {}", small.bytes());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// A growing conversation (the real prefix-cache workload): every turn's rendered prompt,
+    /// tokenized through the model's cache and fast path, equals the crate's full encode.
+    #[test]
+    fn growing_conversation_equals_full(turns in prop::collection::vec(text_strategy(20, 200), 2..8)) {
+        use kvpick::request::Prompt;
+        let tok = MODEL.tokenizer();
+        let mut messages = vec![serde_json::json!({"role": "system", "content": "You are terse. ".repeat(80)})];
+        for (i, content) in turns.iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(serde_json::json!({"role": role, "content": content}));
+            let body = serde_json::json!({"model": "tiny", "messages": messages}).to_string();
+            let req = kvpick::request::parse("/v1/chat/completions", body.as_bytes()).unwrap();
+            let Prompt::Chat(chat) = &req.prompt else { panic!("chat") };
+            let text = MODEL.render(chat).unwrap();
+            prop_assert_eq!(MODEL.encode(&text, false).unwrap().ids, full(tok, &text));
+        }
+    }
+}
