@@ -153,6 +153,8 @@ fn lora_adapters_use_their_base_tokenizer_and_unknown_models_are_approximate() {
     );
     TOKENIZERS.register_lora("late-lora", "tiny");
     assert!(TOKENIZERS.tokenizer_for("late-lora").is_some());
+    assert_eq!(TOKENIZERS.lora_base("late-lora").as_deref(), Some("tiny"));
+    assert_eq!(TOKENIZERS.lora_base("tiny"), None);
 
     let body = json!({"model": "mystery", "prompt": "abcdefgh"}).to_string();
     let req = request::parse("/v1/completions", body.as_bytes()).unwrap();

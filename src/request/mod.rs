@@ -9,6 +9,9 @@
 //!
 //! Hostile input: bodies are bounded in nesting depth and array length before any tree is
 //! built ([`ParseLimits`]); nothing here panics on input-derived values.
+//!
+//! Concurrency: everything is a pure function over its arguments except
+//! [`ResponseModelRewriter`], which holds one response stream's partial line (one per stream).
 
 mod error;
 mod parse;

@@ -231,6 +231,11 @@ impl Tokenizers {
             .insert(adapter.to_owned(), base_model.to_owned());
     }
 
+    /// The base model of a registered LoRA adapter.
+    pub fn lora_base(&self, adapter: &str) -> Option<String> {
+        self.lora_bases.get(adapter).map(|b| b.value().clone())
+    }
+
     /// The tokenizer for `model`: its own, its LoRA base model's, or the default.
     pub fn tokenizer_for(&self, model: &str) -> Option<&Arc<ModelTokenizer>> {
         if let Some(t) = self.by_model.get(model) {
