@@ -1,1 +1,31 @@
-//! (filled in by the EPP core)
+//! Request understanding: what an OpenAI / Anthropic body asks for, as the model server will
+//! see it, plus the byte-preserving model rewrite.
+//!
+//! - [`parse`] turns `(path, body)` into an [`InferenceRequest`] (API kind, model, prompt as text,
+//!   token ids or chat messages, stream, cache_salt, priority), or a [`RequestError`] (HTTP 400).
+//! - [`rewrite_model`] changes only the `model` value of a body; [`ResponseModelRewriter`] puts
+//!   the client's model name back into JSON and SSE responses.
+//! - [`ModelRewriteRules`] are InferenceModelRewrite-style weighted rules.
+//!
+//! Hostile input: bodies are bounded in nesting depth and array length before any tree is
+//! built ([`ParseLimits`]); nothing here panics on input-derived values.
+//!
+//! Concurrency: everything is a pure function over its arguments except
+//! [`ResponseModelRewriter`], which holds one response stream's partial line (one per stream).
+
+mod error;
+mod parse;
+mod rewrite;
+mod rules;
+mod scan;
+mod types;
+
+pub use error::RequestError;
+pub use parse::{api_kind_for_path, parse, parse_with_limits};
+pub use rewrite::{MAX_SSE_LINE_BYTES, ResponseModelRewriter, rewrite_model};
+pub use rules::{ModelRewriteRule, ModelRewriteRules, RewriteTarget};
+pub use scan::{BodyShape, ParseLimits, scan};
+pub use types::{
+    ApiKind, ChatMessage, ChatPrompt, ContentPart, InferenceRequest, MessageContent, Prompt,
+    ToolCall,
+};

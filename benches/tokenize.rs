@@ -1,0 +1,189 @@
+//! parse + template + tokenize for chat bodies of 8 KB, 100 KB and 400 KB:
+//! - `cold`: a prompt never seen before (its first bytes differ), through the whole path;
+//! - `bare_encode`: the tokenizers crate's `encode` of the same rendered text (the floor);
+//! - `warm95`: the first 95% of the prompt was tokenized before (the last 5% is new).
+//!
+//! Run: `cargo bench --bench tokenize`. A ratio summary is printed at the end.
+
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{BatchSize, Criterion};
+use kvpick::request::{self, Prompt};
+use kvpick::tokenize::{PromptTokens, Tokenizers, TokenizersConfig};
+use serde_json::json;
+
+const SIZES: [(&str, usize); 3] = [("8KB", 8 << 10), ("100KB", 100 << 10), ("400KB", 400 << 10)];
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Natural text (prose + Python) of at least `len` bytes.
+fn corpus(len: usize) -> String {
+    let base = std::fs::read_to_string(repo().join("../shared/fixtures/tokenizer/corpus.txt"))
+        .or_else(|_| std::fs::read_to_string(repo().join("assets/tokenizer/chat_template.jinja")))
+        .expect("corpus text");
+    let mut out = String::with_capacity(len + base.len());
+    while out.len() < len {
+        out.push_str(&base);
+    }
+    let mut end = len;
+    while !out.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.truncate(end);
+    out
+}
+
+fn body(user: &str) -> Vec<u8> {
+    json!({
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "You are a careful code reviewer."},
+            {"role": "user", "content": user}
+        ],
+        "max_tokens": 16
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn run(tok: &Tokenizers, body: &[u8]) -> usize {
+    let req = request::parse("/v1/chat/completions", body).expect("parse");
+    match tok.prompt_tokens(&req) {
+        PromptTokens::Exact(ids) => ids.len(),
+        other => panic!("not exact: {other:?}"),
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let tok = Tokenizers::new(
+        TokenizersConfig {
+            models: vec![("tiny".into(), repo().join("assets/tokenizer"))],
+            prefix_cache_bytes: 256 << 20,
+            ..Default::default()
+        },
+        &prometheus::Registry::new(),
+    )
+    .expect("tokenizer");
+    let model = tok.tokenizer_for("tiny").expect("model");
+    let counter = AtomicUsize::new(0);
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1))
+        .configure_from_args();
+    let mut summary = Vec::new();
+    for (name, size) in SIZES {
+        let text = corpus(size);
+        let prefix_len = (size * 95 / 100..)
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(size);
+        let (prefix, tail) = text.split_at(prefix_len);
+        let cold_body = |i: usize| body(&format!("{i} {text}"));
+        let warm_body = |i: usize| body(&format!("{prefix}{i} {tail}"));
+        let rendered = {
+            let req = request::parse("/v1/chat/completions", &cold_body(0)).expect("parse");
+            let Prompt::Chat(chat) = &req.prompt else {
+                panic!("chat")
+            };
+            model.render(chat).expect("render")
+        };
+        // Prime: the 95% prefix has been seen before.
+        run(&tok, &warm_body(usize::MAX));
+
+        let mut g = c.benchmark_group(format!("tokenize/{name}"));
+        g.bench_function("bare_encode", |b| {
+            b.iter(|| {
+                black_box(
+                    model
+                        .tokenizer()
+                        .encode(rendered.as_str(), false)
+                        .unwrap()
+                        .len(),
+                )
+            })
+        });
+        g.bench_function("cold", |b| {
+            b.iter_batched(
+                || cold_body(counter.fetch_add(1, Ordering::Relaxed)),
+                |body| black_box(run(&tok, &body)),
+                BatchSize::PerIteration,
+            )
+        });
+        g.bench_function("warm95", |b| {
+            b.iter_batched(
+                || warm_body(counter.fetch_add(1, Ordering::Relaxed)),
+                |body| black_box(run(&tok, &body)),
+                BatchSize::PerIteration,
+            )
+        });
+        g.finish();
+
+        // A plain median over a few runs for the summary table.
+        let reps = if size > 200_000 { 7 } else { 15 };
+        let mut bare = Vec::new();
+        let mut cold = Vec::new();
+        let mut warm = Vec::new();
+        let mut parse = Vec::new();
+        let mut render = Vec::new();
+        for _ in 0..reps {
+            let b = cold_body(counter.fetch_add(1, Ordering::Relaxed));
+            let t = Instant::now();
+            let req = request::parse("/v1/chat/completions", &b).expect("parse");
+            parse.push(t.elapsed());
+            let Prompt::Chat(chat) = &req.prompt else {
+                panic!("chat")
+            };
+            let t = Instant::now();
+            black_box(model.render(chat).expect("render").len());
+            render.push(t.elapsed());
+            let t = Instant::now();
+            black_box(
+                model
+                    .tokenizer()
+                    .encode(rendered.as_str(), false)
+                    .unwrap()
+                    .len(),
+            );
+            bare.push(t.elapsed());
+            let b = cold_body(counter.fetch_add(1, Ordering::Relaxed));
+            let t = Instant::now();
+            black_box(run(&tok, &b));
+            cold.push(t.elapsed());
+            let b = warm_body(counter.fetch_add(1, Ordering::Relaxed));
+            let t = Instant::now();
+            black_box(run(&tok, &b));
+            warm.push(t.elapsed());
+        }
+        summary.push((
+            name,
+            body(&text).len(),
+            median(bare),
+            median(cold),
+            median(warm),
+            median(parse),
+            median(render),
+        ));
+    }
+    c.final_summary();
+    println!(
+        "\nsize   body_bytes  bare_encode  cold(parse+template+tokenize)  cold/bare  warm95  cold/warm95  bare/warm95  parse  render"
+    );
+    for (name, bytes, bare, cold, warm, parse, render) in summary {
+        println!(
+            "{name:<6} {bytes:>10}  {bare:>10.2?}  {cold:>10.2?}  {:>5.2}x  {warm:>8.2?}  {:>6.1}x  {:>6.1}x  {parse:>8.2?}  {render:>8.2?}",
+            cold.as_secs_f64() / bare.as_secs_f64(),
+            cold.as_secs_f64() / warm.as_secs_f64(),
+            bare.as_secs_f64() / warm.as_secs_f64()
+        );
+    }
+}

@@ -1,0 +1,80 @@
+//! InferenceModelRewrite-style weighted model rewrite rules (DESIGN §6): a client model name
+//! maps to weighted target models; one target is drawn per request.
+
+use serde::Deserialize;
+
+/// One weighted target of a rule.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct RewriteTarget {
+    /// The model name written into the forwarded body.
+    #[serde(rename = "modelRewrite", alias = "model")]
+    pub model: String,
+    /// Relative weight (0 = never picked). Defaults to 1.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+/// One rule: requests for any model in `matches` are sent to one of `targets`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ModelRewriteRule {
+    /// Exact client model names this rule applies to.
+    pub matches: Vec<String>,
+    /// Weighted targets.
+    pub targets: Vec<RewriteTarget>,
+}
+
+/// All rewrite rules; the first rule matching a model applies.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct ModelRewriteRules {
+    /// The rules, in priority order.
+    pub rules: Vec<ModelRewriteRule>,
+}
+
+impl ModelRewriteRules {
+    /// The target for `model` given a uniformly random `roll`; `None` when no rule matches
+    /// (or every weight is 0): forward the model unchanged.
+    pub fn pick(&self, model: &str, roll: u64) -> Option<&str> {
+        let rule = self
+            .rules
+            .iter()
+            .find(|r| r.matches.iter().any(|m| m == model))?;
+        let total: u64 = rule.targets.iter().map(|t| u64::from(t.weight)).sum();
+        if total == 0 {
+            return None;
+        }
+        let mut r = roll % total;
+        for t in &rule.targets {
+            let w = u64::from(t.weight);
+            if r < w {
+                return Some(&t.model);
+            }
+            r -= w;
+        }
+        None
+    }
+
+    /// [`Self::pick`] with a random roll.
+    pub fn pick_random(&self, model: &str) -> Option<&str> {
+        self.pick(model, fastrand::u64(..))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_split_rolls_proportionally() {
+        let rules: ModelRewriteRules = serde_yaml::from_str(
+            "rules:\n- matches: [m]\n  targets:\n  - {modelRewrite: a, weight: 1}\n  - {modelRewrite: z, weight: 0}\n  - {modelRewrite: b, weight: 3}\n",
+        )
+        .unwrap();
+        let picks: Vec<_> = (0..8).map(|r| rules.pick("m", r).unwrap()).collect();
+        assert_eq!(picks, ["a", "b", "b", "b", "a", "b", "b", "b"]);
+        assert_eq!(rules.pick("other", 0), None);
+    }
+}

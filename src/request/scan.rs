@@ -1,0 +1,228 @@
+//! One linear pass over raw JSON bytes that enforces nesting and array bounds *before*
+//! serde_json builds a tree (so a hostile body cannot make us allocate a huge tree or recurse
+//! deeply), and that finds the byte span of the top-level `"model"` string value (so the model
+//! can be rewritten without re-serialising the body).
+//!
+//! NOTE: the scanner does not validate JSON syntax; serde_json does that afterwards. It only
+//! has to be right on valid JSON and must never panic or loop on invalid input.
+
+use std::ops::Range;
+
+use super::error::RequestError;
+
+/// Bounds applied to request bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParseLimits {
+    /// Maximum nesting depth of arrays/objects (the top-level object is depth 1).
+    pub max_depth: usize,
+    /// Maximum number of elements in any one array.
+    pub max_array_len: usize,
+}
+
+impl Default for ParseLimits {
+    fn default() -> Self {
+        // 64 levels is far beyond any real tool schema; 2^21 elements allows token-id prompts of
+        // 2M tokens, beyond every model's context.
+        Self {
+            max_depth: 64,
+            max_array_len: 1 << 21,
+        }
+    }
+}
+
+/// What the scan learned about the body.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BodyShape {
+    /// Byte span of the top-level `model` value *including* its quotes, when it is a string.
+    /// With duplicate keys the last one wins (as in serde_json and Python's json).
+    pub model_span: Option<Range<usize>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Frame {
+    Object,
+    Array { len: usize, empty: bool },
+}
+
+/// Scans `body`, enforcing `limits`, and returns its [`BodyShape`].
+pub fn scan(body: &[u8], limits: ParseLimits) -> Result<BodyShape, RequestError> {
+    let mut stack: Vec<Frame> = Vec::with_capacity(16);
+    let mut shape = BodyShape::default();
+    // At depth 1 inside the top-level object: whether the next string is a key, and whether the
+    // last key read was `model`.
+    let mut expect_key = false;
+    let mut last_key_is_model = false;
+    let mut i = 0usize;
+    while let Some(&b) = body.get(i) {
+        match b {
+            b'"' => {
+                let end = string_end(body, i)?;
+                let depth = stack.len();
+                if depth == 1 && matches!(stack.last(), Some(Frame::Object)) {
+                    if expect_key {
+                        last_key_is_model = key_is_model(body.get(i + 1..end - 1).unwrap_or(&[]));
+                        expect_key = false;
+                    } else if last_key_is_model {
+                        shape.model_span = Some(i..end);
+                        last_key_is_model = false;
+                    }
+                }
+                note_value(&mut stack);
+                i = end;
+                continue;
+            }
+            b'{' | b'[' => {
+                if stack.len() == 1 {
+                    last_key_is_model = false;
+                }
+                note_value(&mut stack);
+                if stack.len() >= limits.max_depth {
+                    return Err(RequestError::TooDeep {
+                        max_depth: limits.max_depth,
+                    });
+                }
+                if b == b'{' {
+                    stack.push(Frame::Object);
+                    if stack.len() == 1 {
+                        expect_key = true;
+                    }
+                } else {
+                    stack.push(Frame::Array {
+                        len: 0,
+                        empty: true,
+                    });
+                }
+            }
+            b'}' | b']' => {
+                stack.pop();
+            }
+            b',' => {
+                let depth = stack.len();
+                match stack.last_mut() {
+                    Some(Frame::Array { len, .. }) => {
+                        *len += 1;
+                        if *len > limits.max_array_len {
+                            return Err(RequestError::ArrayTooLong {
+                                max_len: limits.max_array_len,
+                            });
+                        }
+                    }
+                    Some(Frame::Object) if depth == 1 => {
+                        expect_key = true;
+                        last_key_is_model = false;
+                    }
+                    _ => {}
+                }
+            }
+            b' ' | b'\t' | b'\n' | b'\r' | b':' => {}
+            _ => {
+                // A scalar (number, true, false, null): a non-string model value is not a span.
+                if stack.len() == 1 && !expect_key {
+                    last_key_is_model = false;
+                }
+                note_value(&mut stack);
+                while let Some(&c) = body.get(i + 1) {
+                    if matches!(
+                        c,
+                        b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r' | b'"' | b'{' | b'['
+                    ) {
+                        break;
+                    }
+                    i += 1;
+                }
+            }
+        }
+        i += 1;
+    }
+    Ok(shape)
+}
+
+/// Marks that a value starts inside the current array (the first element counts as 1).
+fn note_value(stack: &mut [Frame]) {
+    if let Some(Frame::Array { len, empty }) = stack.last_mut()
+        && *empty
+    {
+        *empty = false;
+        *len = 1;
+    }
+}
+
+/// Index one past the closing quote of the string starting at `start` (which holds `"`).
+fn string_end(body: &[u8], start: usize) -> Result<usize, RequestError> {
+    let mut i = start + 1;
+    loop {
+        let rest = body.get(i..).ok_or(RequestError::Truncated)?;
+        let pos = rest
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\')
+            .ok_or(RequestError::Truncated)?;
+        i += pos;
+        match body.get(i) {
+            Some(b'"') => return Ok(i + 1),
+            _ => i += 2, // skip the escaped character
+        }
+    }
+}
+
+/// Whether a raw (still escaped) key spells `model`.
+fn key_is_model(raw: &[u8]) -> bool {
+    if raw == b"model" {
+        return true;
+    }
+    if !raw.contains(&b'\\') {
+        return false;
+    }
+    let mut quoted = Vec::with_capacity(raw.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(raw);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted).is_ok_and(|k| k == "model")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(body: &str) -> Option<String> {
+        scan(body.as_bytes(), ParseLimits::default())
+            .unwrap()
+            .model_span
+            .map(|r| body[r].to_string())
+    }
+
+    #[test]
+    fn finds_top_level_model_only() {
+        assert_eq!(
+            span(r#"{"a":{"model":"x"},"model":"m"}"#).as_deref(),
+            Some("\"m\"")
+        );
+        assert_eq!(span(r#"{"model" : "a\"b" }"#).as_deref(), Some(r#""a\"b""#));
+        assert_eq!(span(r#"{"x":["model","y"],"z":1}"#), None);
+        assert_eq!(span(r#"{"model":3}"#), None);
+        assert_eq!(span(r#"{"mod\u0065l":"q"}"#).as_deref(), Some("\"q\""));
+        assert_eq!(
+            span(r#"{"model":"a","model":"b"}"#).as_deref(),
+            Some("\"b\"")
+        );
+        assert_eq!(span(r#"{"k":"model","v":"no"}"#), None);
+    }
+
+    #[test]
+    fn bounds_depth_and_arrays() {
+        let limits = ParseLimits {
+            max_depth: 4,
+            max_array_len: 3,
+        };
+        assert!(scan(br#"{"a":[[[1]]]}"#, limits).is_ok());
+        assert_eq!(
+            scan(br#"{"a":[[[[1]]]]}"#, limits),
+            Err(RequestError::TooDeep { max_depth: 4 })
+        );
+        assert!(scan(br#"{"a":[1,2,3]}"#, limits).is_ok());
+        assert_eq!(
+            scan(br#"{"a":[1,2,3,4]}"#, limits),
+            Err(RequestError::ArrayTooLong { max_len: 3 })
+        );
+        assert_eq!(scan(br#"{"a":"abc"#, limits), Err(RequestError::Truncated));
+    }
+}

@@ -1,0 +1,42 @@
+//! Tokenizer registry errors.
+
+/// Why a tokenizer could not be loaded or a prompt not rendered/encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// A tokenizer directory file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The IO error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` could not be loaded.
+    #[error("loading tokenizer {path}: {detail}")]
+    Load {
+        /// The file.
+        path: String,
+        /// The tokenizers crate's message.
+        detail: String,
+    },
+    /// `tokenizer_config.json` is not valid JSON.
+    #[error("parsing {path}: {detail}")]
+    Config {
+        /// The file.
+        path: String,
+        /// The parse error.
+        detail: String,
+    },
+    /// The chat template failed to compile or render (e.g. `raise_exception`).
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The model has no chat template but a chat prompt must be rendered.
+    #[error("model has no chat template")]
+    NoTemplate,
+    /// The tokenizer failed to encode.
+    #[error("encoding: {0}")]
+    Encode(String),
+    /// Metrics could not be registered.
+    #[error("registering metrics: {0}")]
+    Metrics(String),
+}

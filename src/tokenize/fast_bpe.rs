@@ -1,0 +1,387 @@
+//! An exactly equivalent faster encoder for the Qwen2-style byte-level BPE layout
+//! (NFC normalizer, `Split(<Qwen2 regex>, Isolated)` + `ByteLevel(use_regex=false)`, BPE).
+//!
+//! The tokenizers crate spends most of its time in the Oniguruma pre-tokenizer regex. This
+//! encoder splits added (special) tokens itself, and for every segment that is pure ASCII runs
+//! a hand-written scanner that implements the regex's leftmost-first alternation exactly on
+//! ASCII (where `\p{L}` = `[A-Za-z]`, `\p{N}` = `[0-9]`, `\s` = `[\t\n\v\f\r ]`, and NFC is the
+//! identity), then hands each pre-token, byte-level mapped, to the crate's own BPE model (so
+//! merges, `ignore_merges` and its word cache are the crate's). Segments with any non-ASCII
+//! byte go through the crate's full pipeline. [`FastEncoder::new`] returns `None` for any other
+//! tokenizer layout, which then always uses the crate.
+//!
+//! Equivalence is tested against the crate on the fixtures, the 400 KB corpus and random text
+//! (`tests/tok_fast_bpe.rs`).
+//!
+//! Concurrency: immutable; the crate's BPE cache is internally synchronised.
+
+use serde_json::json;
+use tokenizers::models::ModelWrapper;
+use tokenizers::{Model, Tokenizer};
+
+use super::error::TokenizeError;
+
+/// The Qwen2 / cl100k-style split pattern this scanner implements.
+pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Token ids plus `(byte offset, token index)` of every pre-token (word) start after the first.
+pub type WordEncoding = (Vec<u32>, Vec<(usize, usize)>);
+
+/// The fast encoder for one tokenizer.
+#[derive(Debug)]
+pub struct FastEncoder {
+    /// Added tokens (content, id), matched leftmost-longest like the crate.
+    added: Vec<(String, u32)>,
+    byte_chars: [char; 256],
+}
+
+impl FastEncoder {
+    /// A fast encoder if `tokenizer` has exactly the supported layout.
+    pub fn new(tokenizer: &Tokenizer) -> Option<Self> {
+        let expected_pre = json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]});
+        let pre = serde_json::to_value(tokenizer.get_pre_tokenizer()?).ok()?;
+        if pre != expected_pre {
+            return None;
+        }
+        if let Some(n) = tokenizer.get_normalizer()
+            && serde_json::to_value(n).ok()? != json!({"type": "NFC"})
+        {
+            return None;
+        }
+        let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+            return None;
+        };
+        if bpe.dropout.is_some_and(|d| d > 0.0) {
+            return None;
+        }
+        let mut added = Vec::new();
+        for (id, tok) in tokenizer.get_added_vocabulary().get_added_tokens_decoder() {
+            if tok.lstrip
+                || tok.rstrip
+                || tok.single_word
+                || tok.normalized
+                || tok.content.is_empty()
+            {
+                return None;
+            }
+            added.push((tok.content.clone(), *id));
+        }
+        Some(Self {
+            added,
+            byte_chars: byte_chars(),
+        })
+    }
+
+    /// Encodes `text` without special tokens, exactly like `tokenizer.encode(text, false)`.
+    pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<WordEncoding, TokenizeError> {
+        let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+            return Err(TokenizeError::Encode("fast path needs a BPE model".into()));
+        };
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut words = Vec::with_capacity(text.len() / 4);
+        let mut pos = 0;
+        let mut next: Vec<Option<usize>> = self
+            .added
+            .iter()
+            .map(|(t, _)| text.find(t.as_str()))
+            .collect();
+        loop {
+            // Leftmost match, longest on ties (the crate's LeftmostLongest).
+            let mut best: Option<(usize, usize)> = None; // (start, index)
+            for (k, slot) in next.iter_mut().enumerate() {
+                let Some((content, _)) = self.added.get(k) else {
+                    continue;
+                };
+                if let Some(start) = *slot
+                    && start < pos
+                {
+                    *slot = text
+                        .get(pos..)
+                        .and_then(|t| t.find(content.as_str()))
+                        .map(|p| p + pos);
+                }
+                if let Some(start) = *slot {
+                    let better = match best {
+                        None => true,
+                        Some((bs, bk)) => {
+                            start < bs
+                                || (start == bs
+                                    && content.len() > self.added.get(bk).map_or(0, |a| a.0.len()))
+                        }
+                    };
+                    if better {
+                        best = Some((start, k));
+                    }
+                }
+            }
+            let seg_end = best.map_or(text.len(), |(s, _)| s);
+            let segment = text.get(pos..seg_end).unwrap_or("");
+            if !segment.is_empty() {
+                if !ids.is_empty() {
+                    words.push((pos, ids.len()));
+                }
+                self.encode_segment(tokenizer, bpe, segment, pos, &mut ids, &mut words)?;
+            }
+            let Some((start, k)) = best else { break };
+            let Some((content, id)) = self.added.get(k) else {
+                break;
+            };
+            if !ids.is_empty() {
+                words.push((start, ids.len()));
+            }
+            ids.push(*id);
+            pos = start + content.len();
+        }
+        Ok((ids, words))
+    }
+
+    fn encode_segment(
+        &self,
+        tokenizer: &Tokenizer,
+        bpe: &tokenizers::models::bpe::BPE,
+        segment: &str,
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizeError> {
+        if !segment.is_ascii() {
+            // Split at guaranteed pre-token boundaries into ASCII runs (scanned here) and
+            // non-ASCII runs (the crate).
+            let mut run_start = 0;
+            let mut run_ascii = true;
+            let mut piece_start = 0;
+            for c in split_points(segment).chain(std::iter::once(segment.len())) {
+                let piece = segment.get(piece_start..c).unwrap_or("");
+                let ascii = piece.is_ascii();
+                if piece_start > run_start && ascii != run_ascii {
+                    self.encode_run(
+                        tokenizer,
+                        bpe,
+                        segment,
+                        run_start..piece_start,
+                        run_ascii,
+                        base,
+                        ids,
+                        words,
+                    )?;
+                    run_start = piece_start;
+                }
+                if piece_start == run_start {
+                    run_ascii = ascii;
+                }
+                piece_start = c;
+            }
+            if segment.len() > run_start {
+                self.encode_run(
+                    tokenizer,
+                    bpe,
+                    segment,
+                    run_start..segment.len(),
+                    run_ascii,
+                    base,
+                    ids,
+                    words,
+                )?;
+            }
+            return Ok(());
+        }
+        self.encode_ascii(bpe, segment, base, ids, words)
+    }
+
+    /// Encodes `segment[range]`, a run that starts at a pre-token boundary.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_run(
+        &self,
+        tokenizer: &Tokenizer,
+        bpe: &tokenizers::models::bpe::BPE,
+        segment: &str,
+        range: std::ops::Range<usize>,
+        ascii: bool,
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizeError> {
+        let start = range.start;
+        let run = segment.get(range).unwrap_or("");
+        if start > 0 {
+            words.push((base + start, ids.len()));
+        }
+        if ascii {
+            return self.encode_ascii(bpe, run, base + start, ids, words);
+        }
+        let enc = tokenizer
+            .encode(run, false)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let (w, o) = (enc.get_word_ids(), enc.get_offsets());
+        let first = ids.len();
+        for i in 1..enc.len() {
+            if let (Some(a), Some(b), Some(prev), Some(off)) =
+                (w.get(i - 1), w.get(i), o.get(i - 1), o.get(i))
+                && a != b
+                && prev.1 <= off.0
+            {
+                words.push((base + start + off.0, first + i));
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(())
+    }
+
+    /// Encodes an all-ASCII segment with the hand-written pre-tokenizer.
+    fn encode_ascii(
+        &self,
+        bpe: &tokenizers::models::bpe::BPE,
+        segment: &str,
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizeError> {
+        let bytes = segment.as_bytes();
+        let mut mapped = String::with_capacity(64);
+        let mut i = 0;
+        while i < bytes.len() {
+            let end = ascii_pretoken_end(bytes, i);
+            if i > 0 {
+                words.push((base + i, ids.len()));
+            }
+            mapped.clear();
+            for &b in bytes.get(i..end).unwrap_or(&[]) {
+                mapped.push(self.byte_chars[usize::from(b)]);
+            }
+            let toks = bpe
+                .tokenize(&mapped)
+                .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+            ids.extend(toks.iter().map(|t| t.id));
+            i = end.max(i + 1);
+        }
+        Ok(())
+    }
+}
+
+/// Positions `c` (ascending, `c > 0`) that are pre-token boundaries of `segment` whatever its
+/// context, and where NFC does not act across: `segment[c]` is a space or tab and the character
+/// before is not whitespace. No alternative of the pattern continues from a non-space character
+/// into a following space/tab (letter runs, digits and symbol runs stop there; the symbol run's
+/// `[\r\n]*` takes only newlines), every decision before `c` looks at `segment[c]` at most
+/// (where a space/tab and the end of text behave alike), and an ASCII starter never composes
+/// with what precedes it.
+fn split_points(segment: &str) -> impl Iterator<Item = usize> + '_ {
+    segment
+        .char_indices()
+        .scan(None::<char>, |prev, (i, ch)| {
+            let before = prev.replace(ch);
+            Some((i, ch, before))
+        })
+        .filter_map(move |(i, ch, before)| {
+            let is_cut = matches!(ch, ' ' | '\t') && before.is_some_and(|p| !maybe_space(p));
+            is_cut.then_some(i)
+        })
+}
+
+/// Unicode White_Space (Oniguruma's `\s`), widened with characters some Unicode versions or
+/// Python treat as spaces, so that a regex-table difference can only make us cut less.
+pub(crate) fn maybe_space(c: char) -> bool {
+    c.is_whitespace()
+        || matches!(c, '\u{1c}'..='\u{1f}' | '\u{180e}' | '\u{200b}'..='\u{200d}' | '\u{2060}' | '\u{feff}')
+}
+
+/// GPT-2's byte → printable char table (the ByteLevel pre-tokenizer's alphabet).
+fn byte_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[usize::from(b)] = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(256 + n).unwrap_or('\0');
+            n += 1;
+            c
+        };
+    }
+    table
+}
+
+fn is_letter(b: u8) -> bool {
+    b.is_ascii_alphabetic()
+}
+fn is_digit(b: u8) -> bool {
+    b.is_ascii_digit()
+}
+/// Oniguruma's `\s` on ASCII.
+fn is_space(b: u8) -> bool {
+    matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
+}
+fn is_newline(b: u8) -> bool {
+    matches!(b, b'\r' | b'\n')
+}
+/// `[^\s\p{L}\p{N}]` on ASCII.
+fn is_other(b: u8) -> bool {
+    !is_space(b) && !is_letter(b) && !is_digit(b)
+}
+
+fn run_end(s: &[u8], mut i: usize, class: fn(u8) -> bool) -> usize {
+    while s.get(i).is_some_and(|&b| class(b)) {
+        i += 1;
+    }
+    i
+}
+
+/// End of the pre-token starting at `i` (an ASCII segment), following the alternatives of
+/// [`QWEN2_PATTERN`] in order.
+fn ascii_pretoken_end(s: &[u8], i: usize) -> usize {
+    let at = |k: usize| s.get(k).copied();
+    let Some(c) = at(i) else { return i };
+    // 1. (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if c == b'\'' {
+        let l = |k: usize| at(k).map(|b| b.to_ascii_lowercase());
+        match (l(i + 1), l(i + 2)) {
+            (Some(b's' | b't' | b'm' | b'd'), _) => return i + 2,
+            (Some(b'r'), Some(b'e')) | (Some(b'v'), Some(b'e')) | (Some(b'l'), Some(b'l')) => {
+                return i + 3;
+            }
+            _ => {}
+        }
+    }
+    // 2. [^\r\n\p{L}\p{N}]?\p{L}+
+    if !is_newline(c) && !is_letter(c) && !is_digit(c) && at(i + 1).is_some_and(is_letter) {
+        return run_end(s, i + 1, is_letter);
+    }
+    if is_letter(c) {
+        return run_end(s, i, is_letter);
+    }
+    // 3. \p{N}
+    if is_digit(c) {
+        return i + 1;
+    }
+    // 4. ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+    let punct_start = if c == b' ' && at(i + 1).is_some_and(is_other) {
+        Some(i + 1)
+    } else if is_other(c) {
+        Some(i)
+    } else {
+        None
+    };
+    if let Some(p) = punct_start {
+        let e = run_end(s, p, is_other);
+        return run_end(s, e, is_newline);
+    }
+    // Only whitespace remains.
+    let ws_end = run_end(s, i, is_space);
+    // 5. \s*[\r\n]+ : up to and including the last newline of the whitespace run.
+    if let Some(last_nl) = (i..ws_end).rev().find(|&k| at(k).is_some_and(is_newline)) {
+        return last_nl + 1;
+    }
+    // 6. \s+(?!\S)
+    if ws_end == s.len() {
+        return ws_end;
+    }
+    if ws_end - 1 > i {
+        return ws_end - 1;
+    }
+    // 7. \s+
+    ws_end
+}

@@ -1,0 +1,211 @@
+//! One model's tokenizer: `tokenizer.json`, its chat template and special tokens (HF layout,
+//! the same directory vLLM loads), and its prefix token cache.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value as Json};
+use tokenizers::Tokenizer;
+
+use super::error::TokenizeError;
+use super::fast_bpe::FastEncoder;
+use super::prefix_cache::{CachedTokens, PrefixTokenCache, WordEncoder};
+use super::template::{ChatTemplate, ContentFormat};
+use crate::request::ChatPrompt;
+
+/// The special-token variables HF passes to chat templates.
+const SPECIAL_TOKEN_KEYS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "unk_token"];
+
+/// A loaded tokenizer directory.
+///
+/// Concurrency: immutable except for the internally locked prefix cache; share via `Arc`.
+pub struct ModelTokenizer {
+    dir: PathBuf,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    adds_special_tokens: bool,
+    fast: Option<FastEncoder>,
+    cache: PrefixTokenCache,
+}
+
+impl ModelTokenizer {
+    /// Loads `dir` (`tokenizer.json`, optional `tokenizer_config.json` and
+    /// `chat_template.jinja`, which wins over the config's `chat_template` as in transformers).
+    pub fn load(
+        dir: &Path,
+        prefix_cache_bytes: usize,
+        content_format: Option<ContentFormat>,
+    ) -> Result<Self, TokenizeError> {
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| TokenizeError::Load {
+            path: tok_path.display().to_string(),
+            detail: e.to_string(),
+        })?;
+        let config = read_config(&dir.join("tokenizer_config.json"))?;
+        let jinja_path = dir.join("chat_template.jinja");
+        let source = if jinja_path.is_file() {
+            Some(
+                std::fs::read_to_string(&jinja_path).map_err(|source| TokenizeError::Io {
+                    path: jinja_path.display().to_string(),
+                    source,
+                })?,
+            )
+        } else {
+            config_template(&config)
+        };
+        let mut special = Map::new();
+        for key in SPECIAL_TOKEN_KEYS {
+            if let Some(tok) = special_token(config.get(key)) {
+                special.insert(key.to_owned(), Json::String(tok));
+            }
+        }
+        // NOTE: a template minijinja cannot compile leaves the model without a template (chat
+        // prompts for it are routed approximately) rather than failing startup.
+        let template = source.and_then(|s| match ChatTemplate::new(s, special, content_format) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "chat template does not compile; chat prompts will be approximate");
+                None
+            }
+        });
+        let adds_special_tokens = match (tokenizer.encode("a", true), tokenizer.encode("a", false))
+        {
+            (Ok(with), Ok(without)) => with.get_ids() != without.get_ids(),
+            _ => true,
+        };
+        let longest_added = tokenizer
+            .get_added_vocabulary()
+            .get_added_tokens_decoder()
+            .values()
+            .map(|t| t.content.len())
+            .max()
+            .unwrap_or(0);
+        let fast = FastEncoder::new(&tokenizer);
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            fast,
+            tokenizer,
+            template,
+            adds_special_tokens,
+            cache: PrefixTokenCache::new(prefix_cache_bytes, longest_added.max(56) + 8),
+        })
+    }
+
+    /// The directory this tokenizer was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The underlying tokenizers-crate tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The chat template, if the directory has one.
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+
+    /// Bytes held by the prefix cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+
+    /// Renders a chat prompt with this model's template.
+    pub fn render(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        self.template
+            .as_ref()
+            .ok_or(TokenizeError::NoTemplate)?
+            .render(chat)
+    }
+
+    /// Encodes `text` as the server would (`add_special_tokens` as in the request), through the
+    /// prefix cache when the post-processor adds nothing.
+    pub fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<CachedTokens, TokenizeError> {
+        if add_special_tokens && self.adds_special_tokens {
+            // NOTE: tokenizers that add BOS/EOS bypass the prefix cache (the Qwen2 tokenizer
+            // used by the fixtures adds nothing).
+            let enc = self
+                .tokenizer
+                .encode(text, true)
+                .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+            return Ok(CachedTokens {
+                ids: enc.get_ids().to_vec(),
+                reused_tokens: 0,
+            });
+        }
+        self.cache.encode(&self.word_encoder(), text)
+    }
+
+    /// The encoder the prefix cache uses (fast path when supported).
+    pub fn word_encoder(&self) -> WordEncoder<'_> {
+        WordEncoder::new(&self.tokenizer, self.fast.as_ref())
+    }
+
+    /// Whether the exact fast byte-level BPE path is active for this tokenizer.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
+    }
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    // NOTE: hand-written so that debug output never dumps the whole vocabulary.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("dir", &self.dir)
+            .field("has_template", &self.template.is_some())
+            .field("fast_path", &self.fast.is_some())
+            .field("cache_bytes", &self.cache.bytes())
+            .finish()
+    }
+}
+
+fn read_config(path: &Path) -> Result<Map<String, Json>, TokenizeError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Map::new()),
+        Err(source) => {
+            return Err(TokenizeError::Io {
+                path: path.display().to_string(),
+                source,
+            });
+        }
+    };
+    match serde_json::from_str::<Json>(&text) {
+        Ok(Json::Object(m)) => Ok(m),
+        Ok(_) => Err(TokenizeError::Config {
+            path: path.display().to_string(),
+            detail: "not a JSON object".into(),
+        }),
+        Err(e) => Err(TokenizeError::Config {
+            path: path.display().to_string(),
+            detail: e.to_string(),
+        }),
+    }
+}
+
+/// `chat_template` as a string, or the `default` entry of a list of named templates.
+fn config_template(config: &Map<String, Json>) -> Option<String> {
+    match config.get("chat_template")? {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Json::as_str)
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// A special token given as a string or as an AddedToken object `{"content": …}`.
+fn special_token(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_owned),
+        _ => None,
+    }
+}

@@ -1,0 +1,482 @@
+//! Chat templates rendered like HF transformers/vLLM render them.
+//!
+//! The Jinja dialect is minijinja configured as transformers configures jinja2
+//! (`trim_blocks`, `lstrip_blocks`, loop controls), plus what HF adds: `raise_exception`,
+//! `strftime_now`, a `tojson` that is Python's `json.dumps(ensure_ascii=False)` (see
+//! [`super::pyjson`]), Python `str` methods (minijinja-contrib pycompat) and a `trim`/`strip`
+//! that removes exactly Python's whitespace. Before rendering, the request is rewritten the way
+//! vLLM 0.32 rewrites it (DESIGN §3.1, [`vllm_messages`]).
+//!
+//! Concurrency: a [`ChatTemplate`] is immutable after construction and `Sync`; render from any
+//! thread.
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, Error, ErrorKind, State};
+use serde_json::{Map, Value as Json, json};
+
+use super::error::TokenizeError;
+use super::pyjson;
+use crate::request::{ChatMessage, ChatPrompt, ContentPart, MessageContent};
+
+/// How message content reaches the template (vLLM's `--chat-template-content-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentFormat {
+    /// Content is one string (text parts joined with `\n`).
+    String,
+    /// Content is a list of OpenAI parts (`[{"type":"text","text":…}]`).
+    OpenAi,
+}
+
+/// A compiled chat template with the tokenizer's special-token variables.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    format: ContentFormat,
+    special_tokens: Map<String, Json>,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+impl ChatTemplate {
+    /// Compiles `source`. `special_tokens` are the variables HF passes to every template
+    /// (`bos_token`, `eos_token`, …). `format` overrides content-format detection.
+    pub fn new(
+        source: String,
+        special_tokens: Map<String, Json>,
+        format: Option<ContentFormat>,
+    ) -> Result<Self, TokenizeError> {
+        let format = format.unwrap_or_else(|| detect_content_format(&source));
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(py_methods);
+        env.add_filter("tojson", tojson);
+        env.add_filter("trim", py_trim_filter);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE_NAME, strip_generation_tags(&source))
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        Ok(Self {
+            env,
+            format,
+            special_tokens,
+        })
+    }
+
+    /// The content format messages are passed in.
+    pub fn content_format(&self) -> ContentFormat {
+        self.format
+    }
+
+    /// Renders `chat` to the prompt text the server will tokenize.
+    pub fn render(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        let messages = vllm_messages(&chat.messages, self.format);
+        let mut ctx: Map<String, Json> = chat.chat_template_kwargs.clone();
+        for (k, v) in &self.special_tokens {
+            ctx.insert(k.clone(), v.clone());
+        }
+        let final_text = if chat.continue_final_message {
+            Some(final_message_text(messages.last()).ok_or_else(|| {
+                TokenizeError::Template(
+                    "continue_final_message: no text in the last message".into(),
+                )
+            })?)
+        } else {
+            None
+        };
+        ctx.insert("messages".into(), Json::Array(messages));
+        ctx.insert(
+            "tools".into(),
+            chat.tools.clone().map(Json::Array).unwrap_or(Json::Null),
+        );
+        ctx.insert("documents".into(), Json::Null);
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(chat.add_generation_prompt),
+        );
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let rendered = tmpl
+            .render(Value::from_serialize(&ctx))
+            .map_err(|e| TokenizeError::Template(error_chain(&e)))?;
+        match final_text {
+            Some(text) => cut_after_final_message(rendered, &text),
+            None => Ok(rendered),
+        }
+    }
+}
+
+fn error_chain(e: &Error) -> String {
+    match e.detail() {
+        Some(d) => d.to_string(),
+        None => e.to_string(),
+    }
+}
+
+/// transformers' `AssistantTracker` extension adds `{% generation %}…{% endgeneration %}` (it only
+/// marks assistant tokens; the body renders unchanged). minijinja does not know the tag, so it
+/// becomes `{% if true %}…{% endif %}`, keeping the tags' whitespace control.
+fn strip_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let (head, tail) = rest.split_at(start);
+        out.push_str(head);
+        let Some(end) = tail.find("%}") else {
+            rest = tail;
+            break;
+        };
+        let (tag, after) = tail.split_at(end + 2);
+        let inner = tag.get(2..tag.len() - 2).unwrap_or("");
+        let word = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let replacement = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => out.push_str(&tag.replacen(word, r, 1)),
+            None => out.push_str(tag),
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// vLLM's detection: "openai" when the template loops over a message's content (directly or
+/// through a macro argument named like it). NOTE: vLLM walks the Jinja AST; this looks at the
+/// `for … in <expr>` statements' iterables for a `content` identifier, which agrees on the
+/// templates seen in the wild; [`ChatTemplate::new`] takes an explicit override.
+pub fn detect_content_format(source: &str) -> ContentFormat {
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let after = rest.get(start + 2..).unwrap_or("");
+        let end = after.find("%}").unwrap_or(after.len());
+        let stmt = after
+            .get(..end)
+            .unwrap_or("")
+            .trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        if let Some(f) = stmt.strip_prefix("for ")
+            && let Some((_, iter)) = f.split_once(" in ")
+        {
+            // `for x in xs if cond` / `for x in xs recursive`: only the iterable counts.
+            let iter = iter.split(" if ").next().unwrap_or(iter);
+            let mentions_content = iter
+                .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .any(|w| w == "content");
+            if mentions_content {
+                return ContentFormat::OpenAi;
+            }
+        }
+        rest = after.get(end..).unwrap_or("");
+    }
+    ContentFormat::String
+}
+
+fn text_parts(content: &MessageContent) -> Vec<&str> {
+    match content {
+        MessageContent::Null => Vec::new(),
+        MessageContent::Text(s) => vec![s.as_str()],
+        MessageContent::Parts(parts) => parts
+            .iter()
+            .filter_map(|p| match p {
+                ContentPart::Text(t) => Some(t.as_str()),
+                ContentPart::Media(_) => None,
+            })
+            .collect(),
+    }
+}
+
+/// The messages exactly as vLLM hands them to the template (DESIGN §3.1).
+pub fn vllm_messages(messages: &[ChatMessage], format: ContentFormat) -> Vec<Json> {
+    messages
+        .iter()
+        .map(|m| {
+            let mut out = Map::new();
+            out.insert("role".into(), Json::String(m.role.clone()));
+            let content = if m.role == "tool" || format == ContentFormat::String {
+                Json::String(text_parts(&m.content).join("\n"))
+            } else {
+                let parts: Vec<Json> = match &m.content {
+                    MessageContent::Null => Vec::new(),
+                    MessageContent::Text(s) => vec![json!({"type": "text", "text": s})],
+                    MessageContent::Parts(parts) => parts
+                        .iter()
+                        .map(|p| match p {
+                            ContentPart::Text(t) => json!({"type": "text", "text": t}),
+                            ContentPart::Media(kind) => json!({ "type": kind }),
+                        })
+                        .collect(),
+                };
+                Json::Array(parts)
+            };
+            out.insert("content".into(), content);
+            if let Some(id) = &m.tool_call_id {
+                out.insert("tool_call_id".into(), Json::String(id.clone()));
+            }
+            if let Some(calls) = &m.tool_calls {
+                let calls = calls
+                    .iter()
+                    .map(|c| {
+                        let mut call = Map::new();
+                        if let Some(id) = &c.id {
+                            call.insert("id".into(), Json::String(id.clone()));
+                        }
+                        call.insert("type".into(), Json::String("function".into()));
+                        call.insert(
+                            "function".into(),
+                            json!({"name": c.name, "arguments": c.arguments}),
+                        );
+                        Json::Object(call)
+                    })
+                    .collect();
+                out.insert("tool_calls".into(), Json::Array(calls));
+            }
+            if let Some(name) = &m.name {
+                out.insert("name".into(), Json::String(name.clone()));
+            }
+            if let Some(r) = &m.reasoning_content {
+                out.insert("reasoning_content".into(), Json::String(r.clone()));
+            }
+            Json::Object(out)
+        })
+        .collect()
+}
+
+/// The text transformers continues from: a string content, or the last part with `text`.
+fn final_message_text(last: Option<&Json>) -> Option<String> {
+    match last?.get("content")? {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(parts) => parts
+            .iter()
+            .rev()
+            .find_map(|p| p.get("text").and_then(Json::as_str).map(str::to_owned)),
+        _ => None,
+    }
+}
+
+/// transformers' `continue_final_message` cut: end the prompt right after the final message's
+/// text (its stripped form when the template trimmed it).
+fn cut_after_final_message(rendered: String, final_message: &str) -> Result<String, TokenizeError> {
+    let stripped = py_strip(final_message, None);
+    let Some(loc) = rendered.rfind(stripped) else {
+        return Err(TokenizeError::Template(
+            "continue_final_message: the final message does not appear in the rendered chat".into(),
+        ));
+    };
+    let lstripped = py_lstrip(final_message);
+    let end_keep = loc + lstripped.len();
+    let cut = if rendered.get(loc..end_keep) == Some(final_message) {
+        end_keep
+    } else {
+        loc + stripped.len()
+    };
+    let mut rendered = rendered;
+    rendered.truncate(cut.min(rendered.len()));
+    Ok(rendered)
+}
+
+/// Python's `str.isspace` (Rust's `char::is_whitespace` plus U+001C..U+001F).
+pub fn py_is_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+fn py_strip<'a>(s: &'a str, chars: Option<&str>) -> &'a str {
+    match chars {
+        Some(set) => s.trim_matches(|c| set.contains(c)),
+        None => s.trim_matches(py_is_space),
+    }
+}
+
+fn py_lstrip(s: &str) -> &str {
+    s.trim_start_matches(py_is_space)
+}
+
+fn py_trim_filter(value: String, chars: Option<String>) -> String {
+    py_strip(&value, chars.as_deref()).to_owned()
+}
+
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<Value> = kwargs.get("ensure_ascii")?;
+    let _: Option<Value> = kwargs.get("separators")?;
+    let _: Option<Value> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    Ok(Value::from_safe_string(pyjson::dumps(&value, indent)))
+}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+fn py_methods(state: &State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+    if let Some(s) = value.as_str() {
+        let chars = match args {
+            [] => None,
+            [c] if c.is_none() => None,
+            [c] => c.as_str(),
+            _ => {
+                return minijinja_contrib::pycompat::unknown_method_callback(
+                    state, value, method, args,
+                );
+            }
+        };
+        let out = match (method, chars) {
+            ("strip", c) => Some(py_strip(s, c)),
+            ("lstrip", None) => Some(s.trim_start_matches(py_is_space)),
+            ("rstrip", None) => Some(s.trim_end_matches(py_is_space)),
+            ("lstrip", Some(set)) => Some(s.trim_start_matches(|c| set.contains(c))),
+            ("rstrip", Some(set)) => Some(s.trim_end_matches(|c| set.contains(c))),
+            _ => None,
+        };
+        if let Some(out) = out {
+            return Ok(Value::from(out));
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// HF's `strftime_now(format)` (UTC). Supports the directives chat templates use.
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    strftime(secs, &format)
+}
+
+/// Formats UNIX time `secs` (UTC) with a strftime subset.
+pub fn strftime(secs: u64, format: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil-from-days (H. Hinnant).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let month_name = MONTHS.get((month - 1) as usize).copied().unwrap_or("");
+    let day_name = DAYS
+        .get((days.rem_euclid(7)) as usize)
+        .copied()
+        .unwrap_or("");
+    let mut out = String::new();
+    let mut it = format.chars();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('-') => match it.next() {
+                Some('d') => out.push_str(&day.to_string()),
+                Some('m') => out.push_str(&month.to_string()),
+                Some(o) => {
+                    out.push_str("%-");
+                    out.push(o);
+                }
+                None => out.push_str("%-"),
+            },
+            Some('B') => out.push_str(month_name),
+            Some('b') => out.push_str(month_name.get(..3).unwrap_or("")),
+            Some('A') => out.push_str(day_name),
+            Some('a') => out.push_str(day_name.get(..3).unwrap_or("")),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_content_loops() {
+        assert_eq!(
+            detect_content_format("{% for m in messages %}{{ m.content }}{% endfor %}"),
+            ContentFormat::String
+        );
+        assert_eq!(
+            detect_content_format(
+                "{%- for part in message['content'] -%}{{ part.text }}{%- endfor %}"
+            ),
+            ContentFormat::OpenAi
+        );
+        assert_eq!(
+            detect_content_format(
+                "{% for m in messages if m.content %}{{ m.content }}{% endfor %}"
+            ),
+            ContentFormat::String
+        );
+    }
+
+    #[test]
+    fn generation_tags_render_their_body() {
+        let t = ChatTemplate::new(
+            "a{%- generation -%} b {%- endgeneration %}c".into(),
+            Map::new(),
+            None,
+        )
+        .unwrap();
+        let chat = ChatPrompt {
+            messages: Vec::new(),
+            tools: None,
+            add_generation_prompt: false,
+            continue_final_message: false,
+            chat_template_kwargs: Map::new(),
+        };
+        assert_eq!(t.render(&chat).unwrap(), "abc");
+    }
+
+    #[test]
+    fn strftime_subset() {
+        // 2024-02-29 13:05:09 UTC, a Thursday.
+        assert_eq!(
+            strftime(1_709_211_909, "%d %b %Y %-d %B %A %H:%M:%S %%"),
+            "29 Feb 2024 29 February Thursday 13:05:09 %"
+        );
+    }
+}

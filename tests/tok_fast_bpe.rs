@@ -1,0 +1,150 @@
+//! The fast byte-level BPE path is exactly the tokenizers crate: same ids and the same
+//! pre-token (word) boundaries, on the shared test vectors, the 400 KB corpus, and random text
+//! biased towards the regex's corner cases (contractions, whitespace runs before letters,
+//! symbols and newlines, CR/LF mixes, digits, control characters, special tokens).
+
+use std::path::PathBuf;
+use std::sync::LazyLock;
+
+use kvpick::tokenize::{ModelTokenizer, WordEncoder};
+use proptest::prelude::*;
+
+static MODEL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer");
+    ModelTokenizer::load(&dir, 0, None).expect("load assets/tokenizer")
+});
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/tokenizer")
+}
+
+fn assert_same(text: &str) {
+    let slow = WordEncoder::new(MODEL.tokenizer(), None)
+        .encode(text)
+        .unwrap();
+    let fast = MODEL.word_encoder().encode(text).unwrap();
+    assert_eq!(fast.0, slow.0, "ids differ for {text:?}");
+    assert_eq!(fast.1, slow.1, "word starts differ for {text:?}");
+}
+
+#[test]
+fn fast_path_is_active_for_the_shared_tokenizer() {
+    assert!(MODEL.has_fast_path());
+}
+
+#[test]
+fn test_vectors_and_corpus_match_the_crate() {
+    for line in std::fs::read_to_string(fixtures().join("test_vectors.jsonl"))
+        .unwrap()
+        .lines()
+    {
+        let rec: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_same(rec["text"].as_str().unwrap());
+    }
+    let corpus = std::fs::read_to_string(fixtures().join("corpus.txt")).unwrap();
+    assert_same(&corpus);
+}
+
+const ASCII_PIECES: &[&str] = &[
+    "a",
+    "Zq",
+    "hello",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\r",
+    "\r\n",
+    "\n\n",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\x7f",
+    "\0",
+    "'",
+    "'s",
+    "'S",
+    "'t",
+    "'re",
+    "'VE",
+    "'m",
+    "'ll",
+    "'Ll",
+    "'d",
+    "'x",
+    "0",
+    "42",
+    ".",
+    "!",
+    "?!",
+    "...",
+    "(",
+    "_",
+    "-",
+    "=",
+    "\"",
+    "{",
+    "}",
+    "#",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_",
+    "<|",
+    "|>",
+];
+
+const UNICODE_PIECES: &[&str] = &[
+    "한국어",
+    " 텍스트",
+    "é",
+    "e\u{301}",
+    "\u{301}",
+    " \u{301}",
+    "\t\u{301}",
+    "\u{3000}",
+    "\u{a0}",
+    "\u{85}",
+    "\u{180e}",
+    "\u{200b}",
+    "\u{2028}",
+    "ﬁ",
+    "Å",
+    "A\u{30a}",
+    "👩\u{200d}👩\u{200d}👧",
+    "🇰🇷",
+    "٣",
+    "Ⅻ",
+    "ǅ",
+    "'ſ",
+    "'K",
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_ascii_matches_the_crate(pieces in prop::collection::vec(prop::sample::select(ASCII_PIECES), 0..80)) {
+        let text = pieces.concat();
+        let slow = WordEncoder::new(MODEL.tokenizer(), None).encode(&text).unwrap();
+        let fast = MODEL.word_encoder().encode(&text).unwrap();
+        prop_assert_eq!(fast, slow);
+    }
+
+    #[test]
+    fn random_mixed_text_matches_the_crate(
+        pieces in prop::collection::vec(
+            prop_oneof![
+                prop::sample::select(ASCII_PIECES).prop_map(str::to_owned),
+                prop::sample::select(UNICODE_PIECES).prop_map(str::to_owned),
+                any::<char>().prop_map(String::from)
+            ],
+            0..60)
+    ) {
+        let text = pieces.concat();
+        let slow = WordEncoder::new(MODEL.tokenizer(), None).encode(&text).unwrap();
+        let fast = MODEL.word_encoder().encode(&text).unwrap();
+        prop_assert_eq!(fast, slow);
+    }
+}

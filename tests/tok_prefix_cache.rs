@@ -1,0 +1,173 @@
+//! The prefix token cache never changes a token: property tests over random texts built from
+//! tokenizer-hostile pieces (contractions, whitespace runs, CR/LF, digits, combining marks,
+//! Hangul, emoji ZWJ sequences, special tokens and their halves, multi-byte characters that
+//! share leading bytes) and random cut points, checked against full tokenization.
+
+use std::path::PathBuf;
+use std::sync::LazyLock;
+
+use kvpick::tokenize::{ModelTokenizer, PrefixTokenCache, WordEncoder};
+use proptest::prelude::*;
+use tokenizers::Tokenizer;
+
+static MODEL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer");
+    ModelTokenizer::load(&dir, 8 << 20, None).expect("load assets/tokenizer")
+});
+
+fn full(tok: &Tokenizer, text: &str) -> Vec<u32> {
+    tok.encode(text, false).unwrap().get_ids().to_vec()
+}
+
+const PIECES: &[&str] = &[
+    "a",
+    "Hello",
+    " world",
+    "'s",
+    "'LL",
+    "'",
+    " ",
+    "  ",
+    "    ",
+    "\n",
+    "\r\n",
+    "\n\n",
+    "\t",
+    "1",
+    "2024",
+    ".",
+    "...",
+    "!!",
+    " ?",
+    "(",
+    ")",
+    "{\"k\": 1}",
+    "é",
+    "ê",
+    "e\u{301}",
+    "\u{301}",
+    "한국어",
+    " 텍스트",
+    "\u{3000}",
+    "👩\u{200d}👩\u{200d}👧",
+    "🇰🇷",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_",
+    "_start|>",
+    "\u{1c}",
+    "\u{85}",
+    "\u{a0}",
+    "x",
+    "_",
+    "-",
+    "ﬁ",
+    "Å",
+    "A\u{30a}",
+];
+
+fn text_strategy(min: usize, max: usize) -> impl Strategy<Value = String> {
+    prop::collection::vec(prop::sample::select(PIECES), min..max).prop_map(|p| p.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Tokenize `A[..k] + B`, then `A[..k] + C` (and `A` itself): every result equals a
+    /// full tokenization, whatever the cache held before.
+    #[test]
+    fn cached_equals_full(
+        base in text_strategy(400, 900),
+        b in text_strategy(0, 60),
+        c in text_strategy(0, 60),
+        cut in 0.0f64..1.0,
+    ) {
+        let tok = MODEL.tokenizer();
+        // Both encoders behind the cache: the tokenizers crate, and the fast path.
+        let slow = WordEncoder::new(tok, None);
+        let fast = MODEL.word_encoder();
+        let cache = PrefixTokenCache::new(1 << 20, 64);
+        let fast_cache = PrefixTokenCache::new(1 << 20, 64);
+        let mut k = (base.len() as f64 * cut) as usize;
+        while !base.is_char_boundary(k) { k -= 1; }
+        let first = format!("{}{}", &base[..k], b);
+        let second = format!("{}{}", &base[..k], c);
+        for (i, text) in [&base, &first, &second, &base].into_iter().enumerate() {
+            let want = full(tok, text);
+            for (enc, cache) in [(&slow, &cache), (&fast, &fast_cache)] {
+                let got = cache.encode(enc, text).unwrap();
+                prop_assert_eq!(&got.ids, &want);
+                if i > 0 && k >= 1500 {
+                    prop_assert!(got.reused_tokens > 0, "no reuse at k={}", k);
+                }
+            }
+        }
+    }
+
+    /// Through the model's own cache (shared across cases): extending a text and cutting
+    /// it back, including cuts inside multi-byte characters of the common prefix.
+    #[test]
+    fn model_cache_equals_full_across_cases(
+        base in text_strategy(300, 700),
+        tail in text_strategy(1, 40),
+        drop in 1usize..50,
+    ) {
+        let tok = MODEL.tokenizer();
+        let longer = format!("{base}{tail}");
+        let mut shorter_end = longer.len().saturating_sub(drop);
+        while !longer.is_char_boundary(shorter_end) { shorter_end -= 1; }
+        for text in [&longer[..], &longer[..shorter_end], &longer[..]] {
+            prop_assert_eq!(MODEL.encode(text, false).unwrap().ids, full(tok, text));
+        }
+    }
+}
+
+#[test]
+fn long_shared_prefix_is_reused_and_memory_is_bounded() {
+    let tok = MODEL.tokenizer();
+    let enc = MODEL.word_encoder();
+    let prefix: String = (0..400)
+        .map(|i| format!("Line {i}: 한국어 텍스트 and café, naïve 'quotes' ... \n"))
+        .collect();
+    let cache = PrefixTokenCache::new(4 << 20, 64);
+    let a = format!("{prefix}first question?");
+    let b = format!("{prefix}second question, longer than the first one!");
+    assert_eq!(cache.encode(&enc, &a).unwrap().reused_tokens, 0);
+    let warm = cache.encode(&enc, &b).unwrap();
+    assert_eq!(warm.ids, full(tok, &b));
+    assert!(
+        warm.reused_tokens + 40 > full(tok, &prefix).len(),
+        "reused {}",
+        warm.reused_tokens
+    );
+
+    // A tiny budget holds at most one such entry and never exceeds it.
+    let small = PrefixTokenCache::new(prefix.len() * 3, 64);
+    for i in 0..5 {
+        let t = format!("{i}{prefix}");
+        assert_eq!(small.encode(&enc, &t).unwrap().ids, full(tok, &t));
+        assert!(small.bytes() <= prefix.len() * 3, "bytes {}", small.bytes());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// A growing conversation (the real prefix-cache workload): every turn's rendered prompt,
+    /// tokenized through the model's cache and fast path, equals the crate's full encode.
+    #[test]
+    fn growing_conversation_equals_full(turns in prop::collection::vec(text_strategy(20, 200), 2..8)) {
+        use kvpick::request::Prompt;
+        let tok = MODEL.tokenizer();
+        let mut messages = vec![serde_json::json!({"role": "system", "content": "You are terse. ".repeat(80)})];
+        for (i, content) in turns.iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(serde_json::json!({"role": role, "content": content}));
+            let body = serde_json::json!({"model": "tiny", "messages": messages}).to_string();
+            let req = kvpick::request::parse("/v1/chat/completions", body.as_bytes()).unwrap();
+            let Prompt::Chat(chat) = &req.prompt else { panic!("chat") };
+            let text = MODEL.render(chat).unwrap();
+            prop_assert_eq!(MODEL.encode(&text, false).unwrap().ids, full(tok, &text));
+        }
+    }
+}
