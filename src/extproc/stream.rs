@@ -245,7 +245,9 @@ impl RequestStream {
         }
         let request = SchedulingRequest {
             model: model.clone(),
+            target_model: model.clone(),
             body_bytes: self.body.len(),
+            ..SchedulingRequest::default()
         };
         let pick = match self.ctx.scheduler.pick(&request, &candidates) {
             Ok(pick) => pick,

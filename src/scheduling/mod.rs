@@ -10,16 +10,48 @@ mod least_in_flight;
 use std::sync::Arc;
 
 use crate::endpoints::{EndpointState, PodId};
+use crate::kvcache::KeyContext;
+use crate::tokenize::PromptTokens;
 
 pub use least_in_flight::LeastInFlight;
 
 /// What the scheduler knows of a request.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct SchedulingRequest {
-    /// The model named in the body, when there is a body.
+    /// The model the client named, when there is a body.
     pub model: Option<String>,
+    /// The model the pods serve for this request (after any rewrite); a LoRA adapter's name
+    /// when the request runs on one.
+    pub target_model: Option<String>,
+    /// How the prefix index keys this request (base model as in the pods' KV-event topics,
+    /// LoRA adapter, cache salt); `None` without a model.
+    pub key_context: Option<KeyContext>,
+    /// The prompt as the model server will tokenize it (or approximate text).
+    pub prompt: Arc<PromptTokens>,
     /// The request body size in bytes.
     pub body_bytes: usize,
+    /// Priority from the request's objective: higher is more important, negative is
+    /// sheddable. 0 when no objective is named.
+    pub priority: i32,
+    /// The flow-control tenant (`x-gateway-inference-fairness-id`).
+    pub fairness_id: Option<String>,
+    /// A client session id for session affinity (`x-session-id` header), when sent.
+    pub session_id: Option<String>,
+}
+
+impl Default for SchedulingRequest {
+    fn default() -> Self {
+        Self {
+            model: None,
+            target_model: None,
+            key_context: None,
+            prompt: Arc::new(PromptTokens::Empty),
+            body_bytes: 0,
+            priority: 0,
+            fairness_id: None,
+            session_id: None,
+        }
+    }
 }
 
 /// The scheduler's answer: the primary endpoint, then ordered fallbacks.
