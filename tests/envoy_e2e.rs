@@ -124,14 +124,18 @@ async fn bad_bodies_get_400_and_413_with_the_reason() {
     assert!(
         reply
             .text()
-            .starts_with("inference error: request body is not valid JSON"),
+            .starts_with("inference error: body is not valid JSON"),
         "{}",
         reply.text()
     );
 
     let reply = post_json(&url, br#"{"prompt":"no model"}"#).await;
     assert_eq!(reply.status, 400);
-    assert!(reply.text().contains("no \"model\""), "{}", reply.text());
+    assert!(
+        reply.text().contains("no `model` field"),
+        "{}",
+        reply.text()
+    );
 
     let big = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(100_000));
     let reply = post_json(&url, big.as_bytes()).await;

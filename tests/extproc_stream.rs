@@ -14,8 +14,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::{Datastore, Endpoint};
 use kvpick::extproc::{ExtProcService, StreamContext};
+use kvpick::kvcache::{IndexConfig, PrefixIndex};
 use kvpick::scheduling::LeastInFlight;
 use kvpick::telemetry::EppMetrics;
+use kvpick::tokenize::{Tokenizers, TokenizersConfig};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
@@ -57,9 +59,15 @@ async fn start(options: Options) -> Harness {
     );
     let metrics = Arc::new(EppMetrics::new(&prometheus::Registry::new()).expect("metrics"));
     let budget = Arc::new(Semaphore::new(options.budget));
+    let registry = prometheus::Registry::new();
+    let tokenizers = Arc::new(
+        Tokenizers::new(TokenizersConfig::default(), &registry).expect("no tokenizers to load"),
+    );
     let ctx = Arc::new(StreamContext {
         datastore: Arc::clone(&datastore),
         scheduler: Arc::new(LeastInFlight::new(options.fallbacks)),
+        tokenizers,
+        index: Arc::new(PrefixIndex::new(IndexConfig::default())),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::clone(&budget),
         max_body_bytes: options.max_body,
@@ -302,7 +310,7 @@ async fn full_request_and_response_round_trip() {
         &[
             (":method", "POST"),
             ("x-gateway-inference-objective", "critical"),
-            ("X-Gateway-Model-Name-Rewrite", "other"),
+            ("X-Gateway-Inference-Fairness-Id", "tenant-a"),
         ],
         false,
     ))
@@ -332,8 +340,8 @@ async fn full_request_and_response_round_trip() {
     assert_eq!(
         removed,
         [
-            "x-gateway-inference-objective",
-            "x-gateway-model-name-rewrite"
+            "x-gateway-inference-fairness-id",
+            "x-gateway-inference-objective"
         ]
     );
 
@@ -447,8 +455,10 @@ async fn request_trailers_end_the_body() {
 async fn bad_bodies_get_400_with_the_reason() {
     let mut h = start(Options::default()).await;
     for (bytes, reason) in [
-        (&b"{not json"[..], "not valid JSON"),
-        (&br#"{"prompt":"no model"}"#[..], "no \"model\""),
+        (&b"{not json"[..], "JSON"),
+        (&br#"{"prompt":"no model"}"#[..], "no `model` field"),
+        (&br#"[1, 2]"#[..], "not a JSON object"),
+        (&b"{\"model\": \"\xff\"}"[..], "UTF-8"),
     ] {
         let mut s = h.open().await;
         s.send(post_headers()).await;
@@ -632,4 +642,124 @@ async fn least_in_flight_spreads_concurrent_requests() {
         3,
         "each in-flight request went to an idle endpoint"
     );
+}
+
+fn response_headers() -> Request {
+    Request::ResponseHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: "content-length".into(),
+                raw_value: b"100".to_vec(),
+                ..Default::default()
+            }],
+        }),
+        ..Default::default()
+    })
+}
+
+fn removed_response_headers(reply: &ProcessingResponse) -> Vec<String> {
+    match &reply.response {
+        Some(Response::ResponseHeaders(h)) => h
+            .response
+            .as_ref()
+            .and_then(|c| c.header_mutation.as_ref())
+            .map(|m| m.remove_headers.clone())
+            .unwrap_or_default(),
+        other => panic!("expected response headers reply, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn model_rewrite_changes_only_the_model_and_restores_it_in_json_responses() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-model-name-rewrite", "served-model-v2"),
+        ],
+        false,
+    ))
+    .await;
+    let sent = br#"{"prompt": "keep   these bytes", "model" : "alias", "n":1}"#;
+    s.send(body(sent, true)).await;
+    let d = decision(&s.recv().await);
+    assert_eq!(d.removed, ["x-gateway-model-name-rewrite"]);
+    let (forwarded, eos) = streamed_body(&s.recv().await);
+    assert!(eos);
+    let expected = br#"{"prompt": "keep   these bytes", "model" : "served-model-v2", "n":1}"#;
+    assert_eq!(forwarded, expected.to_vec());
+    assert_eq!(d.content_length, Some(expected.len().to_string()));
+
+    s.send(response_headers()).await;
+    assert_eq!(
+        removed_response_headers(&s.recv().await),
+        ["content-length"]
+    );
+    let answer = br#"{"id":"x","model":"served-model-v2","choices":[]}"#;
+    s.send(response_body(&answer[..20], false)).await;
+    assert_eq!(
+        streamed_body(&s.recv().await),
+        (Vec::new(), false),
+        "held until complete"
+    );
+    s.send(response_body(&answer[20..], true)).await;
+    let (restored, eos) = streamed_body(&s.recv().await);
+    assert!(eos);
+    assert_eq!(
+        restored,
+        br#"{"id":"x","model":"alias","choices":[]}"#.to_vec()
+    );
+    assert_eq!(h.in_flight_total(), 0);
+}
+
+#[tokio::test]
+async fn model_rewrite_restores_the_name_in_streamed_responses_across_chunk_cuts() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/chat/completions"),
+            ("x-gateway-model-name-rewrite", "target"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(
+        br#"{"model":"alias","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+        true,
+    ))
+    .await;
+    decision(&s.recv().await);
+    streamed_body(&s.recv().await);
+    s.send(response_headers()).await;
+    assert_eq!(
+        removed_response_headers(&s.recv().await),
+        ["content-length"]
+    );
+    let sse = b"data: {\"model\":\"target\",\"x\":1}\n\ndata: {\"model\":\"target\",\"x\":2}\n\ndata: [DONE]\n\n";
+    let mut out = Vec::new();
+    for (i, piece) in sse.chunks(7).enumerate() {
+        let last = (i + 1) * 7 >= sse.len();
+        s.send(response_body(piece, last)).await;
+        let (bytes, eos) = streamed_body(&s.recv().await);
+        out.extend_from_slice(&bytes);
+        assert_eq!(eos, last);
+    }
+    assert_eq!(
+        String::from_utf8(out).expect("utf8"),
+        "data: {\"model\":\"alias\",\"x\":1}\n\ndata: {\"model\":\"alias\",\"x\":2}\n\ndata: [DONE]\n\n"
+    );
+}
+
+#[tokio::test]
+async fn without_a_rewrite_responses_pass_through_with_their_length() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(BODY, true)).await;
+    decision(&s.recv().await);
+    streamed_body(&s.recv().await);
+    s.send(response_headers()).await;
+    assert!(removed_response_headers(&s.recv().await).is_empty());
 }

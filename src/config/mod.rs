@@ -49,6 +49,39 @@ pub struct ServeArgs {
     /// How long in-flight streams may run after SIGTERM before kvpick exits anyway.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// Tokenizer directory (HF layout: tokenizer.json + tokenizer_config.json), as
+    /// `MODEL=DIR` for one model or `DIR` for every other model. Repeatable. Models without
+    /// one are matched approximately (by text).
+    #[arg(long = "tokenizer", value_name = "[MODEL=]DIR")]
+    pub tokenizers: Vec<String>,
+    /// A LoRA adapter and its base model, `ADAPTER=BASE`. Repeatable.
+    #[arg(long = "lora", value_name = "ADAPTER=BASE", value_parser = parse_lora)]
+    pub loras: Vec<(String, String)>,
+    /// Bytes of token prefixes cached per tokenizer (0 disables the prefix token cache).
+    #[arg(long, default_value_t = crate::tokenize::DEFAULT_PREFIX_CACHE_BYTES)]
+    pub prefix_token_cache_bytes: usize,
+    /// Bind this ZMQ endpoint (e.g. `tcp://*:5557`) for pods that dial in their KV events,
+    /// in addition to subscribing to each endpoint's own `kvEvents` address.
+    #[arg(long)]
+    pub kv_events_bind: Option<String>,
+    /// Interval between scrapes of each endpoint's /metrics.
+    #[arg(long, default_value = "50ms", value_parser = parse_duration)]
+    pub scrape_interval: Duration,
+    /// Longest one /metrics scrape may take.
+    #[arg(long, default_value = "1000ms", value_parser = parse_duration)]
+    pub scrape_timeout: Duration,
+    /// Metrics older than this make an endpoint count as saturated.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub metrics_staleness: Duration,
+}
+
+fn parse_lora(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((adapter, base)) if !adapter.trim().is_empty() && !base.trim().is_empty() => {
+            Ok((adapter.trim().to_owned(), base.trim().to_owned()))
+        }
+        _ => Err(format!("`{value}` is not ADAPTER=BASE")),
+    }
 }
 
 /// Why the flags do not make a runnable configuration.
@@ -100,6 +133,12 @@ pub struct ServeConfig {
     pub max_fallbacks: usize,
     /// Drain timeout on shutdown.
     pub drain_timeout: Duration,
+    /// Where tokenizers come from.
+    pub tokenizers: crate::tokenize::TokenizersConfig,
+    /// Central KV-event bind endpoint.
+    pub kv_events_bind: Option<String>,
+    /// Metrics scraping.
+    pub scrape: crate::scrape::ScrapeConfig,
 }
 
 impl ServeArgs {
@@ -137,6 +176,21 @@ impl ServeArgs {
                 value: self.max_buffered_bytes,
             });
         }
+        let mut tokenizers = crate::tokenize::TokenizersConfig {
+            lora_bases: self.loras,
+            prefix_cache_bytes: self.prefix_token_cache_bytes,
+            ..Default::default()
+        };
+        for value in &self.tokenizers {
+            tokenizers.add_flag(value);
+        }
+        if self.scrape_interval.is_zero() {
+            return Err(ConfigError::TooSmall {
+                flag: "scrape-interval",
+                min: 1,
+                value: 0,
+            });
+        }
         let ip = self.bind_address;
         Ok(ServeConfig {
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
@@ -148,6 +202,14 @@ impl ServeArgs {
             max_buffered_bytes: self.max_buffered_bytes,
             max_fallbacks: self.max_fallbacks,
             drain_timeout: self.drain_timeout,
+            tokenizers,
+            kv_events_bind: self.kv_events_bind,
+            scrape: crate::scrape::ScrapeConfig {
+                interval: self.scrape_interval,
+                timeout: self.scrape_timeout,
+                staleness: self.metrics_staleness,
+                ..Default::default()
+            },
         })
     }
 }
@@ -176,6 +238,33 @@ mod tests {
         assert_eq!(config.health_addr.port(), 9003);
         assert_eq!(config.metrics_addr.port(), 9090);
         assert_eq!(config.max_body_bytes, 16 * 1024 * 1024);
+        assert_eq!(config.scrape.interval, Duration::from_millis(50));
+        assert_eq!(config.scrape.staleness, Duration::from_millis(200));
+        assert!(config.tokenizers.default_dir.is_none());
+    }
+
+    #[test]
+    fn tokenizer_and_lora_flags() {
+        let config = parse(&[
+            "--endpoints-file",
+            "p",
+            "--tokenizer",
+            "/nonexistent/default",
+            "--tokenizer",
+            "llama=/nonexistent/llama",
+            "--lora",
+            "sql-adapter=llama",
+        ])
+        .expect("valid");
+        assert_eq!(
+            config.tokenizers.default_dir.as_deref(),
+            Some(std::path::Path::new("/nonexistent/default"))
+        );
+        assert_eq!(config.tokenizers.models.len(), 1);
+        assert_eq!(
+            config.tokenizers.lora_bases,
+            [("sql-adapter".to_owned(), "llama".to_owned())]
+        );
     }
 
     #[test]
@@ -188,5 +277,13 @@ mod tests {
         ));
         let small = parse(&["--endpoints-file", "p", "--max-body-bytes", "10"]);
         assert!(matches!(small, Err(ConfigError::TooSmall { .. })));
+        let zero = parse(&["--endpoints-file", "p", "--scrape-interval", "0ms"]);
+        assert!(matches!(
+            zero,
+            Err(ConfigError::TooSmall {
+                flag: "scrape-interval",
+                ..
+            })
+        ));
     }
 }

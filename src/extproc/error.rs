@@ -1,22 +1,20 @@
 //! Everything that can go wrong on the ext-proc path, and the one place that maps it to what
 //! the gateway sees.
 //!
-//! Request errors ([`RequestError`]) become an `ImmediateResponse` with an HTTP status and a
-//! `inference error: <reason>` body (DESIGN §2). Protocol errors ([`ProtocolError`]) mean the
-//! gateway broke the ext-proc contract; they end the gRPC stream with a status, and the
-//! gateway's failure mode (FailOpen/FailClose) decides what the client sees.
+//! A [`Rejection`] becomes an `ImmediateResponse` with an HTTP status and an
+//! `inference error: <reason>` body (DESIGN §2). A [`ProtocolError`] means the gateway broke
+//! the ext-proc contract; it ends the gRPC stream with a status, and the gateway's failure
+//! mode (FailOpen/FailClose) decides what the client sees.
 
+use crate::request::RequestError;
 use crate::scheduling::ScheduleError;
 
 /// A request kvpick refuses, with the HTTP status the client gets.
 #[derive(Debug, thiserror::Error)]
-pub enum RequestError {
-    /// The body is not a JSON object.
-    #[error("request body is not valid JSON: {0}")]
-    BodyNotJson(String),
-    /// The body has no usable `model`.
-    #[error("request body has no \"model\" string")]
-    MissingModel,
+pub enum Rejection {
+    /// The body is not a request kvpick can read (not JSON, no `model`, …).
+    #[error("{0}")]
+    BadRequest(#[from] RequestError),
     /// The body is over the configured limit.
     #[error("request body exceeds {limit} bytes")]
     BodyTooLarge {
@@ -32,25 +30,29 @@ pub enum RequestError {
     /// The scheduler found no endpoint.
     #[error("{0}")]
     Schedule(#[from] ScheduleError),
+    /// kvpick could not finish reading the request (an internal fault, not the client's).
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
-impl RequestError {
+impl Rejection {
     /// The HTTP status code the client gets.
     pub fn http_status(&self) -> u16 {
         match self {
-            Self::BodyNotJson(_) | Self::MissingModel => 400,
+            Self::BadRequest(_) => 400,
             Self::BodyTooLarge { .. } => 413,
             Self::BufferBudgetExhausted | Self::EmptySubset | Self::Schedule(_) => 503,
+            Self::Internal(_) => 500,
         }
     }
 
     /// The label value for the error metric (GIE-style error codes).
     pub fn error_code(&self) -> &'static str {
         match self {
-            Self::BodyNotJson(_) | Self::MissingModel => "BadRequest",
-            Self::BodyTooLarge { .. } => "BadRequest",
+            Self::BadRequest(_) | Self::BodyTooLarge { .. } => "BadRequest",
             Self::BufferBudgetExhausted => "ResourceExhausted",
             Self::EmptySubset | Self::Schedule(_) => "ServiceUnavailable",
+            Self::Internal(_) => "Internal",
         }
     }
 }
@@ -83,12 +85,15 @@ mod tests {
 
     #[test]
     fn statuses_follow_the_protocol() {
-        assert_eq!(RequestError::BodyNotJson("x".into()).http_status(), 400);
-        assert_eq!(RequestError::MissingModel.http_status(), 400);
-        assert_eq!(RequestError::BodyTooLarge { limit: 1 }.http_status(), 413);
-        assert_eq!(RequestError::EmptySubset.http_status(), 503);
         assert_eq!(
-            RequestError::Schedule(ScheduleError::NoCandidates).http_status(),
+            Rejection::BadRequest(RequestError::MissingModel).http_status(),
+            400
+        );
+        assert_eq!(Rejection::BodyTooLarge { limit: 1 }.http_status(), 413);
+        assert_eq!(Rejection::EmptySubset.http_status(), 503);
+        assert_eq!(Rejection::BufferBudgetExhausted.http_status(), 503);
+        assert_eq!(
+            Rejection::Schedule(ScheduleError::NoCandidates).http_status(),
             503
         );
     }

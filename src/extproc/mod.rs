@@ -3,12 +3,17 @@
 //! - [`stream`]: the per-request state machine (pure; every ordering rule lives here);
 //! - [`service`]: the tonic service that drives one state machine per gRPC stream;
 //! - [`mutations`]: the messages sent back (destination header + metadata, body chunks);
+//! - [`meta`]: the request headers kvpick reads (path, control headers);
+//! - `prepare`: body parsing, model rewrite and tokenization (on the blocking pool);
+//! - `response`: the response path, restoring a rewritten model name;
 //! - [`subset`]: the gateway's subset hint;
 //! - [`error`]: request and protocol errors, mapped to statuses in one place.
 
-mod body;
 pub mod error;
+pub mod meta;
 pub mod mutations;
+pub mod prepare;
+mod response;
 pub mod service;
 pub mod stream;
 pub mod subset;

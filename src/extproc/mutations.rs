@@ -98,6 +98,19 @@ fn streamed_body(chunk: Vec<u8>, end_of_stream: bool) -> CommonResponse {
 /// The request body as streamed chunks of at most [`MAX_BODY_CHUNK`] bytes; the last one
 /// carries `end_of_stream` (unless trailers follow). An empty body is one empty chunk.
 pub fn request_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    body_chunks(body, end_of_stream, Response::RequestBody)
+}
+
+/// A (possibly rewritten) response body as streamed chunks of at most [`MAX_BODY_CHUNK`].
+pub fn response_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    body_chunks(body, end_of_stream, Response::ResponseBody)
+}
+
+fn body_chunks(
+    body: &[u8],
+    end_of_stream: bool,
+    direction: fn(BodyResponse) -> Response,
+) -> Vec<ProcessingResponse> {
     let mut chunks: Vec<&[u8]> = body.chunks(MAX_BODY_CHUNK).collect();
     if chunks.is_empty() {
         chunks.push(&[]);
@@ -107,7 +120,7 @@ pub fn request_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingRe
         .into_iter()
         .enumerate()
         .map(|(i, chunk)| ProcessingResponse {
-            response: Some(Response::RequestBody(BodyResponse {
+            response: Some(direction(BodyResponse {
                 response: Some(streamed_body(chunk.to_vec(), end_of_stream && i == last)),
             })),
             ..Default::default()
@@ -125,10 +138,17 @@ pub fn response_body_chunk(chunk: Vec<u8>, end_of_stream: bool) -> ProcessingRes
     }
 }
 
-/// Continues the response headers unchanged.
-pub fn response_headers_continue() -> ProcessingResponse {
+/// Continues the response headers, removing `content-length` when the body will change.
+pub fn response_headers_continue(remove_content_length: bool) -> ProcessingResponse {
+    let response = remove_content_length.then(|| CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: Vec::new(),
+            remove_headers: vec!["content-length".to_owned()],
+        }),
+        ..Default::default()
+    });
     ProcessingResponse {
-        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+        response: Some(Response::ResponseHeaders(HeadersResponse { response })),
         ..Default::default()
     }
 }

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::stream::{RequestStream, StreamContext};
+use super::stream::{RequestStream, Step, StreamContext};
 
 /// The ext-proc service.
 pub struct ExtProcService {
@@ -81,7 +81,11 @@ impl Driver {
             }
             match self.inbound.message().await {
                 Ok(Some(message)) => match self.stream.on_message(message) {
-                    Ok(replies) => self.pending.extend(replies),
+                    Ok(Step::Reply(replies)) => self.pending.extend(replies),
+                    Ok(Step::Decide) => {
+                        let replies = self.stream.decide().await;
+                        self.pending.extend(replies);
+                    }
                     Err(error) => {
                         tracing::warn!(%error, "ext-proc protocol error; closing the stream");
                         self.finished = true;

@@ -1,13 +1,15 @@
 //! The per-request ext-proc state machine (DESIGN §2, FULL_DUPLEX_STREAMED).
 //!
-//! One [`RequestStream`] lives for one gRPC stream, i.e. one HTTP request. It is synchronous
-//! and owns no I/O: the service feeds it each inbound message and sends what it returns, so
-//! every ordering rule of the protocol is testable without a network.
+//! One [`RequestStream`] lives for one gRPC stream, i.e. one HTTP request. Message handling
+//! ([`RequestStream::on_message`]) is synchronous and owns no I/O, so every ordering rule of
+//! the protocol is testable without a network. The one slow step, reading and tokenizing
+//! the body and picking ([`RequestStream::decide`]), is async: the body work runs on the
+//! blocking pool so a 400 KB prompt never stalls other streams.
 //!
-//! Phases: request headers → body buffered until end of stream → pick → (headers response,
-//! metadata, body chunks) → response headers/body/trailers passed through → done.
+//! Phases: request headers → body buffered until end of stream → decide → (headers response
+//! with metadata, body chunks) → response headers/body/trailers passed through → done.
 //! The request's in-flight unit ([`InFlightGuard`]) and its share of the body budget
-//! ([`OwnedSemaphorePermit`]) are fields: dropping the stream — for any reason — returns both.
+//! ([`OwnedSemaphorePermit`]) are fields: dropping the stream, for any reason, returns both.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,13 +19,17 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::body::summarize;
-use super::error::{ProtocolError, RequestError};
+use super::error::{ProtocolError, Rejection};
+use super::meta::RequestMeta;
 use super::mutations;
+use super::prepare::{Prepared, prepare};
+use super::response::ResponseBody;
 use super::subset::{SubsetHint, subset_hint};
 use crate::endpoints::{Datastore, InFlightGuard};
-use crate::scheduling::{Scheduler, SchedulingRequest};
+use crate::kvcache::PrefixIndex;
+use crate::scheduling::{ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
+use crate::tokenize::{PromptTokens, Tokenizers};
 
 /// What every stream shares.
 pub struct StreamContext {
@@ -31,11 +37,15 @@ pub struct StreamContext {
     pub datastore: Arc<Datastore>,
     /// The decision maker.
     pub scheduler: Arc<dyn Scheduler>,
+    /// Tokenizers per model.
+    pub tokenizers: Arc<Tokenizers>,
+    /// The prefix index (told where each request went, for speculative entries).
+    pub index: Arc<PrefixIndex>,
     /// EPP metrics.
     pub metrics: Arc<EppMetrics>,
     /// Bytes of request bodies that may be buffered across all streams.
     pub body_budget: Arc<Semaphore>,
-    /// Per-request body limit.
+    /// Per-request body limit (also bounds a held response body).
     pub max_body_bytes: usize,
 }
 
@@ -43,6 +53,7 @@ pub struct StreamContext {
 enum Phase {
     AwaitRequestHeaders,
     BufferBody,
+    Deciding,
     AwaitResponse,
     Response,
     Done,
@@ -53,6 +64,7 @@ impl Phase {
         match self {
             Self::AwaitRequestHeaders => "awaiting request headers",
             Self::BufferBody => "buffering the request body",
+            Self::Deciding => "deciding",
             Self::AwaitResponse => "awaiting the response",
             Self::Response => "streaming the response",
             Self::Done => "done",
@@ -64,6 +76,7 @@ impl Phase {
         match self {
             Self::AwaitRequestHeaders => "request_headers",
             Self::BufferBody => "request_body",
+            Self::Deciding => "deciding",
             Self::AwaitResponse => "await_response",
             Self::Response => "response",
             Self::Done => "done",
@@ -71,15 +84,37 @@ impl Phase {
     }
 }
 
+/// What the driver does after a message.
+#[derive(Debug)]
+pub enum Step {
+    /// Send these replies (possibly none) and read on.
+    Reply(Vec<ProcessingResponse>),
+    /// The request is complete: call [`RequestStream::decide`].
+    Decide,
+}
+
+/// How the request ended on the request side: body end or trailers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RequestEnd {
+    /// Headers carried end of stream: no body.
+    Bodyless,
+    /// The last body chunk carried end of stream.
+    Body,
+    /// Trailers ended the request.
+    Trailers,
+}
+
 /// The state of one ext-proc stream.
 pub struct RequestStream {
     ctx: Arc<StreamContext>,
     phase: Phase,
-    control_headers: Vec<String>,
+    meta: RequestMeta,
     subset: Option<SubsetHint>,
     body: Vec<u8>,
     budget: Option<OwnedSemaphorePermit>,
+    end: RequestEnd,
     in_flight: Option<InFlightGuard>,
+    response: ResponseBody,
 }
 
 impl RequestStream {
@@ -89,11 +124,13 @@ impl RequestStream {
         Self {
             ctx,
             phase: Phase::AwaitRequestHeaders,
-            control_headers: Vec::new(),
+            meta: RequestMeta::default(),
             subset: None,
             body: Vec::new(),
             budget: None,
+            end: RequestEnd::Bodyless,
             in_flight: None,
+            response: ResponseBody::PassThrough,
         }
     }
 
@@ -102,26 +139,23 @@ impl RequestStream {
         self.phase == Phase::Done
     }
 
-    /// Handles one inbound message and returns the messages to send back, in order.
-    pub fn on_message(
-        &mut self,
-        message: ProcessingRequest,
-    ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+    /// Handles one inbound message.
+    pub fn on_message(&mut self, message: ProcessingRequest) -> Result<Step, ProtocolError> {
         if self.subset.is_none() {
             self.subset = subset_hint(message.metadata_context.as_ref());
         }
         let request = message.request.ok_or(ProtocolError::Empty)?;
-        match (self.phase, request) {
+        let replies = match (self.phase, request) {
             (Phase::AwaitRequestHeaders, Request::RequestHeaders(headers)) => {
-                Ok(self.on_request_headers(headers))
+                return Ok(self.on_request_headers(headers));
             }
-            (Phase::BufferBody, Request::RequestBody(body)) => Ok(self.on_request_body(body)),
+            (Phase::BufferBody, Request::RequestBody(body)) => {
+                return Ok(self.on_request_body(body));
+            }
             (Phase::BufferBody, Request::RequestTrailers(_)) => {
-                let mut out = self.finish_request(false);
-                if self.phase == Phase::AwaitResponse {
-                    out.push(mutations::request_trailers_continue());
-                }
-                Ok(out)
+                self.end = RequestEnd::Trailers;
+                self.phase = Phase::Deciding;
+                return Ok(Step::Decide);
             }
             (Phase::AwaitResponse, Request::ResponseHeaders(headers)) => {
                 self.phase = if headers.end_of_stream {
@@ -130,69 +164,66 @@ impl RequestStream {
                 } else {
                     Phase::Response
                 };
-                Ok(vec![mutations::response_headers_continue()])
+                vec![mutations::response_headers_continue(
+                    self.response.changes_length(),
+                )]
             }
             (Phase::Response, Request::ResponseBody(body)) => {
                 if body.end_of_stream {
                     self.end_response();
                 }
-                Ok(vec![mutations::response_body_chunk(
-                    body.body,
-                    body.end_of_stream,
-                )])
+                self.response.on_chunk(body.body, body.end_of_stream)
             }
             (Phase::Response, Request::ResponseTrailers(_)) => {
                 self.end_response();
-                Ok(vec![mutations::response_trailers_continue()])
+                vec![mutations::response_trailers_continue()]
             }
-            (phase, request) => Err(ProtocolError::Unexpected {
-                message: message_name(&request),
-                phase: phase.name(),
-            }),
-        }
+            (phase, request) => {
+                return Err(ProtocolError::Unexpected {
+                    message: message_name(&request),
+                    phase: phase.name(),
+                });
+            }
+        };
+        Ok(Step::Reply(replies))
     }
 
-    fn on_request_headers(&mut self, headers: HttpHeaders) -> Vec<ProcessingResponse> {
-        if let Some(map) = &headers.headers {
-            for header in &map.headers {
-                let key = header.key.to_ascii_lowercase();
-                if mutations::CONTROL_HEADERS.contains(&key.as_str()) {
-                    self.control_headers.push(key);
-                }
-            }
-        }
+    fn on_request_headers(&mut self, headers: HttpHeaders) -> Step {
+        self.meta = RequestMeta::from_headers(headers.headers.as_ref());
         if headers.end_of_stream {
-            return self.finish_request(true);
+            self.end = RequestEnd::Bodyless;
+            self.phase = Phase::Deciding;
+            return Step::Decide;
         }
         self.phase = Phase::BufferBody;
-        Vec::new()
+        Step::Reply(Vec::new())
     }
 
-    fn on_request_body(&mut self, body: HttpBody) -> Vec<ProcessingResponse> {
-        if let Err(error) = self.buffer(&body.body) {
-            return self.reject(error);
+    fn on_request_body(&mut self, body: HttpBody) -> Step {
+        if let Err(rejection) = self.buffer(&body.body) {
+            return Step::Reply(self.reject(rejection, None));
         }
         if body.end_of_stream {
-            self.finish_request(true)
+            self.end = RequestEnd::Body;
+            self.phase = Phase::Deciding;
+            Step::Decide
         } else {
-            Vec::new()
+            Step::Reply(Vec::new())
         }
     }
 
-    fn buffer(&mut self, chunk: &[u8]) -> Result<(), RequestError> {
+    fn buffer(&mut self, chunk: &[u8]) -> Result<(), Rejection> {
         if chunk.is_empty() {
             return Ok(());
         }
         let limit = self.ctx.max_body_bytes;
         if self.body.len().saturating_add(chunk.len()) > limit {
-            return Err(RequestError::BodyTooLarge { limit });
+            return Err(Rejection::BodyTooLarge { limit });
         }
-        // The limit is far below u32::MAX (validated at start-up), so the cast cannot truncate.
-        let permits =
-            u32::try_from(chunk.len()).map_err(|_| RequestError::BodyTooLarge { limit })?;
+        let permits = u32::try_from(chunk.len()).map_err(|_| Rejection::BodyTooLarge { limit })?;
         let permit = Arc::clone(&self.ctx.body_budget)
             .try_acquire_many_owned(permits)
-            .map_err(|_| RequestError::BufferBudgetExhausted)?;
+            .map_err(|_| Rejection::BufferBudgetExhausted)?;
         match &mut self.budget {
             Some(held) => held.merge(permit),
             None => self.budget = Some(permit),
@@ -212,19 +243,45 @@ impl RequestStream {
         self.body = Vec::new();
     }
 
-    /// The whole request is in: read it, pick, and answer headers (+ metadata) and body.
-    fn finish_request(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
+    /// The whole request is in: read it, pick, and return the headers response (with the
+    /// destination metadata) and the body chunks.
+    pub async fn decide(&mut self) -> Vec<ProcessingResponse> {
         let started = Instant::now();
-        let had_body = self.phase == Phase::BufferBody;
-        let summary = if had_body && !self.body.is_empty() {
-            match summarize(&self.body) {
-                Ok(summary) => Some(summary),
-                Err(error) => return self.reject(error),
-            }
-        } else {
+        let prepared = if self.end == RequestEnd::Bodyless || self.body.is_empty() {
             None
+        } else {
+            let body = std::mem::take(&mut self.body);
+            let tokenizers = Arc::clone(&self.ctx.tokenizers);
+            let meta = self.meta.clone();
+            let work = tokio::task::spawn_blocking(move || {
+                let prepared = prepare(&tokenizers, &meta, &body);
+                (prepared, body)
+            });
+            match work.await {
+                Ok((result, body)) => {
+                    self.body = body;
+                    match result {
+                        Ok(prepared) => Some(prepared),
+                        Err(error) => return self.reject(error.into(), None),
+                    }
+                }
+                Err(_) => {
+                    return self.reject(Rejection::Internal("request preparation failed"), None);
+                }
+            }
         };
-        let model = summary.as_ref().map(|s| s.model.clone());
+        match self.pick(prepared, started) {
+            Ok(replies) => replies,
+            Err((rejection, model)) => self.reject(rejection, model.as_deref()),
+        }
+    }
+
+    fn pick(
+        &mut self,
+        prepared: Option<Prepared>,
+        started: Instant,
+    ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
+        let model = prepared.as_ref().map(|p| p.client_model.clone());
         let pool = self.ctx.datastore.snapshot();
         let candidates: Vec<_> = match &self.subset {
             Some(hint) => pool
@@ -236,73 +293,105 @@ impl RequestStream {
             None => pool.endpoints.clone(),
         };
         if candidates.is_empty() {
-            let error = if self.subset.is_some() && !pool.endpoints.is_empty() {
-                RequestError::EmptySubset
+            let rejection = if self.subset.is_some() && !pool.endpoints.is_empty() {
+                Rejection::EmptySubset
             } else {
-                RequestError::Schedule(crate::scheduling::ScheduleError::NoCandidates)
+                Rejection::Schedule(ScheduleError::NoCandidates)
             };
-            return self.reject_for(error, model.as_deref());
+            return Err((rejection, model));
         }
+        let (target_model, key_context, prompt) = match &prepared {
+            Some(p) => (
+                Some(p.target_model.clone()),
+                Some(p.key_context.clone()),
+                // NOTE: the prompt moves into an Arc once per request; the scheduler shares it.
+                Arc::new(p.prompt.clone()),
+            ),
+            None => (None, None, Arc::new(PromptTokens::Empty)),
+        };
         let request = SchedulingRequest {
             model: model.clone(),
-            target_model: model.clone(),
+            target_model: target_model.clone(),
+            key_context,
+            prompt,
             body_bytes: self.body.len(),
-            ..SchedulingRequest::default()
+            priority: 0,
+            fairness_id: self.meta.fairness_id.clone(),
+            session_id: self.meta.session_id.clone(),
         };
-        let pick = match self.ctx.scheduler.pick(&request, &candidates) {
-            Ok(pick) => pick,
-            Err(error) => return self.reject_for(error.into(), model.as_deref()),
-        };
+        let pick = self
+            .ctx
+            .scheduler
+            .pick(&request, &candidates)
+            .map_err(|e| (e.into(), model.clone()))?;
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
             self.in_flight = Some(primary.in_flight.start());
         }
+        if let (Some(context), PromptTokens::Exact(tokens)) =
+            (&request.key_context, request.prompt.as_ref())
+        {
+            self.ctx.index.record_routed(pick.primary, context, tokens);
+        }
+
         let metrics = &self.ctx.metrics;
         metrics
             .scheduler_e2e
             .observe(started.elapsed().as_secs_f64());
         let model_label = model.as_deref().unwrap_or("");
+        let target_label = target_model.as_deref().unwrap_or(model_label);
         metrics
             .requests
-            .with_label_values(&[model_label, model_label])
+            .with_label_values(&[model_label, target_label])
             .inc();
         metrics
             .request_sizes
-            .with_label_values(&[model_label, model_label])
+            .with_label_values(&[model_label, target_label])
             .observe(self.body.len() as f64);
         let destination = pick.header_value();
         tracing::debug!(%destination, model = model_label, bytes = self.body.len(), "picked");
 
+        let has_body = self.end != RequestEnd::Bodyless;
+        let forwarded = match prepared.as_ref().and_then(|p| p.rewritten_body.as_ref()) {
+            Some(rewritten) => &rewritten[..],
+            None => &self.body[..],
+        };
         let mut out = vec![mutations::request_headers_response(
             &destination,
-            had_body.then_some(self.body.len()),
-            std::mem::take(&mut self.control_headers),
+            has_body.then_some(forwarded.len()),
+            std::mem::take(&mut self.meta.control_headers),
         )];
-        if had_body {
-            out.extend(mutations::request_body_chunks(&self.body, end_of_stream));
+        if has_body {
+            out.extend(mutations::request_body_chunks(
+                forwarded,
+                self.end == RequestEnd::Body,
+            ));
         }
-        // NOTE: the budget is returned once the chunks are built; they sit in the bounded
-        // per-stream send queue only until the gateway reads them.
+        if self.end == RequestEnd::Trailers {
+            out.push(mutations::request_trailers_continue());
+        }
+        if let Some(p) = prepared.as_ref().filter(|p| p.rewritten_body.is_some()) {
+            self.response =
+                ResponseBody::restoring(&p.client_model, p.stream, self.ctx.max_body_bytes);
+        }
+        // NOTE: the budget is returned once the chunks are built; they wait only in the
+        // gateway-facing send path of this stream.
         self.release_body();
         self.phase = Phase::AwaitResponse;
-        out
+        Ok(out)
     }
 
-    fn reject(&mut self, error: RequestError) -> Vec<ProcessingResponse> {
-        self.reject_for(error, None)
-    }
-
-    fn reject_for(&mut self, error: RequestError, model: Option<&str>) -> Vec<ProcessingResponse> {
-        let status = error.http_status();
-        tracing::debug!(status, %error, "request rejected");
+    fn reject(&mut self, rejection: Rejection, model: Option<&str>) -> Vec<ProcessingResponse> {
+        let status = rejection.http_status();
+        tracing::debug!(status, %rejection, "request rejected");
         let model = model.unwrap_or("");
         self.ctx
             .metrics
             .request_errors
-            .with_label_values(&[model, model, error.error_code()])
+            .with_label_values(&[model, model, rejection.error_code()])
             .inc();
         self.release_body();
         self.phase = Phase::Done;
-        vec![mutations::immediate_error(status, &error.to_string())]
+        vec![mutations::immediate_error(status, &rejection.to_string())]
     }
 
     fn end_response(&mut self) {
@@ -312,7 +401,7 @@ impl RequestStream {
 }
 
 impl Drop for RequestStream {
-    /// The gRPC stream is gone, however it ended: count an early end, and return the body
+    /// The gRPC stream is gone, however it ended: count an early end and return the body
     /// budget (the in-flight guard returns itself).
     fn drop(&mut self) {
         if self.phase != Phase::Done {

@@ -1,4 +1,5 @@
-//! The metrics/admin HTTP server: Prometheus `/metrics` and the JSON `/debug/*` views.
+//! The metrics/admin HTTP server: Prometheus `/metrics` and the JSON `/debug/*` views
+//! (handlers in [`super::debug`]).
 
 use std::sync::Arc;
 
@@ -6,12 +7,17 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use prometheus::{Encoder, Registry, TextEncoder};
-use serde::Serialize;
+use std::time::Duration;
 
+use super::debug;
 use crate::endpoints::Datastore;
+use crate::kvcache::PrefixIndex;
+use crate::kvevents::KvEventsManager;
+use crate::scrape::MetricsStore;
 use crate::telemetry::EppMetrics;
+use crate::tokenize::Tokenizers;
 
 /// What the admin server reads.
 #[derive(Clone)]
@@ -22,13 +28,24 @@ pub struct AdminState {
     pub datastore: Arc<Datastore>,
     /// EPP metrics refreshed from the pool at scrape time.
     pub metrics: Arc<EppMetrics>,
+    /// KV-event streams and index sizes per pod.
+    pub kv_events: Arc<KvEventsManager>,
+    /// The prefix index.
+    pub index: Arc<PrefixIndex>,
+    /// Tokenizers (for `/debug/prefix` on request bodies).
+    pub tokenizers: Arc<Tokenizers>,
+    /// Scraped pod metrics.
+    pub scrapes: Arc<MetricsStore>,
+    /// Metrics older than this are stale.
+    pub staleness: Duration,
 }
 
 /// The admin router.
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
-        .route("/debug/pods", get(debug_pods))
+        .route("/debug/pods", get(debug::pods))
+        .route("/debug/prefix", post(debug::prefix))
         .with_state(state)
 }
 
@@ -61,39 +78,4 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         )
             .into_response(),
     }
-}
-
-/// One pod in `GET /debug/pods` (DESIGN §2.1; fields grow as subsystems land).
-#[derive(Debug, Serialize)]
-pub struct PodView {
-    /// `ip:port`.
-    pub address: String,
-    /// Whether the pod is eligible for traffic.
-    pub ready: bool,
-    /// kvpick's in-flight count for it.
-    pub in_flight: u64,
-    /// Its labels.
-    pub labels: std::collections::BTreeMap<String, String>,
-}
-
-/// The body of `GET /debug/pods`.
-#[derive(Debug, Serialize)]
-pub struct PodsView {
-    /// Every pod of the pool.
-    pub pods: Vec<PodView>,
-}
-
-async fn debug_pods(State(state): State<AdminState>) -> axum::Json<PodsView> {
-    let pool = state.datastore.snapshot();
-    let pods = pool
-        .endpoints
-        .iter()
-        .map(|endpoint| PodView {
-            address: endpoint.id().to_string(),
-            ready: true,
-            in_flight: endpoint.in_flight.get(),
-            labels: endpoint.endpoint.labels.clone(),
-        })
-        .collect();
-    axum::Json(PodsView { pods })
 }

@@ -2,6 +2,7 @@
 //!
 //! `POST /hold` answers headers and a first chunk at once, then holds the rest of the body
 //! until the test calls [`Backend::release`], so a test can keep a request in flight.
+//! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics and is not recorded.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -79,12 +80,25 @@ impl Backend {
 
 type Body = BoxBody<Bytes, Infallible>;
 
+/// What an idle vLLM reports (enough for kvpick's scrape to count the pod as fresh).
+const IDLE_VLLM_METRICS: &str = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\n\
+    vllm:num_requests_running{model_name=\"m\"} 0.0\n\
+    vllm:kv_cache_usage_perc{model_name=\"m\"} 0.0\n";
+
 async fn handle(
     addr: SocketAddr,
     shared: Arc<Shared>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
+    if req.method() == hyper::Method::GET && path == "/metrics" {
+        return Ok(Response::builder()
+            .header("content-type", "text/plain; version=0.0.4")
+            .body(BodyExt::boxed(http_body_util::Full::new(Bytes::from(
+                IDLE_VLLM_METRICS,
+            ))))
+            .expect("response"));
+    }
     let headers = req.headers().clone();
     let body = req
         .into_body()

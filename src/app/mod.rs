@@ -1,5 +1,7 @@
 //! `kvpick serve`: builds every part from one [`ServeConfig`] and runs until shutdown.
 //!
+//! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool.
+//!
 //! Shutdown order (SIGTERM/SIGINT or the `shutdown` future): readiness goes NOT_SERVING so
 //! the gateway stops opening streams; the ext-proc server stops accepting and lets open
 //! streams finish, for at most the drain timeout; then the rest stops and the process exits.
@@ -11,12 +13,18 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+mod pool_sync;
+
 use crate::config::ServeConfig;
 use crate::discovery::{PoolFileError, parse_pool, watch_pool_file};
 use crate::endpoints::Datastore;
 use crate::extproc::{ExtProcService, StreamContext};
+use crate::kvcache::{IndexConfig, PrefixIndex};
+use crate::kvevents::{KvEventsConfig, KvEventsError, KvEventsManager};
 use crate::scheduling::LeastInFlight;
+use crate::scrape::{MetricsStore, ScrapeManager, ScrapeMetrics};
 use crate::telemetry::{EppMetrics, admin, health};
+use crate::tokenize::{TokenizeError, Tokenizers};
 
 /// Why `kvpick serve` could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +43,12 @@ pub enum ServeError {
     /// Metrics could not be registered.
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// A tokenizer directory could not be loaded.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizeError),
+    /// The KV-event subsystem could not start.
+    #[error("kv events: {0}")]
+    KvEvents(#[from] KvEventsError),
     /// A server failed.
     #[error("{server} server failed: {message}")]
     Server {
@@ -71,7 +85,46 @@ pub async fn serve(
     tracing::info!(endpoints = endpoints.len(), file = %config.endpoints_file.display(), "pool loaded");
     datastore.set_endpoints(endpoints);
 
+    // Loading tokenizers parses multi-megabyte JSON: keep it off the async workers.
+    let tokenizer_config = config.tokenizers.clone();
+    let tokenizer_registry = registry.clone();
+    let tokenizers = Arc::new(
+        tokio::task::spawn_blocking(move || Tokenizers::new(tokenizer_config, &tokenizer_registry))
+            .await
+            .map_err(|e| ServeError::Server {
+                server: "tokenizer loading",
+                message: e.to_string(),
+            })??,
+    );
+    let index = Arc::new(PrefixIndex::with_registry(
+        IndexConfig::default(),
+        &registry,
+    )?);
+    let kv_events = Arc::new(KvEventsManager::new(
+        Arc::clone(&index),
+        KvEventsConfig::default(),
+        &registry,
+    )?);
+    if let Some(endpoint) = &config.kv_events_bind {
+        let bound = kv_events.bind_central(endpoint).await?;
+        tracing::info!(%bound, "accepting KV events from pods that dial in");
+    }
+    let metrics_store = Arc::new(MetricsStore::default());
+
     let background = CancellationToken::new();
+    tokio::spawn(pool_sync::follow_pool(
+        datastore.subscribe(),
+        Arc::clone(&kv_events),
+        ScrapeManager::new(
+            config.scrape.clone(),
+            Arc::clone(&metrics_store),
+            ScrapeMetrics::new(&registry)?,
+            background.clone(),
+        ),
+        Arc::clone(&metrics_store),
+        Arc::clone(&index),
+        background.clone(),
+    ));
     tokio::spawn(watch_pool_file(
         config.endpoints_file.clone(),
         config.endpoints_reload_interval,
@@ -104,6 +157,11 @@ pub async fn serve(
             registry: registry.clone(),
             datastore: Arc::clone(&datastore),
             metrics: Arc::clone(&metrics),
+            kv_events: Arc::clone(&kv_events),
+            index: Arc::clone(&index),
+            tokenizers: Arc::clone(&tokenizers),
+            scrapes: Arc::clone(&metrics_store),
+            staleness: config.scrape.staleness,
         });
         async move {
             axum::serve(metrics_listener, router)
@@ -115,6 +173,8 @@ pub async fn serve(
     let ctx = Arc::new(StreamContext {
         datastore: Arc::clone(&datastore),
         scheduler: Arc::new(LeastInFlight::new(config.max_fallbacks)),
+        tokenizers: Arc::clone(&tokenizers),
+        index: Arc::clone(&index),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
         max_body_bytes: config.max_body_bytes,

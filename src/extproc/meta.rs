@@ -1,0 +1,109 @@
+//! What kvpick reads from the request headers: the path and its control headers.
+
+use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+
+/// Objective name → priority (`x-gateway-inference-objective`).
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// Flow-control tenant (`x-gateway-inference-fairness-id`).
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+/// Per-request model rewrite (`x-gateway-model-name-rewrite`).
+pub const MODEL_REWRITE_HEADER: &str = "x-gateway-model-name-rewrite";
+/// Client session id for session affinity.
+pub const SESSION_HEADER: &str = "x-session-id";
+/// Longest control-header value kept; longer values are ignored (hostile input).
+const MAX_VALUE_BYTES: usize = 256;
+
+/// The request headers kvpick acts on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestMeta {
+    /// `:path` (decides the API kind of the body).
+    pub path: String,
+    /// The objective named by the client.
+    pub objective: Option<String>,
+    /// The flow-control tenant.
+    pub fairness_id: Option<String>,
+    /// A model to rewrite `model` to.
+    pub model_rewrite: Option<String>,
+    /// The session id.
+    pub session_id: Option<String>,
+    /// Control headers present (removed before forwarding), lower-case.
+    pub control_headers: Vec<String>,
+}
+
+impl RequestMeta {
+    /// Reads the headers Envoy sent.
+    pub fn from_headers(headers: Option<&HeaderMap>) -> Self {
+        let mut meta = Self::default();
+        let Some(headers) = headers else { return meta };
+        for header in &headers.headers {
+            let key = header.key.to_ascii_lowercase();
+            let raw = if header.raw_value.is_empty() {
+                header.value.as_bytes()
+            } else {
+                &header.raw_value[..]
+            };
+            let value = std::str::from_utf8(raw)
+                .ok()
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.len() <= MAX_VALUE_BYTES)
+                .map(str::to_owned);
+            match key.as_str() {
+                ":path" => meta.path = String::from_utf8_lossy(raw).into_owned(),
+                OBJECTIVE_HEADER => meta.objective = value,
+                FAIRNESS_HEADER => meta.fairness_id = value,
+                MODEL_REWRITE_HEADER => meta.model_rewrite = value,
+                SESSION_HEADER => meta.session_id = value,
+                _ => continue,
+            }
+            if matches!(
+                key.as_str(),
+                OBJECTIVE_HEADER | FAIRNESS_HEADER | MODEL_REWRITE_HEADER
+            ) {
+                meta.control_headers.push(key);
+            }
+        }
+        meta
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+
+    fn header(key: &str, value: &str) -> HeaderValue {
+        HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn reads_path_and_control_headers() {
+        let map = HeaderMap {
+            headers: vec![
+                header(":path", "/v1/chat/completions?x=1"),
+                header("X-Gateway-Inference-Objective", " critical "),
+                header(FAIRNESS_HEADER, "tenant-a"),
+                header(MODEL_REWRITE_HEADER, &"m".repeat(300)),
+                header(SESSION_HEADER, "s1"),
+                HeaderValue {
+                    key: "other".into(),
+                    value: "v".into(),
+                    ..Default::default()
+                },
+            ],
+        };
+        let meta = RequestMeta::from_headers(Some(&map));
+        assert_eq!(meta.path, "/v1/chat/completions?x=1");
+        assert_eq!(meta.objective.as_deref(), Some("critical"));
+        assert_eq!(meta.fairness_id.as_deref(), Some("tenant-a"));
+        assert_eq!(meta.model_rewrite, None, "oversized value ignored");
+        assert_eq!(meta.session_id.as_deref(), Some("s1"));
+        assert_eq!(
+            meta.control_headers,
+            [OBJECTIVE_HEADER, FAIRNESS_HEADER, MODEL_REWRITE_HEADER]
+        );
+    }
+}

@@ -1,0 +1,79 @@
+//! The response path: pass chunks through, putting the client's model name back when the
+//! request's model was rewritten.
+
+use super::mutations;
+use crate::request::ResponseModelRewriter;
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
+
+/// How response bodies are handled.
+pub enum ResponseBody {
+    /// Unchanged, chunk by chunk.
+    PassThrough,
+    /// SSE: complete lines rewritten as they arrive.
+    Sse(ResponseModelRewriter),
+    /// One JSON document: buffered (up to a limit), rewritten at the end.
+    Json {
+        /// The rewriter.
+        rewriter: ResponseModelRewriter,
+        /// Bytes held so far.
+        held: Vec<u8>,
+        /// Largest body held; past it the rest passes through unchanged.
+        limit: usize,
+    },
+}
+
+impl ResponseBody {
+    /// The handling for a response whose request model was rewritten from `client_model`.
+    pub fn restoring(client_model: &str, stream: bool, limit: usize) -> Self {
+        let rewriter = ResponseModelRewriter::new(client_model);
+        if stream {
+            Self::Sse(rewriter)
+        } else {
+            Self::Json {
+                rewriter,
+                held: Vec::new(),
+                limit,
+            }
+        }
+    }
+
+    /// Whether the body may change length (so `content-length` must go).
+    pub fn changes_length(&self) -> bool {
+        !matches!(self, Self::PassThrough)
+    }
+
+    /// Handles one response chunk and returns the replies to send.
+    pub fn on_chunk(&mut self, chunk: Vec<u8>, end_of_stream: bool) -> Vec<ProcessingResponse> {
+        match self {
+            Self::PassThrough => vec![mutations::response_body_chunk(chunk, end_of_stream)],
+            Self::Sse(rewriter) => {
+                let mut out = rewriter.push(&chunk).to_vec();
+                if end_of_stream {
+                    out.extend_from_slice(&rewriter.finish());
+                }
+                mutations::response_body_chunks(&out, end_of_stream)
+            }
+            Self::Json {
+                rewriter,
+                held,
+                limit,
+            } => {
+                if held.len() + chunk.len() > *limit {
+                    // NOTE: a response too large to hold is forwarded unchanged.
+                    let mut out = std::mem::take(held);
+                    out.extend_from_slice(&chunk);
+                    *self = Self::PassThrough;
+                    return mutations::response_body_chunks(&out, end_of_stream);
+                }
+                held.extend_from_slice(&chunk);
+                if end_of_stream {
+                    let out = rewriter.rewrite_json(held);
+                    held.clear();
+                    mutations::response_body_chunks(&out, true)
+                } else {
+                    vec![mutations::response_body_chunk(Vec::new(), false)]
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The JSON debug views on the admin port (DESIGN §2.1): `GET /debug/pods` and
+//! `POST /debug/prefix`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+use super::admin::AdminState;
+use crate::endpoints::PodId;
+use crate::extproc::meta::RequestMeta;
+use crate::extproc::prepare::prepare;
+use crate::kvcache::{DebugPrefixPod, KeyContext};
+use crate::kvevents::KvEventsStatus;
+use crate::tokenize::PromptTokens;
+
+/// A pod's last scraped load, as `/debug/pods` shows it.
+#[derive(Debug, Serialize)]
+pub struct PodLoadView {
+    /// Requests waiting in the engine.
+    pub waiting: f64,
+    /// Requests running.
+    pub running: f64,
+    /// KV-cache usage 0..1.
+    pub kv_usage: f64,
+    /// Age of the last good scrape, milliseconds.
+    pub age_ms: Option<u64>,
+    /// The last scrape's error, if it failed.
+    pub error: Option<String>,
+}
+
+/// One pod in `GET /debug/pods`.
+#[derive(Debug, Serialize)]
+pub struct PodView {
+    /// `ip:port`.
+    pub address: String,
+    /// Whether the pod's metrics are fresh (a stale or failing pod counts as saturated).
+    pub ready: bool,
+    /// (block, tier) entries the prefix index holds for the pod.
+    pub index_blocks: usize,
+    /// Its KV-event stream, when it has one.
+    pub kv_events: Option<KvEventsStatus>,
+    /// Its last scraped load (`null` before the first scrape).
+    pub metrics: Option<PodLoadView>,
+    /// kvpick's in-flight count for it.
+    pub in_flight: u64,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The body of `GET /debug/pods`.
+#[derive(Debug, Serialize)]
+pub struct PodsView {
+    /// Every pod of the pool.
+    pub pods: Vec<PodView>,
+}
+
+/// `GET /debug/pods`.
+pub async fn pods(State(state): State<AdminState>) -> axum::Json<PodsView> {
+    let pool = state.datastore.snapshot();
+    let now = Instant::now();
+    let pods = pool
+        .endpoints
+        .iter()
+        .map(|endpoint| {
+            let id = endpoint.id();
+            let index = state.kv_events.pod_status(id);
+            let scrape = state.scrapes.status(id);
+            let metrics = scrape.metrics.as_ref().map(|m| PodLoadView {
+                waiting: m.waiting,
+                running: m.running,
+                kv_usage: m.kv_usage,
+                age_ms: scrape
+                    .age(now)
+                    .map(|a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX)),
+                error: scrape.last_error.as_ref().map(|e| e.to_string()),
+            });
+            PodView {
+                address: id.to_string(),
+                ready: scrape.is_fresh(now, state.staleness),
+                index_blocks: index.index_blocks,
+                kv_events: index.kv_events,
+                metrics,
+                in_flight: endpoint.in_flight.get(),
+                labels: endpoint.endpoint.labels.clone(),
+            }
+        })
+        .collect();
+    axum::Json(PodsView { pods })
+}
+
+/// Query of `POST /debug/prefix`.
+#[derive(Debug, Deserialize)]
+pub struct PrefixQuery {
+    /// `1` adds the computed token ids to the answer.
+    #[serde(default)]
+    tokens: Option<u8>,
+    /// The API path the body is for (default: guessed from the body's shape).
+    #[serde(default)]
+    path: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenIdsBody {
+    model: String,
+    token_ids: Vec<u32>,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+/// The body of `POST /debug/prefix`.
+#[derive(Debug, Serialize)]
+pub struct PrefixView {
+    /// Tokens in the request (0 when only approximate text is known).
+    pub token_count: usize,
+    /// Whether the prompt could not be tokenized exactly (no tokenizer for the model).
+    pub approximate: bool,
+    /// Per pod: block size, matched blocks and tokens.
+    pub pods: Vec<DebugPrefixPod>,
+    /// The ids kvpick computed (with `?tokens=1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// `POST /debug/prefix` with an OpenAI/Anthropic body or `{"model", "token_ids"}`.
+pub async fn prefix(
+    State(state): State<AdminState>,
+    Query(query): Query<PrefixQuery>,
+    body: Bytes,
+) -> Response {
+    let direct: Option<TokenIdsBody> = serde_json::from_slice(&body).ok();
+    let (context, prompt) = match direct {
+        Some(direct) => (
+            KeyContext {
+                model: direct.model,
+                lora_name: direct.lora_name,
+                cache_salt: direct.cache_salt,
+            },
+            PromptTokens::Exact(direct.token_ids),
+        ),
+        None => {
+            let tokenizers = Arc::clone(&state.tokenizers);
+            let meta = RequestMeta {
+                path: query.path.clone().unwrap_or_default(),
+                ..RequestMeta::default()
+            };
+            let prepared =
+                tokio::task::spawn_blocking(move || prepare(&tokenizers, &meta, &body)).await;
+            match prepared {
+                Ok(Ok(prepared)) => (prepared.key_context, prepared.prompt),
+                Ok(Err(error)) => {
+                    return (StatusCode::BAD_REQUEST, format!("inference error: {error}"))
+                        .into_response();
+                }
+                Err(_) => {
+                    return (StatusCode::INTERNAL_SERVER_ERROR, "tokenization failed")
+                        .into_response();
+                }
+            }
+        }
+    };
+    let candidates: Vec<PodId> = state
+        .datastore
+        .snapshot()
+        .endpoints
+        .iter()
+        .map(|e| e.id())
+        .collect();
+    let view = match prompt {
+        PromptTokens::Exact(ids) => {
+            let found = state.index.debug_prefix(&context, &ids, &candidates);
+            PrefixView {
+                token_count: found.token_count,
+                approximate: false,
+                pods: found.pods,
+                token_ids: (query.tokens == Some(1)).then_some(ids),
+            }
+        }
+        PromptTokens::Approximate(_) | PromptTokens::Empty => PrefixView {
+            token_count: 0,
+            approximate: true,
+            pods: Vec::new(),
+            token_ids: None,
+        },
+    };
+    axum::Json(view).into_response()
+}
