@@ -48,7 +48,8 @@ endpoints:
     kvReplay: tcp://127.0.0.1:6558
     labels: { inference.networking.k8s.io/engine-type: vllm }
 YAML
-"$BIN/kvpick" serve --endpoints-file "$RUN/pool.yaml" >"$RUN/kvpick.log" 2>&1 &
+"$BIN/kvpick" serve --endpoints-file "$RUN/pool.yaml" --tokenizer assets/tokenizer \
+  >"$RUN/kvpick.log" 2>&1 &
 PIDS+=($!)
 .venv/bin/envoy -c deploy/envoy/envoy.yaml --disable-hot-restart -l warning \
   >"$RUN/envoy.log" 2>&1 &
@@ -62,9 +63,9 @@ wait_for "Envoy" curl -sf localhost:9901/ready
 wait_for "Envoy's health check of kvpick" \
   sh -c 'curl -sf localhost:9901/clusters | grep -q "^kvpick::127.0.0.1:9002::health_flags::healthy"'
 
+REQUEST='{"model":"sim-model","messages":[{"role":"system","content":"You are the kvpick demo. kvpick routes each request to the pod that already holds its prompt prefix in its KV cache, learned from the pods'"'"' own KV-cache events."},{"role":"user","content":"Which pod holds my prefix?"}],"max_tokens":16}'
 echo "demo: POST localhost:8081/v1/chat/completions" >&2
-ANSWER=$(curl -sf localhost:8081/v1/chat/completions -H 'content-type: application/json' \
-  -d '{"model":"sim-model","messages":[{"role":"system","content":"You are kvpick'"'"'s demo."},{"role":"user","content":"Which pod holds my prefix?"}],"max_tokens":16}')
+ANSWER=$(curl -sf localhost:8081/v1/chat/completions -H 'content-type: application/json' -d "$REQUEST")
 echo "$ANSWER"
 sleep 0.2 # the access log line is written when the response completes
 ROUTE=$(grep -m1 '/v1/chat/completions' "$RUN/envoy.log" || true)
@@ -80,6 +81,16 @@ if [ "$PICKED" != "$SERVED" ]; then
   echo "demo: kvpick picked $PICKED but $SERVED served" >&2; exit 1
 fi
 echo "demo: kvpick picked $PICKED, and Envoy sent the request there" >&2
+# The pod announced the prompt's KV blocks; kvpick's index now knows who holds the prefix.
+PREFIX=""
+for _ in $(seq 50); do
+  PREFIX=$(curl -sf "localhost:9090/debug/prefix?path=/v1/chat/completions" -d "$REQUEST" || true)
+  echo "$PREFIX" | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if any(p["matched_blocks"] > 0 and p["address"] == sys.argv[1] for p in d["pods"]) else 1)' "$PICKED" 2>/dev/null && break
+  sleep 0.1
+done
+echo "demo: kvpick /debug/prefix for the same request: $PREFIX" >&2
+echo "$PREFIX" | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if any(p["matched_blocks"] > 0 and p["address"] == sys.argv[1] for p in d["pods"]) else 1)' "$PICKED" || {
+  echo "demo: kvpick's index does not show $PICKED holding the prefix" >&2; exit 1; }
 case "$ANSWER" in
   *'"chat.completion"'*) ;;
   *) echo "demo: unexpected answer" >&2; exit 1 ;;
