@@ -15,6 +15,7 @@ use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::{Datastore, Endpoint};
 use kvpick::extproc::{ExtProcService, StreamContext};
 use kvpick::kvcache::{IndexConfig, PrefixIndex};
+use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::LeastInFlight;
 use kvpick::telemetry::EppMetrics;
 use kvpick::tokenize::{Tokenizers, TokenizersConfig};
@@ -35,6 +36,7 @@ struct Options {
     max_body: usize,
     budget: usize,
     fallbacks: usize,
+    rewrites: ModelRewriteRules,
 }
 
 impl Default for Options {
@@ -44,6 +46,7 @@ impl Default for Options {
             max_body: 1 << 20,
             budget: 4 << 20,
             fallbacks: 0,
+            rewrites: ModelRewriteRules::default(),
         }
     }
 }
@@ -67,6 +70,7 @@ async fn start(options: Options) -> Harness {
         datastore: Arc::clone(&datastore),
         scheduler: Arc::new(LeastInFlight::new(options.fallbacks)),
         tokenizers,
+        model_rewrites: Arc::new(options.rewrites.clone()),
         index: Arc::new(PrefixIndex::new(IndexConfig::default())),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::clone(&budget),
@@ -762,4 +766,43 @@ async fn without_a_rewrite_responses_pass_through_with_their_length() {
     streamed_body(&s.recv().await);
     s.send(response_headers()).await;
     assert!(removed_response_headers(&s.recv().await).is_empty());
+}
+
+#[tokio::test]
+async fn configured_rewrite_rules_apply_and_the_header_wins() {
+    let rewrites: ModelRewriteRules = serde_yaml::from_str(
+        "rules:\n- matches: [alias]\n  targets: [{modelRewrite: ruled, weight: 1}]\n",
+    )
+    .expect("rules");
+    let mut h = start(Options {
+        rewrites,
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    s.send(body(br#"{"model":"alias","prompt":"x"}"#, true))
+        .await;
+    decision(&s.recv().await);
+    assert_eq!(
+        streamed_body(&s.recv().await).0,
+        br#"{"model":"ruled","prompt":"x"}"#.to_vec()
+    );
+
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-model-name-rewrite", "by-header"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(br#"{"model":"alias","prompt":"x"}"#, true))
+        .await;
+    decision(&s.recv().await);
+    assert_eq!(
+        streamed_body(&s.recv().await).0,
+        br#"{"model":"by-header","prompt":"x"}"#.to_vec()
+    );
 }

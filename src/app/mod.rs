@@ -110,6 +110,7 @@ pub async fn serve(
         tracing::info!(%bound, "accepting KV events from pods that dial in");
     }
     let metrics_store = Arc::new(MetricsStore::default());
+    let model_rewrites = Arc::new(config.model_rewrites.clone());
 
     let background = CancellationToken::new();
     tokio::spawn(pool_sync::follow_pool(
@@ -162,6 +163,7 @@ pub async fn serve(
             tokenizers: Arc::clone(&tokenizers),
             scrapes: Arc::clone(&metrics_store),
             staleness: config.scrape.staleness,
+            model_rewrites: Arc::clone(&model_rewrites),
         });
         async move {
             axum::serve(metrics_listener, router)
@@ -174,6 +176,7 @@ pub async fn serve(
         datastore: Arc::clone(&datastore),
         scheduler: Arc::new(LeastInFlight::new(config.max_fallbacks)),
         tokenizers: Arc::clone(&tokenizers),
+        model_rewrites: Arc::clone(&model_rewrites),
         index: Arc::clone(&index),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),

@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// Metrics older than this make an endpoint count as saturated.
     #[arg(long, default_value = "200ms", value_parser = parse_duration)]
     pub metrics_staleness: Duration,
+    /// InferenceModelRewrite-style weighted model rewrite rules (YAML `rules: [{matches,
+    /// targets: [{modelRewrite, weight}]}]`). The `x-gateway-model-name-rewrite` header wins.
+    #[arg(long)]
+    pub model_rewrites: Option<PathBuf>,
 }
 
 fn parse_lora(value: &str) -> Result<(String, String), String> {
@@ -99,6 +103,14 @@ pub enum ConfigError {
         second: &'static str,
         /// The shared port.
         port: u16,
+    },
+    /// The model rewrite file cannot be read or is invalid.
+    #[error("--model-rewrites {path}: {reason}")]
+    ModelRewrites {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
     },
     /// A size flag is out of range.
     #[error("--{flag} must be at least {min} (got {value})")]
@@ -139,6 +151,8 @@ pub struct ServeConfig {
     pub kv_events_bind: Option<String>,
     /// Metrics scraping.
     pub scrape: crate::scrape::ScrapeConfig,
+    /// Weighted model rewrite rules.
+    pub model_rewrites: crate::request::ModelRewriteRules,
 }
 
 impl ServeArgs {
@@ -191,6 +205,17 @@ impl ServeArgs {
                 value: 0,
             });
         }
+        let model_rewrites = match &self.model_rewrites {
+            None => crate::request::ModelRewriteRules::default(),
+            Some(path) => {
+                let fail = |reason: String| ConfigError::ModelRewrites {
+                    path: path.clone(),
+                    reason,
+                };
+                let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+                serde_yaml::from_str(&text).map_err(|e| fail(e.to_string()))?
+            }
+        };
         let ip = self.bind_address;
         Ok(ServeConfig {
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
@@ -210,6 +235,7 @@ impl ServeArgs {
                 staleness: self.metrics_staleness,
                 ..Default::default()
             },
+            model_rewrites,
         })
     }
 }
@@ -241,6 +267,35 @@ mod tests {
         assert_eq!(config.scrape.interval, Duration::from_millis(50));
         assert_eq!(config.scrape.staleness, Duration::from_millis(200));
         assert!(config.tokenizers.default_dir.is_none());
+    }
+
+    #[test]
+    fn model_rewrite_file_is_validated_at_start() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let good = dir.path().join("good.yaml");
+        std::fs::write(
+            &good,
+            "rules:\n- matches: [alias]\n  targets: [{modelRewrite: real}]\n",
+        )
+        .expect("write");
+        let config = parse(&[
+            "--endpoints-file",
+            "p",
+            "--model-rewrites",
+            good.to_str().expect("utf8"),
+        ])
+        .expect("valid");
+        assert_eq!(config.model_rewrites.pick("alias", 0), Some("real"));
+        let bad = dir.path().join("bad.yaml");
+        std::fs::write(&bad, "rules:\n- match: [alias]\n").expect("write");
+        let error = parse(&[
+            "--endpoints-file",
+            "p",
+            "--model-rewrites",
+            bad.to_str().expect("utf8"),
+        ])
+        .expect_err("invalid");
+        assert!(error.to_string().contains("match"), "{error}");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use bytes::Bytes;
 
 use super::meta::RequestMeta;
 use crate::kvcache::KeyContext;
-use crate::request::{self, RequestError};
+use crate::request::{self, ModelRewriteRules, RequestError};
 use crate::tokenize::{PromptTokens, Tokenizers};
 
 /// A request ready for scheduling.
@@ -27,19 +27,25 @@ pub struct Prepared {
     pub stream: bool,
 }
 
-/// Parses `body` (sent to `meta.path`), rewrites its model if asked, and tokenizes it.
+/// Parses `body` (sent to `meta.path`), rewrites its model if asked (the
+/// `x-gateway-model-name-rewrite` header, else the first matching rule), and tokenizes it.
 pub fn prepare(
     tokenizers: &Tokenizers,
+    rules: &ModelRewriteRules,
     meta: &RequestMeta,
     body: &[u8],
 ) -> Result<Prepared, RequestError> {
     let path = meta.path.split('?').next().unwrap_or_default();
     let mut parsed = request::parse(path, body)?;
     let client_model = parsed.model.clone();
-    let rewritten_body = match &meta.model_rewrite {
-        Some(target) if *target != client_model => {
+    let target = meta
+        .model_rewrite
+        .as_deref()
+        .or_else(|| rules.pick_random(&client_model));
+    let rewritten_body = match target {
+        Some(target) if target != client_model => {
             let rewritten = request::rewrite_model(body, target)?;
-            parsed.model = target.clone();
+            parsed.model = target.to_owned();
             Some(rewritten)
         }
         _ => None,

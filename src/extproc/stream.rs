@@ -27,6 +27,7 @@ use super::response::ResponseBody;
 use super::subset::{SubsetHint, subset_hint};
 use crate::endpoints::{Datastore, InFlightGuard};
 use crate::kvcache::PrefixIndex;
+use crate::request::ModelRewriteRules;
 use crate::scheduling::{ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
 use crate::tokenize::{PromptTokens, Tokenizers};
@@ -39,6 +40,8 @@ pub struct StreamContext {
     pub scheduler: Arc<dyn Scheduler>,
     /// Tokenizers per model.
     pub tokenizers: Arc<Tokenizers>,
+    /// Weighted model rewrite rules.
+    pub model_rewrites: Arc<ModelRewriteRules>,
     /// The prefix index (told where each request went, for speculative entries).
     pub index: Arc<PrefixIndex>,
     /// EPP metrics.
@@ -252,9 +255,10 @@ impl RequestStream {
         } else {
             let body = std::mem::take(&mut self.body);
             let tokenizers = Arc::clone(&self.ctx.tokenizers);
+            let rules = Arc::clone(&self.ctx.model_rewrites);
             let meta = self.meta.clone();
             let work = tokio::task::spawn_blocking(move || {
-                let prepared = prepare(&tokenizers, &meta, &body);
+                let prepared = prepare(&tokenizers, &rules, &meta, &body);
                 (prepared, body)
             });
             match work.await {

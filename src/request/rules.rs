@@ -5,6 +5,7 @@ use serde::Deserialize;
 
 /// One weighted target of a rule.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RewriteTarget {
     /// The model name written into the forwarded body.
     #[serde(rename = "modelRewrite", alias = "model")]
@@ -18,17 +19,64 @@ fn default_weight() -> u32 {
     1
 }
 
+/// One `matches` entry: a plain model name, or InferenceModelRewrite's
+/// `{model: {type: Exact, value: NAME}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum ModelMatch {
+    /// A model name.
+    Name(String),
+    /// The CRD's form.
+    Crd {
+        /// The model matcher.
+        model: ExactModel,
+    },
+}
+
+impl ModelMatch {
+    fn name(&self) -> &str {
+        match self {
+            Self::Name(name) => name,
+            Self::Crd { model } => &model.value,
+        }
+    }
+}
+
+/// `{type: Exact, value: NAME}` (Exact is the only match type).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExactModel {
+    /// Match type; only `Exact`.
+    #[serde(rename = "type", default = "exact")]
+    pub match_type: MatchType,
+    /// The model name.
+    pub value: String,
+}
+
+/// Model match types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum MatchType {
+    /// The model name equals the value.
+    Exact,
+}
+
+fn exact() -> MatchType {
+    MatchType::Exact
+}
+
 /// One rule: requests for any model in `matches` are sent to one of `targets`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelRewriteRule {
-    /// Exact client model names this rule applies to.
-    pub matches: Vec<String>,
+    /// Client model names this rule applies to.
+    pub matches: Vec<ModelMatch>,
     /// Weighted targets.
     pub targets: Vec<RewriteTarget>,
 }
 
 /// All rewrite rules; the first rule matching a model applies.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelRewriteRules {
     /// The rules, in priority order.
     pub rules: Vec<ModelRewriteRule>,
@@ -41,7 +89,7 @@ impl ModelRewriteRules {
         let rule = self
             .rules
             .iter()
-            .find(|r| r.matches.iter().any(|m| m == model))?;
+            .find(|r| r.matches.iter().any(|m| m.name() == model))?;
         let total: u64 = rule.targets.iter().map(|t| u64::from(t.weight)).sum();
         if total == 0 {
             return None;
@@ -76,5 +124,17 @@ mod tests {
         let picks: Vec<_> = (0..8).map(|r| rules.pick("m", r).unwrap()).collect();
         assert_eq!(picks, ["a", "b", "b", "b", "a", "b", "b", "b"]);
         assert_eq!(rules.pick("other", 0), None);
+        let crd: ModelRewriteRules = serde_yaml::from_str(
+            "rules:\n- matches: [{model: {type: Exact, value: m}}]\n  targets: [{modelRewrite: a}]\n",
+        )
+        .unwrap();
+        assert_eq!(crd.pick("m", 7), Some("a"));
+        assert!(
+            serde_yaml::from_str::<ModelRewriteRules>(
+                "rules:\n- matches: [m]\n  targets: [{modelRewrite: a, wieght: 2}]\n"
+            )
+            .is_err(),
+            "typos are errors"
+        );
     }
 }

@@ -38,6 +38,8 @@ pub struct AdminState {
     pub scrapes: Arc<MetricsStore>,
     /// Metrics older than this are stale.
     pub staleness: Duration,
+    /// Model rewrite rules (so `/debug/prefix` keys a request as routing does).
+    pub model_rewrites: Arc<crate::request::ModelRewriteRules>,
 }
 
 /// The admin router.

@@ -152,8 +152,10 @@ pub async fn prefix(
                 path: query.path.clone().unwrap_or_default(),
                 ..RequestMeta::default()
             };
+            let rules = Arc::clone(&state.model_rewrites);
             let prepared =
-                tokio::task::spawn_blocking(move || prepare(&tokenizers, &meta, &body)).await;
+                tokio::task::spawn_blocking(move || prepare(&tokenizers, &rules, &meta, &body))
+                    .await;
             match prepared {
                 Ok(Ok(prepared)) => (prepared.key_context, prepared.prompt),
                 Ok(Err(error)) => {
