@@ -17,6 +17,7 @@ mod response;
 pub mod service;
 pub mod stream;
 pub mod subset;
+pub mod usage;
 
 pub use service::ExtProcService;
 pub use stream::{RequestStream, StreamContext};

@@ -25,7 +25,8 @@ use super::mutations;
 use super::prepare::{Prepared, prepare};
 use super::response::ResponseBody;
 use super::subset::{SubsetHint, subset_hint};
-use crate::endpoints::{Datastore, InFlightGuard};
+use super::usage::UsageTail;
+use crate::endpoints::{Datastore, InFlightGuard, PodId};
 use crate::kvcache::PrefixIndex;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{ScheduleError, Scheduler, SchedulingRequest};
@@ -118,6 +119,15 @@ pub struct RequestStream {
     end: RequestEnd,
     in_flight: Option<InFlightGuard>,
     response: ResponseBody,
+    /// Where the request went and under which model labels, for the usage metrics.
+    routed: Option<Routed>,
+    usage: UsageTail,
+}
+
+struct Routed {
+    pod: PodId,
+    model: String,
+    target_model: String,
 }
 
 impl RequestStream {
@@ -134,6 +144,8 @@ impl RequestStream {
             end: RequestEnd::Bodyless,
             in_flight: None,
             response: ResponseBody::PassThrough,
+            routed: None,
+            usage: UsageTail::default(),
         }
     }
 
@@ -172,6 +184,7 @@ impl RequestStream {
                 )]
             }
             (Phase::Response, Request::ResponseBody(body)) => {
+                self.usage.push(&body.body);
                 if body.end_of_stream {
                     self.end_response();
                 }
@@ -351,6 +364,11 @@ impl RequestStream {
             .request_sizes
             .with_label_values(&[model_label, target_label])
             .observe(self.body.len() as f64);
+        self.routed = Some(Routed {
+            pod: pick.primary,
+            model: model_label.to_owned(),
+            target_model: target_label.to_owned(),
+        });
         let destination = pick.header_value();
         tracing::debug!(%destination, model = model_label, bytes = self.body.len(), "picked");
 
@@ -401,6 +419,29 @@ impl RequestStream {
     fn end_response(&mut self) {
         self.in_flight = None;
         self.phase = Phase::Done;
+        if let (Some(routed), Some(usage)) = (&self.routed, self.usage.usage()) {
+            let metrics = &self.ctx.metrics;
+            let labels = [routed.model.as_str(), routed.target_model.as_str()];
+            metrics
+                .input_tokens
+                .with_label_values(&labels)
+                .observe(usage.prompt_tokens as f64);
+            metrics
+                .output_tokens
+                .with_label_values(&labels)
+                .observe(usage.completion_tokens as f64);
+            let endpoint = routed.pod.to_string();
+            metrics
+                .prompt_tokens
+                .with_label_values(&[&endpoint])
+                .inc_by(usage.prompt_tokens);
+            if let Some(cached) = usage.cached_tokens {
+                metrics
+                    .cached_prompt_tokens
+                    .with_label_values(&[&endpoint])
+                    .inc_by(cached);
+            }
+        }
     }
 }
 

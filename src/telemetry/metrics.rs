@@ -32,6 +32,15 @@ pub struct EppMetrics {
     pub aborted_streams: IntCounterVec,
     /// Bytes of request bodies buffered right now.
     pub buffered_bytes: IntGauge,
+    /// Prompt tokens the servers reported (GIE: `inference_objective_input_tokens`).
+    pub input_tokens: HistogramVec,
+    /// Generated tokens the servers reported (GIE: `inference_objective_output_tokens`).
+    pub output_tokens: HistogramVec,
+    /// Prompt tokens reported, by endpoint.
+    pub prompt_tokens: IntCounterVec,
+    /// Prompt tokens the servers served from their prefix cache, by endpoint: with
+    /// `kvpick_prompt_tokens_total` this is the real cache hit rate of kvpick's routing.
+    pub cached_prompt_tokens: IntCounterVec,
     /// Pool reloads applied.
     pub pool_reloads: IntCounter,
     /// Pool reloads rejected (unreadable or invalid file).
@@ -91,6 +100,36 @@ impl EppMetrics {
                 "kvpick_extproc_buffered_body_bytes",
                 "Request body bytes buffered across all streams.",
             )?,
+            input_tokens: HistogramVec::new(
+                HistogramOpts::new(
+                    "inference_objective_input_tokens",
+                    "Prompt tokens per request, as the model server reported.",
+                )
+                .buckets(prometheus::exponential_buckets(16.0, 2.0, 16)?),
+                &["model_name", "target_model_name"],
+            )?,
+            output_tokens: HistogramVec::new(
+                HistogramOpts::new(
+                    "inference_objective_output_tokens",
+                    "Generated tokens per request, as the model server reported.",
+                )
+                .buckets(prometheus::exponential_buckets(1.0, 2.0, 16)?),
+                &["model_name", "target_model_name"],
+            )?,
+            prompt_tokens: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_prompt_tokens_total",
+                    "Prompt tokens reported by model servers, by endpoint.",
+                ),
+                &["endpoint"],
+            )?,
+            cached_prompt_tokens: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_cached_prompt_tokens_total",
+                    "Prompt tokens served from the model servers' prefix caches, by endpoint.",
+                ),
+                &["endpoint"],
+            )?,
             pool_reloads: IntCounter::new("kvpick_pool_reloads_total", "Pool updates applied.")?,
             pool_reload_errors: IntCounter::new(
                 "kvpick_pool_reload_errors_total",
@@ -106,6 +145,10 @@ impl EppMetrics {
         registry.register(Box::new(metrics.open_streams.clone()))?;
         registry.register(Box::new(metrics.aborted_streams.clone()))?;
         registry.register(Box::new(metrics.buffered_bytes.clone()))?;
+        registry.register(Box::new(metrics.input_tokens.clone()))?;
+        registry.register(Box::new(metrics.output_tokens.clone()))?;
+        registry.register(Box::new(metrics.prompt_tokens.clone()))?;
+        registry.register(Box::new(metrics.cached_prompt_tokens.clone()))?;
         registry.register(Box::new(metrics.pool_reloads.clone()))?;
         registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
         Ok(metrics)
