@@ -12,12 +12,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, body_mutation, processing_request::Request, processing_response::Response,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+use kvpick::endpoints::EndpointState;
 use kvpick::endpoints::{Datastore, Endpoint};
 use kvpick::extproc::{ExtProcService, StreamContext};
 use kvpick::kvcache::{IndexConfig, PrefixIndex};
 use kvpick::request::ModelRewriteRules;
-use kvpick::scheduling::LeastInFlight;
+use kvpick::scheduling::{LeastInFlight, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use kvpick::telemetry::EppMetrics;
+use kvpick::tokenize::PromptTokens;
 use kvpick::tokenize::{Tokenizers, TokenizersConfig};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -37,6 +39,25 @@ struct Options {
     budget: usize,
     fallbacks: usize,
     rewrites: ModelRewriteRules,
+    objectives: HashMap<String, i32>,
+    recorder: Option<Arc<Recorder>>,
+}
+
+/// A scheduler that records what it was asked and picks least-in-flight.
+#[derive(Default)]
+struct Recorder {
+    seen: std::sync::Mutex<Vec<SchedulingRequest>>,
+}
+
+impl Scheduler for Recorder {
+    fn pick(
+        &self,
+        request: &SchedulingRequest,
+        candidates: &[Arc<EndpointState>],
+    ) -> Result<Pick, ScheduleError> {
+        self.seen.lock().expect("lock").push(request.clone());
+        LeastInFlight::new(0).pick(request, candidates)
+    }
 }
 
 impl Default for Options {
@@ -47,6 +68,8 @@ impl Default for Options {
             budget: 4 << 20,
             fallbacks: 0,
             rewrites: ModelRewriteRules::default(),
+            objectives: HashMap::new(),
+            recorder: None,
         }
     }
 }
@@ -68,9 +91,13 @@ async fn start(options: Options) -> Harness {
     );
     let ctx = Arc::new(StreamContext {
         datastore: Arc::clone(&datastore),
-        scheduler: Arc::new(LeastInFlight::new(options.fallbacks)),
+        scheduler: match &options.recorder {
+            Some(recorder) => Arc::clone(recorder) as Arc<dyn Scheduler>,
+            None => Arc::new(LeastInFlight::new(options.fallbacks)),
+        },
         tokenizers,
         model_rewrites: Arc::new(options.rewrites.clone()),
+        objectives: Arc::new(options.objectives.clone()),
         index: Arc::new(PrefixIndex::new(IndexConfig::default())),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::clone(&budget),
@@ -805,4 +832,62 @@ async fn configured_rewrite_rules_apply_and_the_header_wins() {
         streamed_body(&s.recv().await).0,
         br#"{"model":"by-header","prompt":"x"}"#.to_vec()
     );
+}
+
+#[tokio::test]
+async fn the_scheduler_sees_model_priority_fairness_session_and_prompt() {
+    let recorder = Arc::new(Recorder::default());
+    let mut h = start(Options {
+        objectives: HashMap::from([("critical".to_owned(), 10), ("batch".to_owned(), -1)]),
+        recorder: Some(Arc::clone(&recorder)),
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/chat/completions"),
+            ("x-gateway-inference-objective", "critical"),
+            ("x-gateway-inference-fairness-id", "tenant-a"),
+            ("x-session-id", "s1"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(
+        br#"{"model":"m","cache_salt":"salt-1","messages":[{"role":"user","content":"hi"}]}"#,
+        true,
+    ))
+    .await;
+    decision(&s.recv().await);
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-inference-objective", "unknown"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(br#"{"model":"m","prompt":[1,2,3]}"#, true))
+        .await;
+    decision(&s.recv().await);
+
+    let seen = recorder.seen.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].model.as_deref(), Some("m"));
+    assert_eq!(seen[0].priority, 10);
+    assert_eq!(seen[0].fairness_id.as_deref(), Some("tenant-a"));
+    assert_eq!(seen[0].session_id.as_deref(), Some("s1"));
+    let context = seen[0].key_context.as_ref().expect("key context");
+    assert_eq!(
+        (context.model.as_str(), context.cache_salt.as_deref()),
+        ("m", Some("salt-1"))
+    );
+    assert!(
+        matches!(seen[0].prompt.as_ref(), PromptTokens::Approximate(_)),
+        "no tokenizer configured: approximate text"
+    );
+    assert_eq!(seen[1].priority, 0, "unknown objective: default priority");
+    assert_eq!(seen[1].prompt.as_ref(), &PromptTokens::Exact(vec![1, 2, 3]));
 }

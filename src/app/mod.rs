@@ -177,6 +177,7 @@ pub async fn serve(
         scheduler: Arc::new(LeastInFlight::new(config.max_fallbacks)),
         tokenizers: Arc::clone(&tokenizers),
         model_rewrites: Arc::clone(&model_rewrites),
+        objectives: Arc::new(config.objectives.clone()),
         index: Arc::clone(&index),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),

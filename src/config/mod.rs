@@ -77,6 +77,24 @@ pub struct ServeArgs {
     /// targets: [{modelRewrite, weight}]}]`). The `x-gateway-model-name-rewrite` header wins.
     #[arg(long)]
     pub model_rewrites: Option<PathBuf>,
+    /// An InferenceObjective: requests naming it in `x-gateway-inference-objective` get this
+    /// priority (higher is more important; negative is sheddable). `NAME=PRIORITY`, repeatable.
+    #[arg(long = "objective", value_name = "NAME=PRIORITY", value_parser = parse_objective)]
+    pub objectives: Vec<(String, i32)>,
+}
+
+fn parse_objective(value: &str) -> Result<(String, i32), String> {
+    let (name, priority) = value
+        .split_once('=')
+        .ok_or_else(|| format!("`{value}` is not NAME=PRIORITY"))?;
+    let priority = priority
+        .trim()
+        .parse::<i32>()
+        .map_err(|_| format!("priority of `{value}` is not an integer"))?;
+    if name.trim().is_empty() {
+        return Err(format!("`{value}` has no objective name"));
+    }
+    Ok((name.trim().to_owned(), priority))
 }
 
 fn parse_lora(value: &str) -> Result<(String, String), String> {
@@ -153,6 +171,8 @@ pub struct ServeConfig {
     pub scrape: crate::scrape::ScrapeConfig,
     /// Weighted model rewrite rules.
     pub model_rewrites: crate::request::ModelRewriteRules,
+    /// Objective name → priority.
+    pub objectives: std::collections::HashMap<String, i32>,
 }
 
 impl ServeArgs {
@@ -236,6 +256,7 @@ impl ServeArgs {
                 ..Default::default()
             },
             model_rewrites,
+            objectives: self.objectives.into_iter().collect(),
         })
     }
 }
@@ -309,8 +330,14 @@ mod tests {
             "llama=/nonexistent/llama",
             "--lora",
             "sql-adapter=llama",
+            "--objective",
+            "critical=10",
+            "--objective",
+            "batch=-1",
         ])
         .expect("valid");
+        assert_eq!(config.objectives.get("critical"), Some(&10));
+        assert_eq!(config.objectives.get("batch"), Some(&-1));
         assert_eq!(
             config.tokenizers.default_dir.as_deref(),
             Some(std::path::Path::new("/nonexistent/default"))

@@ -11,6 +11,7 @@
 //! The request's in-flight unit ([`InFlightGuard`]) and its share of the body budget
 //! ([`OwnedSemaphorePermit`]) are fields: dropping the stream, for any reason, returns both.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,6 +44,8 @@ pub struct StreamContext {
     pub tokenizers: Arc<Tokenizers>,
     /// Weighted model rewrite rules.
     pub model_rewrites: Arc<ModelRewriteRules>,
+    /// Objective name → priority (unknown or absent objective: 0).
+    pub objectives: Arc<HashMap<String, i32>>,
     /// The prefix index (told where each request went, for speculative entries).
     pub index: Arc<PrefixIndex>,
     /// EPP metrics.
@@ -332,7 +335,13 @@ impl RequestStream {
             key_context,
             prompt,
             body_bytes: self.body.len(),
-            priority: 0,
+            priority: self
+                .meta
+                .objective
+                .as_ref()
+                .and_then(|name| self.ctx.objectives.get(name))
+                .copied()
+                .unwrap_or(0),
             fairness_id: self.meta.fairness_id.clone(),
             session_id: self.meta.session_id.clone(),
         };
