@@ -8,13 +8,14 @@
 //! ([`filters`]) → weighted scorers ([`scorers`], [`affinity`]) → picker ([`pickers`]), built
 //! once from a typed [`SchedulerConfig`] ([`spec`]; parsed from EndpointPickerConfig YAML by
 //! `crate::config::picker_config`). [`saturation`] says when the pool is full (shedding, flow
-//! control). [`LeastInFlight`] is the minimal fallback scheduler.
+//! control), and [`flow_control`] holds requests while it is. [`LeastInFlight`] is the minimal fallback scheduler.
 
 pub mod affinity;
 pub mod approx_prefix;
 pub mod configured;
 pub mod cycle;
 pub mod filters;
+pub mod flow_control;
 mod least_in_flight;
 pub mod pickers;
 pub mod saturation;
@@ -29,6 +30,7 @@ use crate::tokenize::PromptTokens;
 
 pub use configured::{CandidateExplain, ConfiguredScheduler, Explanation, SchedulerDeps};
 pub use cycle::MetricsSource;
+pub use flow_control::{FlowControlConfig, FlowController, FlowError, FlowRequest, Permit};
 pub use least_in_flight::LeastInFlight;
 pub use saturation::{PoolSaturation, SaturationDetector};
 pub use spec::{

@@ -95,6 +95,20 @@ impl SaturationDetector {
         &self.config
     }
 
+    /// Whether `endpoints` can take one more request when `pending` admitted requests are not
+    /// yet counted in their load: each pending request adds `1 / queue_depth_threshold` of
+    /// one endpoint's saturation to the pool's sum. False for an empty pool. This is the
+    /// capacity check to hand to [`super::FlowController::new`].
+    pub fn has_capacity(&self, endpoints: &[Arc<EndpointState>], pending: usize) -> bool {
+        if endpoints.is_empty() {
+            return false;
+        }
+        let pool = self.pool(endpoints);
+        let threshold = self.config.queue_depth_threshold.max(f64::MIN_POSITIVE);
+        let extra = pending as f64 / threshold / endpoints.len() as f64;
+        pool.mean + extra < 1.0
+    }
+
     /// The saturation of `endpoints` (the pool, or a request's candidates) now.
     pub fn pool(&self, endpoints: &[Arc<EndpointState>]) -> PoolSaturation {
         let now = Instant::now();
@@ -149,6 +163,11 @@ mod tests {
         );
         assert_eq!(pool.saturated_endpoints, 2);
         assert!(!pool.saturated());
+        assert!(detector.has_capacity(&pods, 0));
+        // 2 pending requests add 2 / 5 / 4 = 0.1 to the mean 0.625.
+        assert!(detector.has_capacity(&pods, 2));
+        assert!(!detector.has_capacity(&pods, 8), "0.625 + 0.4 ≥ 1");
+        assert!(!detector.has_capacity(&[], 0), "no endpoints, no capacity");
 
         // In-flight requests the scrape has not seen count as queued.
         let guards: Vec<_> = (0..6).map(|_| pods[0].in_flight.start()).collect();
