@@ -52,9 +52,16 @@ impl<K: Hash + Eq + Clone, V> LruMap<K, V> {
 }
 
 /// Session id → the endpoint that served the session last.
+///
+/// Sessions are keyed by a 64-bit hash of the id, so memory is bounded by the session count
+/// whatever the header sizes clients send.
 #[derive(Debug)]
 pub struct SessionAffinity {
-    sessions: Mutex<LruMap<String, PodId>>,
+    sessions: Mutex<LruMap<u64, PodId>>,
+}
+
+fn session_key(session: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(session.as_bytes())
 }
 
 impl SessionAffinity {
@@ -69,7 +76,7 @@ impl SessionAffinity {
     pub fn score(&self, session: Option<&str>, candidates: &[PodId], out: &mut [f64]) {
         let last = session.and_then(|s| {
             let map = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-            map.get(&s.to_owned()).map(|(pod, _)| *pod)
+            map.get(&session_key(s)).map(|(pod, _)| *pod)
         });
         for (slot, pod) in out.iter_mut().zip(candidates) {
             *slot = if Some(*pod) == last { 1.0 } else { 0.0 };
@@ -80,7 +87,7 @@ impl SessionAffinity {
     pub fn record(&self, session: Option<&str>, pod: PodId) {
         if let Some(session) = session {
             let mut map = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-            map.insert(session.to_owned(), pod);
+            map.insert(session_key(session), pod);
         }
     }
 }

@@ -60,7 +60,7 @@ pub struct FlowRequest {
     pub priority: i32,
     /// The tenant; requests without one share the empty id.
     pub fairness_id: String,
-    /// Body bytes (counted against `max_bytes`).
+    /// Body bytes (counted against `max_bytes`, with the fairness id's length).
     pub bytes: usize,
     /// How long it may wait (`None`: the configured default).
     pub ttl: Option<Duration>,
@@ -260,13 +260,15 @@ impl FlowController {
     pub async fn admit(&self, request: FlowRequest) -> Result<Permit, FlowError> {
         let shared = &self.shared;
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        // The fairness id is stored while queued: it counts against the byte bound too.
+        let bytes = request.bytes.saturating_add(request.fairness_id.len());
         let rx = {
             let mut queues = shared.lock();
             if queues.count == 0 && (shared.has_capacity)(shared.pending.load(Ordering::Acquire)) {
                 return Ok(Permit::new(shared));
             }
             if queues.count >= shared.config.max_requests
-                || queues.bytes.saturating_add(request.bytes) > shared.config.max_bytes
+                || queues.bytes.saturating_add(bytes) > shared.config.max_bytes
             {
                 return Err(FlowError::QueueFull);
             }
@@ -276,13 +278,9 @@ impl FlowController {
             if flow.is_empty() {
                 band.ring.push_back(request.fairness_id.clone());
             }
-            flow.push_back(Waiter {
-                id,
-                bytes: request.bytes,
-                tx,
-            });
+            flow.push_back(Waiter { id, bytes, tx });
             queues.count += 1;
-            queues.bytes += request.bytes;
+            queues.bytes += bytes;
             rx
         };
         let _guard = QueuedGuard {
@@ -489,6 +487,11 @@ mod tests {
             Some(FlowError::QueueFull),
             "bytes"
         );
+        // 10 body bytes + a 6-byte fairness id do not fit in the 15 bytes left either.
+        let mut long_id = request(0, "tenant");
+        long_id.bytes = 10;
+        assert_eq!(fc.admit(long_id).await.err(), Some(FlowError::QueueFull));
+        assert_eq!(fc.queued_bytes(), 10);
         let _b = spawn_admit(&fc, request(0, ""), &log, "b");
         settle(&fc, 2).await;
         assert_eq!(
