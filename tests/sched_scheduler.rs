@@ -102,6 +102,10 @@ impl Fixture {
 
     /// Pod `i` reports (via a KV event) that it holds the full blocks of `tokens`.
     fn holds(&self, i: usize, tokens: &[u32]) {
+        self.holds_in(i, tokens, Tier::Gpu);
+    }
+
+    fn holds_in(&self, i: usize, tokens: &[u32], tier: Tier) {
         let blocks = tokens.len() / BLOCK;
         let batch = EventBatch {
             ts: 0.0,
@@ -112,7 +116,7 @@ impl Fixture {
                 parent_block_hash: None,
                 token_ids: tokens[..blocks * BLOCK].to_vec(),
                 block_size: Some(BLOCK as u32),
-                tier: Tier::Gpu,
+                tier,
                 extra: vec![BlockExtra::default(); blocks],
                 ..BlockStored::default()
             })],
@@ -268,6 +272,8 @@ fn stale_failing_and_saturated_pods_get_no_traffic_while_others_can() {
         ]
     );
     assert_eq!(explanation.pick, Some(vec![f.id(3).to_string()]));
+    assert_eq!(explanation.candidates.len(), 1);
+    assert!(explanation.candidates[0].saturation < 1.0);
     // When every pod is saturated the filter steps aside: requests still get a pod.
     f.metrics.set(f.id(3), 9.0, 1.0, 0.2);
     assert!(scheduler.pick(&exact(tokens(9, 64)), &f.pods).is_ok());
@@ -449,4 +455,37 @@ fn explain_does_not_record() {
     assert_eq!(scored, vec![picked.to_string()]);
     let json = serde_json::to_value(&after).expect("json");
     assert!(json["candidates"][0]["scores"]["queue-scorer"].is_number());
+}
+
+#[test]
+fn offloaded_blocks_save_less_than_gpu_blocks() {
+    let f = Fixture::new(2);
+    let shared = tokens(11, 1_600);
+    f.holds_in(0, &shared, Tier::Gpu);
+    f.holds_in(1, &shared, Tier::Cpu);
+    let scheduler = f.scheduler(SchedulerConfig::kvpick_recommended(), 0);
+    let explanation = scheduler.explain(&exact(shared.clone()), &f.pods);
+    let cached: Vec<f64> = explanation
+        .candidates
+        .iter()
+        .map(|c| c.cached_tokens)
+        .collect();
+    assert_eq!(cached[0], 1_600.0);
+    assert!(
+        (cached[1] - 1_280.0).abs() < 1e-6,
+        "cpu tier weight 0.8: {cached:?}"
+    );
+    let ttft: Vec<f64> = explanation
+        .candidates
+        .iter()
+        .map(|c| c.estimated_ttft_ms.expect("cost scorer configured"))
+        .collect();
+    assert!(ttft[0] < ttft[1], "{ttft:?}");
+    assert_eq!(
+        scheduler
+            .pick(&exact(shared), &f.pods)
+            .expect("pick")
+            .primary,
+        f.id(0)
+    );
 }

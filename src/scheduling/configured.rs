@@ -24,7 +24,7 @@ use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
 use super::cycle::{Cycle, MetricsSource, PodView, PrefixHit};
 use super::filters::{self, FilterReport};
 use super::pickers;
-use super::saturation::SaturationDetector;
+use super::saturation::{SaturationDetector, endpoint_saturation};
 use super::scorers::{Scorer, estimate_ttft_ms};
 use super::spec::{
     CostModel, FilterSpec, PrefixCacheParams, PrefixMode, SchedulerConfig, ScorerSpec,
@@ -74,8 +74,10 @@ pub struct CandidateExplain {
     pub scores: BTreeMap<String, f64>,
     /// Σ weight × score.
     pub total: f64,
-    /// Prompt tokens expected cached there.
+    /// Prompt tokens expected cached there (offloaded blocks at their tier weight).
     pub cached_tokens: f64,
+    /// Its saturation (≥ 1.0: saturated; stale metrics count as 1.0).
+    pub saturation: f64,
     /// The cost model's TTFT estimate, when a cost scorer is configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimated_ttft_ms: Option<f64>,
@@ -196,6 +198,7 @@ impl ConfiguredScheduler {
                         cycle.prefix_hit(i).cached_tokens,
                     )
                 }),
+                saturation: endpoint_saturation(&self.config.saturation, pod),
                 in_flight: pod.in_flight,
                 fresh_metrics: pod.fresh,
             })
@@ -280,7 +283,10 @@ impl ConfiguredScheduler {
                     .iter()
                     .map(|m| PrefixHit {
                         score: m.score(),
-                        cached_tokens: (m.matched_tokens() as f64).min(cycle.prompt_tokens),
+                        // Offloaded (CPU) blocks save less than GPU ones: count them at
+                        // their tier weight.
+                        cached_tokens: (m.weighted_blocks * f64::from(m.block_size))
+                            .min(cycle.prompt_tokens),
                     })
                     .collect();
             }

@@ -81,7 +81,8 @@ impl PodView {
 pub struct PrefixHit {
     /// The prefix-cache score in [0, 1] (weighted matched blocks / total blocks).
     pub score: f64,
-    /// Prompt tokens the candidate is expected to have cached.
+    /// Prompt tokens the candidate is expected to have cached (offloaded blocks count at
+    /// their tier weight).
     pub cached_tokens: f64,
 }
 
