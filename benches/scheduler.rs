@@ -3,7 +3,8 @@
 //! prompts are token ids already. One decision = `ConfiguredScheduler::pick`, which includes
 //! reading metrics and in-flight counts, the prefix match, every scorer, the picker and the
 //! routing record (`PrefixIndex::record_routed`). The index's own `match_prefix` is timed
-//! alone too, to separate index cost from scheduler overhead.
+//! alone too, to separate index cost from scheduler overhead, and the recommended profile
+//! with the routing record on a background thread (`with_background_recording`).
 //!
 //! Run: `cargo bench --bench scheduler` (prints a table; goal p99 ≤ 50 µs at 64 pods).
 
@@ -197,12 +198,23 @@ fn main() {
                 "kvpick-recommended pick",
                 SchedulerConfig::kvpick_recommended(),
             ),
+            (
+                "recommended (bg record)",
+                SchedulerConfig::kvpick_recommended(),
+            ),
         ] {
             let deps = SchedulerDeps {
                 index: Arc::clone(&s.index),
                 metrics: s.metrics.clone(),
             };
             let scheduler = ConfiguredScheduler::new(config, deps, 0);
+            let scheduler = if name.ends_with("(bg record)") {
+                scheduler
+                    .with_background_recording(1024)
+                    .expect("recorder thread")
+            } else {
+                scheduler
+            };
             let (p50, p99) = measure(|i| {
                 let r = &s.requests[i % s.requests.len()];
                 black_box(scheduler.pick(r, &s.pods).ok());

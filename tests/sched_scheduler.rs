@@ -489,3 +489,40 @@ fn offloaded_blocks_save_less_than_gpu_blocks() {
         f.id(0)
     );
 }
+
+#[test]
+fn background_recording_lands_shortly_after_the_pick() {
+    let f = Fixture::new(3);
+    let scheduler = f
+        .scheduler(SchedulerConfig::gie_default(), 0)
+        .with_background_recording(64)
+        .expect("recorder thread");
+    let prompt = tokens(21, 640);
+    let first = scheduler
+        .pick(&exact(prompt.clone()), &f.pods)
+        .expect("pick")
+        .primary;
+    // Readiness poll with a deadline: the recorder thread applies the record asynchronously.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let explanation = scheduler.explain(&exact(prompt.clone()), &f.pods);
+        let cached = explanation
+            .candidates
+            .iter()
+            .find(|c| c.address == first.to_string())
+            .map_or(0.0, |c| c.cached_tokens);
+        if cached >= 640.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "record never applied");
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        scheduler
+            .pick(&exact(prompt), &f.pods)
+            .expect("pick")
+            .primary,
+        first
+    );
+    assert_eq!(scheduler.recording_drops(), 0);
+}

@@ -14,10 +14,11 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::endpoints::{EndpointState, PodId};
-use crate::kvcache::PrefixIndex;
+use crate::kvcache::{KeyContext, PrefixIndex};
 use crate::tokenize::PromptTokens;
 
 use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
@@ -55,6 +56,16 @@ pub struct ConfiguredScheduler {
     deps: SchedulerDeps,
     limit: usize,
     detector: SaturationDetector,
+    recorder: Option<Recorder>,
+}
+
+/// A routing record handed to the background recorder.
+type RouteRecord = (PodId, KeyContext, Arc<PromptTokens>);
+
+/// The background recorder's sending side.
+struct Recorder {
+    queue: std::sync::mpsc::SyncSender<RouteRecord>,
+    drops: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for ConfiguredScheduler {
@@ -142,8 +153,43 @@ impl ConfiguredScheduler {
             deps,
             limit,
             detector,
+            recorder: None,
             config,
         }
+    }
+
+    /// Moves the prefix index's routing record (`record_routed`, ~half of a long prompt's
+    /// pick) off the request path onto one background thread fed by a bounded queue of
+    /// `queue` records; when it is full, records are dropped (counted in
+    /// [`Self::recording_drops`]). The thread ends when the scheduler is dropped.
+    ///
+    /// NOTE: the record then lands a few microseconds after the pick instead of before it
+    /// returns, so two requests of one new prefix arriving within that window may both look
+    /// cold; KV events take milliseconds anyway, which is the gap speculation covers.
+    pub fn with_background_recording(mut self, queue: usize) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<RouteRecord>(queue.max(1));
+        let index = Arc::clone(&self.deps.index);
+        std::thread::Builder::new()
+            .name("kvpick-route-recorder".to_owned())
+            .spawn(move || {
+                while let Ok((pod, context, prompt)) = rx.recv() {
+                    if let PromptTokens::Exact(tokens) = prompt.as_ref() {
+                        index.record_routed(pod, &context, tokens);
+                    }
+                }
+            })?;
+        self.recorder = Some(Recorder {
+            queue: tx,
+            drops: Arc::new(AtomicU64::new(0)),
+        });
+        Ok(self)
+    }
+
+    /// Routing records dropped because the background recorder's queue was full.
+    pub fn recording_drops(&self) -> u64 {
+        self.recorder
+            .as_ref()
+            .map_or(0, |r| r.drops.load(Ordering::Relaxed))
     }
 
     /// The configuration it runs.
@@ -338,8 +384,17 @@ impl ConfiguredScheduler {
         };
         match cycle.request.prompt.as_ref() {
             PromptTokens::Exact(tokens) => {
-                if let Some(context) = cycle.request.key_context.as_ref() {
-                    self.deps.index.record_routed(primary, context, tokens);
+                let Some(context) = cycle.request.key_context.as_ref() else {
+                    return;
+                };
+                match &self.recorder {
+                    None => self.deps.index.record_routed(primary, context, tokens),
+                    Some(recorder) => {
+                        let record = (primary, context.clone(), Arc::clone(&cycle.request.prompt));
+                        if recorder.queue.try_send(record).is_err() {
+                            recorder.drops.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
                 }
             }
             PromptTokens::Approximate(prompt) if params.mode == PrefixMode::Auto => {
