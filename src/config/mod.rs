@@ -3,6 +3,7 @@
 //! Everything downstream takes the typed config; nothing re-reads flags or re-validates.
 
 mod duration;
+pub mod picker_config;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;

@@ -2,10 +2,25 @@
 //!
 //! The ext-proc path hands a [`Scheduler`] the request's [`SchedulingRequest`] and the
 //! candidate endpoints (the pool, narrowed by the gateway's subset hint) and gets back a
-//! [`Pick`]: the primary first, then ordered fallbacks. Scorers, filters and profiles arrive
-//! behind this same trait.
+//! [`Pick`]: the primary first, then ordered fallbacks.
+//!
+//! The configurable scheduler ([`ConfiguredScheduler`]) runs one GIE-style profile: filters
+//! ([`filters`]) → weighted scorers ([`scorers`], [`affinity`]) → picker ([`pickers`]), built
+//! once from a typed [`SchedulerConfig`] ([`spec`]; parsed from EndpointPickerConfig YAML by
+//! `crate::config::picker_config`). [`saturation`] says when the pool is full (shedding, flow
+//! control), and [`flow_control`] holds requests while it is. [`LeastInFlight`] is the minimal fallback scheduler.
 
+pub mod affinity;
+pub mod approx_prefix;
+pub mod configured;
+pub mod cycle;
+pub mod filters;
+pub mod flow_control;
 mod least_in_flight;
+pub mod pickers;
+pub mod saturation;
+pub mod scorers;
+pub mod spec;
 
 use std::sync::Arc;
 
@@ -13,7 +28,15 @@ use crate::endpoints::{EndpointState, PodId};
 use crate::kvcache::KeyContext;
 use crate::tokenize::PromptTokens;
 
+pub use configured::{CandidateExplain, ConfiguredScheduler, Explanation, SchedulerDeps};
+pub use cycle::MetricsSource;
+pub use flow_control::{FlowControlConfig, FlowController, FlowError, FlowRequest, Permit};
 pub use least_in_flight::LeastInFlight;
+pub use saturation::{PoolSaturation, SaturationDetector};
+pub use spec::{
+    CostModel, FilterKind, FilterSpec, PickerSpec, PrefixCacheParams, PrefixMode, SaturationConfig,
+    SchedulerConfig, ScorerSpec, WeightedScorer,
+};
 
 /// What the scheduler knows of a request.
 #[derive(Debug, Clone)]

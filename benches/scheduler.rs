@@ -1,0 +1,236 @@
+//! Scheduler decision time (p50/p99) for 8, 64 and 256 pods with a 32k-token prompt,
+//! excluding tokenization: the prefix index is pre-populated from KV-event batches, the
+//! prompts are token ids already. One decision = `ConfiguredScheduler::pick`, which includes
+//! reading metrics and in-flight counts, the prefix match, every scorer, the picker and the
+//! routing record (`PrefixIndex::record_routed`). The index's own `match_prefix` is timed
+//! alone too, to separate index cost from scheduler overhead, and the recommended profile
+//! with the routing record on a background thread (`with_background_recording`).
+//!
+//! Run: `cargo bench --bench scheduler` (prints a table; goal p99 ≤ 50 µs at 64 pods).
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
+use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+use kvpick::scheduling::{
+    ConfiguredScheduler, MetricsSource, Scheduler, SchedulerConfig, SchedulerDeps,
+    SchedulingRequest,
+};
+use kvpick::scrape::{PodMetrics, ScrapeStatus};
+use kvpick::tokenize::PromptTokens;
+
+const BLOCK: usize = 16;
+const PROMPT_TOKENS: usize = 32 * 1024;
+/// The shared part of every prompt (a long system prompt / document); the rest is a
+/// per-request question.
+const SHARED_TOKENS: usize = 30 * 1024;
+const DISTINCT_PROMPTS: usize = 64;
+const ITERATIONS: usize = 5_000;
+
+/// Metrics that never go stale during the run (the bench measures scheduling, not scraping).
+struct Frozen(Mutex<HashMap<PodId, ScrapeStatus>>);
+
+impl MetricsSource for Frozen {
+    fn status(&self, pod: PodId) -> ScrapeStatus {
+        let mut status = self
+            .0
+            .lock()
+            .map(|m| m.get(&pod).cloned())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        status.fetched_at = Some(Instant::now());
+        status
+    }
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|t| seed.wrapping_mul(100_003) ^ t)
+        .collect()
+}
+
+fn stored(tokens: &[u32], hash_base: u64) -> EventBatch {
+    let blocks = tokens.len() / BLOCK;
+    EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks)
+                .map(|b| EngineHash(hash_base + b as u64))
+                .collect(),
+            parent_block_hash: None,
+            token_ids: tokens[..blocks * BLOCK].to_vec(),
+            block_size: Some(BLOCK as u32),
+            tier: Tier::Gpu,
+            extra: vec![BlockExtra::default(); blocks],
+            ..BlockStored::default()
+        })],
+        dp_rank: Some(0),
+    }
+}
+
+struct Setup {
+    pods: Vec<Arc<EndpointState>>,
+    index: Arc<PrefixIndex>,
+    metrics: Arc<Frozen>,
+    requests: Vec<SchedulingRequest>,
+}
+
+fn setup(n: usize) -> Setup {
+    let store = Datastore::new();
+    store.set_endpoints(
+        (0..n)
+            .map(|i| {
+                Endpoint::new(
+                    format!("10.{}.{}.1:8000", i / 250, i % 250)
+                        .parse()
+                        .expect("addr"),
+                )
+            })
+            .collect(),
+    );
+    let pods = store.snapshot().endpoints.clone();
+    let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
+    let shared = tokens(1, SHARED_TOKENS);
+    let mut statuses = HashMap::new();
+    for (i, pod) in pods.iter().enumerate() {
+        // A quarter of the pods hold the whole shared prefix, others 3/4, 1/2, 1/4 of it.
+        let held = SHARED_TOKENS * (4 - i % 4) / 4;
+        index.apply_batch(pod.id(), "m", &stored(&shared[..held], (i as u64) << 32));
+        // Plus unrelated blocks, as a busy pod would have.
+        index.apply_batch(
+            pod.id(),
+            "m",
+            &stored(
+                &tokens(1000 + i as u32, 8 * 1024),
+                ((i as u64) << 32) + (1 << 24),
+            ),
+        );
+        statuses.insert(
+            pod.id(),
+            ScrapeStatus {
+                metrics: Some(PodMetrics {
+                    waiting: (i % 5) as f64,
+                    running: (i % 7) as f64 * 4.0,
+                    kv_usage: (i % 10) as f64 / 12.0,
+                    ..PodMetrics::default()
+                }),
+                fetched_at: Some(Instant::now()),
+                ..ScrapeStatus::default()
+            },
+        );
+    }
+    let requests = (0..DISTINCT_PROMPTS)
+        .map(|q| {
+            let mut prompt = shared.clone();
+            prompt.extend(tokens(50_000 + q as u32, PROMPT_TOKENS - SHARED_TOKENS));
+            SchedulingRequest {
+                model: Some("m".into()),
+                target_model: Some("m".into()),
+                key_context: Some(KeyContext::model("m")),
+                body_bytes: PROMPT_TOKENS * 4,
+                prompt: Arc::new(PromptTokens::Exact(prompt)),
+                ..SchedulingRequest::default()
+            }
+        })
+        .collect();
+    Setup {
+        pods,
+        index,
+        metrics: Arc::new(Frozen(Mutex::new(statuses))),
+        requests,
+    }
+}
+
+fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
+    samples.sort_unstable();
+    let at = |q: f64| {
+        samples
+            .get(((samples.len() as f64 - 1.0) * q) as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    (at(0.50), at(0.99))
+}
+
+fn measure(mut f: impl FnMut(usize)) -> (Duration, Duration) {
+    for i in 0..ITERATIONS / 10 {
+        f(i);
+    }
+    let samples = (0..ITERATIONS)
+        .map(|i| {
+            let started = Instant::now();
+            f(i);
+            started.elapsed()
+        })
+        .collect();
+    percentiles(samples)
+}
+
+fn main() {
+    println!(
+        "scheduler decision time, {PROMPT_TOKENS}-token prompt ({SHARED_TOKENS} shared), {ITERATIONS} picks"
+    );
+    println!("{:>5}  {:<26} {:>10} {:>10}", "pods", "what", "p50", "p99");
+    for n in [8, 64, 256] {
+        let s = setup(n);
+        let ids: Vec<PodId> = s.pods.iter().map(|p| p.id()).collect();
+        let (p50, p99) = measure(|i| {
+            let r = &s.requests[i % s.requests.len()];
+            if let (Some(ctx), PromptTokens::Exact(t)) = (&r.key_context, r.prompt.as_ref()) {
+                black_box(s.index.match_prefix(ctx, t, &ids));
+            }
+        });
+        println!(
+            "{n:>5}  {:<26} {:>10.1?} {:>10.1?}",
+            "index match_prefix", p50, p99
+        );
+        let mut load_only = SchedulerConfig::gie_default();
+        load_only.scorers.retain(|w| !w.scorer.needs_prefix());
+        for (name, config) in [
+            ("queue+kv pick (no prefix)", load_only),
+            ("gie-default pick", SchedulerConfig::gie_default()),
+            (
+                "kvpick-recommended pick",
+                SchedulerConfig::kvpick_recommended(),
+            ),
+            (
+                "recommended (bg record)",
+                SchedulerConfig::kvpick_recommended(),
+            ),
+        ] {
+            let deps = SchedulerDeps {
+                index: Arc::clone(&s.index),
+                metrics: s.metrics.clone(),
+            };
+            let scheduler = ConfiguredScheduler::new(config, deps, 0);
+            let scheduler = if name.ends_with("(bg record)") {
+                scheduler
+                    .with_background_recording(1024)
+                    .expect("recorder thread")
+            } else {
+                scheduler
+            };
+            let (p50, p99) = measure(|i| {
+                let r = &s.requests[i % s.requests.len()];
+                black_box(scheduler.pick(r, &s.pods).ok());
+            });
+            println!("{n:>5}  {name:<26} {p50:>10.1?} {p99:>10.1?}");
+        }
+        // Last: recording to every pod adds speculative holders that slow later matches.
+        let (p50, p99) = measure(|i| {
+            let r = &s.requests[i % s.requests.len()];
+            if let (Some(ctx), PromptTokens::Exact(t)) = (&r.key_context, r.prompt.as_ref()) {
+                s.index.record_routed(ids[i % ids.len()], ctx, t);
+            }
+        });
+        println!(
+            "{n:>5}  {:<26} {:>10.1?} {:>10.1?}",
+            "index record_routed", p50, p99
+        );
+    }
+}

@@ -1,0 +1,426 @@
+//! [`ConfiguredScheduler`]: one profile (filters → weighted scorers → picker) built from a
+//! validated [`SchedulerConfig`], implementing [`Scheduler`].
+//!
+//! One pick: read every candidate once ([`PodView`]), run the filters in order, compute the
+//! request's prefix matches once (only when a scorer needs them), let every scorer fill its
+//! column, sum `weight × score`, let the picker order the endpoints, then tell the stateful
+//! parts what was picked: session/no-hit memory, the approximate text-prefix store, and the
+//! prefix index's routing record (`PrefixIndex::record_routed`: speculative holders for pods
+//! with KV events, the LRU model for pods without).
+//!
+//! Concurrency rules: `pick` takes `&self` and is called concurrently; all shared state is
+//! behind the index's own locks, the approximate store's mutex and the scorers' mutexes, each
+//! held for one short step. No lock is held across the whole pick.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use crate::endpoints::{EndpointState, PodId};
+use crate::kvcache::{KeyContext, PrefixIndex};
+use crate::tokenize::PromptTokens;
+
+use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
+use super::cycle::{Cycle, MetricsSource, PodView, PrefixHit};
+use super::filters::{self, FilterReport};
+use super::pickers;
+use super::saturation::{SaturationDetector, endpoint_saturation};
+use super::scorers::{Scorer, estimate_ttft_ms};
+use super::spec::{
+    CostModel, FilterSpec, PrefixCacheParams, PrefixMode, SchedulerConfig, ScorerSpec,
+};
+use super::{Pick, ScheduleError, Scheduler, SchedulingRequest};
+
+/// What the scheduler reads besides the request.
+#[derive(Clone)]
+pub struct SchedulerDeps {
+    /// The prefix index (precise from KV events, approximate from routing).
+    pub index: Arc<PrefixIndex>,
+    /// Endpoint metrics (the scrape store).
+    pub metrics: Arc<dyn MetricsSource>,
+}
+
+/// Endpoints remembered by the approximate text-prefix store.
+const APPROX_MAX_ENDPOINTS: usize = 4096;
+
+/// A scheduler running one configured profile.
+pub struct ConfiguredScheduler {
+    config: SchedulerConfig,
+    filters: Vec<FilterSpec>,
+    scorers: Vec<(String, f64, Scorer)>,
+    prefix: Option<PrefixCacheParams>,
+    chars_per_token: f64,
+    cost_model: Option<CostModel>,
+    approx: ApproxPrefixStore,
+    deps: SchedulerDeps,
+    limit: usize,
+    detector: SaturationDetector,
+    recorder: Option<Recorder>,
+}
+
+/// A routing record handed to the background recorder.
+type RouteRecord = (PodId, KeyContext, Arc<PromptTokens>);
+
+/// The background recorder's sending side.
+struct Recorder {
+    queue: std::sync::mpsc::SyncSender<RouteRecord>,
+    drops: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for ConfiguredScheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfiguredScheduler")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One candidate in an explanation.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CandidateExplain {
+    /// `ip:port`.
+    pub address: String,
+    /// Each scorer's raw score in [0, 1], by plugin name.
+    pub scores: BTreeMap<String, f64>,
+    /// Σ weight × score.
+    pub total: f64,
+    /// Prompt tokens expected cached there (offloaded blocks at their tier weight).
+    pub cached_tokens: f64,
+    /// Its saturation (≥ 1.0: saturated; stale metrics count as 1.0).
+    pub saturation: f64,
+    /// The cost model's TTFT estimate, when a cost scorer is configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_ttft_ms: Option<f64>,
+    /// In-flight requests (kvpick's count).
+    pub in_flight: u64,
+    /// Whether its metrics were fresh.
+    pub fresh_metrics: bool,
+}
+
+/// The answer of `POST /debug/explain`: what every stage did, without recording the pick.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Explanation {
+    /// The profile run.
+    pub profile: String,
+    /// Each filter's removals, in order.
+    pub filters: Vec<FilterReport>,
+    /// The candidates that reached scoring.
+    pub candidates: Vec<CandidateExplain>,
+    /// Prompt length in tokens (estimated for approximate prompts).
+    pub prompt_tokens: f64,
+    /// The pick (`primary` first), or `None` when nothing was eligible.
+    pub pick: Option<Vec<String>>,
+}
+
+impl ConfiguredScheduler {
+    /// Builds the profile of `config`; the destination lists at most `max_fallbacks`
+    /// fallbacks after the primary (and no more than the picker's `maxNumOfEndpoints` − 1).
+    pub fn new(config: SchedulerConfig, deps: SchedulerDeps, max_fallbacks: usize) -> Self {
+        let scorers = config
+            .scorers
+            .iter()
+            .map(|s| (s.name.clone(), s.weight, Scorer::from_spec(&s.scorer)))
+            .collect();
+        let prefix = config.scorers.iter().find_map(|s| match &s.scorer {
+            ScorerSpec::PrefixCache(p) => Some(p.clone()),
+            _ => None,
+        });
+        let needs_prefix = config.scorers.iter().any(|s| s.scorer.needs_prefix());
+        let cost_model = config.scorers.iter().find_map(|s| match &s.scorer {
+            ScorerSpec::Cost(m) => Some(*m),
+            _ => None,
+        });
+        let chars_per_token = cost_model
+            .map_or(4.0, |m| m.chars_per_token)
+            .max(f64::MIN_POSITIVE);
+        let prefix = prefix.or_else(|| needs_prefix.then(PrefixCacheParams::default));
+        let capacity = prefix
+            .as_ref()
+            .map_or(1, |p| p.approx_capacity_per_endpoint);
+        let limit = pickers::max_endpoints(&config.picker)
+            .unwrap_or(usize::MAX)
+            .min(max_fallbacks.saturating_add(1))
+            .max(1);
+        let detector = SaturationDetector::new(config.saturation, Arc::clone(&deps.metrics));
+        Self {
+            filters: config.filters.clone(),
+            scorers,
+            prefix,
+            chars_per_token,
+            cost_model,
+            approx: ApproxPrefixStore::new(capacity, APPROX_MAX_ENDPOINTS),
+            deps,
+            limit,
+            detector,
+            recorder: None,
+            config,
+        }
+    }
+
+    /// Moves the prefix index's routing record (`record_routed`, ~half of a long prompt's
+    /// pick) off the request path onto one background thread fed by a bounded queue of
+    /// `queue` records; when it is full, records are dropped (counted in
+    /// [`Self::recording_drops`]). The thread ends when the scheduler is dropped.
+    ///
+    /// NOTE: the record then lands a few microseconds after the pick instead of before it
+    /// returns, so two requests of one new prefix arriving within that window may both look
+    /// cold; KV events take milliseconds anyway, which is the gap speculation covers.
+    pub fn with_background_recording(mut self, queue: usize) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<RouteRecord>(queue.max(1));
+        let index = Arc::clone(&self.deps.index);
+        std::thread::Builder::new()
+            .name("kvpick-route-recorder".to_owned())
+            .spawn(move || {
+                while let Ok((pod, context, prompt)) = rx.recv() {
+                    if let PromptTokens::Exact(tokens) = prompt.as_ref() {
+                        index.record_routed(pod, &context, tokens);
+                    }
+                }
+            })?;
+        self.recorder = Some(Recorder {
+            queue: tx,
+            drops: Arc::new(AtomicU64::new(0)),
+        });
+        Ok(self)
+    }
+
+    /// Routing records dropped because the background recorder's queue was full.
+    pub fn recording_drops(&self) -> u64 {
+        self.recorder
+            .as_ref()
+            .map_or(0, |r| r.drops.load(Ordering::Relaxed))
+    }
+
+    /// The configuration it runs.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The saturation detector with this configuration's thresholds (for shedding and flow
+    /// control).
+    pub fn saturation_detector(&self) -> &SaturationDetector {
+        &self.detector
+    }
+
+    /// Runs the profile without recording anything and reports every stage.
+    pub fn explain(
+        &self,
+        request: &SchedulingRequest,
+        candidates: &[Arc<EndpointState>],
+    ) -> Explanation {
+        let mut reports = Vec::new();
+        let run = self.run(request, candidates, Some(&mut reports));
+        let mut explanation = Explanation {
+            profile: self.config.profile_name.clone(),
+            filters: reports,
+            candidates: Vec::new(),
+            prompt_tokens: 0.0,
+            pick: None,
+        };
+        let Some((cycle, columns, totals, order)) = run else {
+            return explanation;
+        };
+        explanation.prompt_tokens = cycle.prompt_tokens;
+        explanation.candidates = cycle
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| CandidateExplain {
+                address: pod.id.to_string(),
+                scores: self
+                    .scorers
+                    .iter()
+                    .zip(&columns)
+                    .map(|((name, _, _), col)| (name.clone(), col.get(i).copied().unwrap_or(0.0)))
+                    .collect(),
+                total: totals.get(i).copied().unwrap_or(0.0),
+                cached_tokens: cycle.prefix_hit(i).cached_tokens,
+                estimated_ttft_ms: self.cost_model.map(|m| {
+                    estimate_ttft_ms(
+                        &m,
+                        pod,
+                        cycle.prompt_tokens,
+                        cycle.prefix_hit(i).cached_tokens,
+                    )
+                }),
+                saturation: endpoint_saturation(&self.config.saturation, pod),
+                in_flight: pod.in_flight,
+                fresh_metrics: pod.fresh,
+            })
+            .collect();
+        explanation.pick = Some(
+            order
+                .iter()
+                .filter_map(|i| cycle.pods.get(*i).map(|p| p.id.to_string()))
+                .collect(),
+        );
+        explanation
+    }
+
+    /// Filters, scores and orders; `None` when no candidate survives the filters.
+    #[allow(clippy::type_complexity)]
+    fn run<'r>(
+        &self,
+        request: &'r SchedulingRequest,
+        candidates: &[Arc<EndpointState>],
+        mut reports: Option<&mut Vec<FilterReport>>,
+    ) -> Option<(Cycle<'r>, Vec<Vec<f64>>, Vec<f64>, Vec<usize>)> {
+        let now = Instant::now();
+        let staleness = self.config.saturation.metrics_staleness;
+        let mut pods: Vec<PodView> = candidates
+            .iter()
+            .map(|e| PodView::read(e, self.deps.metrics.as_ref(), now, staleness))
+            .collect();
+        for filter in &self.filters {
+            let (removed, kept_all) =
+                filters::apply(&filter.filter, request, &self.config.saturation, &mut pods);
+            if let Some(reports) = reports.as_deref_mut() {
+                reports.push(FilterReport {
+                    filter: filter.name.clone(),
+                    removed: removed.iter().map(PodId::to_string).collect(),
+                    kept_all,
+                });
+            }
+        }
+        if pods.is_empty() {
+            return None;
+        }
+        let mut cycle = Cycle {
+            request,
+            prompt_tokens: 0.0,
+            prefix: Vec::new(),
+            pods,
+        };
+        self.prefix_hits(&mut cycle);
+        let n = cycle.pods.len();
+        let mut totals = vec![0.0; n];
+        let keep_columns = reports.is_some();
+        let mut columns = Vec::new();
+        let mut column = vec![0.0; n];
+        for (_, weight, scorer) in &self.scorers {
+            column.iter_mut().for_each(|s| *s = 0.0);
+            scorer.score(&cycle, &mut column);
+            for (total, score) in totals.iter_mut().zip(&column) {
+                *total += weight * score;
+            }
+            if keep_columns {
+                columns.push(column.clone());
+            }
+        }
+        let order = pickers::order(&self.config.picker, &totals, self.limit);
+        Some((cycle, columns, totals, order))
+    }
+
+    fn prefix_hits(&self, cycle: &mut Cycle<'_>) {
+        match cycle.request.prompt.as_ref() {
+            PromptTokens::Empty => {}
+            PromptTokens::Exact(tokens) => {
+                cycle.prompt_tokens = tokens.len() as f64;
+                let Some(context) = cycle.request.key_context.as_ref() else {
+                    return;
+                };
+                if self.prefix.is_none() {
+                    return;
+                }
+                let ids: Vec<PodId> = cycle.pods.iter().map(|p| p.id).collect();
+                let matches = self.deps.index.match_prefix(context, tokens, &ids);
+                cycle.prefix = matches
+                    .iter()
+                    .map(|m| PrefixHit {
+                        score: m.score(),
+                        // Offloaded (CPU) blocks save less than GPU ones: count them at
+                        // their tier weight.
+                        cached_tokens: (m.weighted_blocks * f64::from(m.block_size))
+                            .min(cycle.prompt_tokens),
+                    })
+                    .collect();
+            }
+            PromptTokens::Approximate(prompt) => {
+                cycle.prompt_tokens = prompt.text.chars().count() as f64 / self.chars_per_token;
+                let Some(params) = self.prefix.as_ref().filter(|p| p.mode == PrefixMode::Auto)
+                else {
+                    return;
+                };
+                let chunks = self.chunks(cycle.request, &prompt.text, params);
+                if chunks.is_empty() {
+                    return;
+                }
+                let ids: Vec<PodId> = cycle.pods.iter().map(|p| p.id).collect();
+                let runs = self.approx.match_chunks(&chunks, &ids);
+                let chunk_tokens = params.approx_chunk_chars as f64 / self.chars_per_token;
+                cycle.prefix = runs
+                    .iter()
+                    .map(|run| PrefixHit {
+                        score: *run as f64 / chunks.len() as f64,
+                        cached_tokens: (*run as f64 * chunk_tokens).min(cycle.prompt_tokens),
+                    })
+                    .collect();
+            }
+        }
+    }
+
+    fn chunks(
+        &self,
+        request: &SchedulingRequest,
+        text: &str,
+        params: &PrefixCacheParams,
+    ) -> Vec<u64> {
+        let seed = request.key_context.as_ref().map_or(0, |c| c.seed());
+        chunk_hashes(
+            seed,
+            text,
+            params.approx_chunk_chars,
+            params.approx_max_chunks,
+        )
+    }
+
+    fn record(&self, cycle: &Cycle<'_>, primary: PodId) {
+        for (_, _, scorer) in &self.scorers {
+            scorer.after_pick(cycle, primary);
+        }
+        let Some(params) = self.prefix.as_ref() else {
+            return;
+        };
+        match cycle.request.prompt.as_ref() {
+            PromptTokens::Exact(tokens) => {
+                let Some(context) = cycle.request.key_context.as_ref() else {
+                    return;
+                };
+                match &self.recorder {
+                    None => self.deps.index.record_routed(primary, context, tokens),
+                    Some(recorder) => {
+                        let record = (primary, context.clone(), Arc::clone(&cycle.request.prompt));
+                        if recorder.queue.try_send(record).is_err() {
+                            recorder.drops.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            PromptTokens::Approximate(prompt) if params.mode == PrefixMode::Auto => {
+                let chunks = self.chunks(cycle.request, &prompt.text, params);
+                self.approx.record(primary, &chunks);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Scheduler for ConfiguredScheduler {
+    fn pick(
+        &self,
+        request: &SchedulingRequest,
+        candidates: &[Arc<EndpointState>],
+    ) -> Result<Pick, ScheduleError> {
+        let (cycle, _, _, order) = self
+            .run(request, candidates, None)
+            .ok_or(ScheduleError::NoCandidates)?;
+        let mut ids = order
+            .iter()
+            .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
+        let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
+        let fallbacks = ids.collect();
+        self.record(&cycle, primary);
+        Ok(Pick { primary, fallbacks })
+    }
+}

@@ -1,0 +1,285 @@
+//! The validated, typed description of a scheduler: which filters, weighted scorers and
+//! picker one profile runs, plus the saturation thresholds and feature gates.
+//!
+//! Why a separate typed layer: the YAML (`crate::config::picker_config`) names plugins by
+//! string; those strings are resolved into these enums once at start-up, so a pick never
+//! dispatches on a name and an unknown type can only be a start-up error.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// One validated scheduler configuration (one profile).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    /// The profile's name (for logs and explain).
+    pub profile_name: String,
+    /// Filters, in order.
+    pub filters: Vec<FilterSpec>,
+    /// Scorers with their weights; final score = Σ weight × score.
+    pub scorers: Vec<WeightedScorer>,
+    /// How the ranked endpoints become a pick.
+    pub picker: PickerSpec,
+    /// Saturation thresholds (shedding, flow control, the saturation filter's defaults).
+    pub saturation: SaturationConfig,
+    /// Whether the `flowControl` feature gate is on.
+    pub flow_control: bool,
+}
+
+/// A scorer and its weight in the profile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightedScorer {
+    /// The plugin instance name (for explain).
+    pub name: String,
+    /// What it scores.
+    pub scorer: ScorerSpec,
+    /// Its weight (≥ 0).
+    pub weight: f64,
+}
+
+/// A filter and its instance name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FilterSpec {
+    /// The plugin instance name (for explain).
+    pub name: String,
+    /// What it filters.
+    pub filter: FilterKind,
+}
+
+/// The filters kvpick knows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FilterKind {
+    /// Removes endpoints whose metrics are stale or failing, or whose queue / KV usage is at
+    /// or over a threshold; keeps every endpoint when it would remove them all.
+    Saturation {
+        /// Waiting requests at which an endpoint is saturated (`None`: the detector's).
+        queue_threshold: Option<f64>,
+        /// KV usage at which an endpoint is saturated (`None`: the detector's).
+        kv_threshold: Option<f64>,
+    },
+    /// For LoRA requests, keeps endpoints that run the adapter, queue it, or have room to
+    /// load it; keeps every endpoint when none qualifies.
+    LoraCapacity,
+    /// Keeps endpoints whose labels contain every `key: value` (may empty the candidates).
+    LabelSelector {
+        /// Labels that must match exactly.
+        match_labels: BTreeMap<String, String>,
+    },
+    /// Keeps endpoints whose `label` is one of `valid_values` (llm-d's `by-label`).
+    ByLabel {
+        /// The label key (e.g. a role label).
+        label: String,
+        /// Accepted values.
+        valid_values: Vec<String>,
+        /// Whether endpoints without the label pass.
+        allows_no_label: bool,
+    },
+}
+
+/// The scorers kvpick knows; each scores every candidate in [0, 1].
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScorerSpec {
+    /// `queue-scorer`: min-max normalized waiting requests (fewer is better).
+    Queue,
+    /// `kv-cache-utilization-scorer`: 1 − KV usage.
+    KvCacheUtilization,
+    /// `prefix-cache-scorer`: matched prefix blocks / total blocks.
+    PrefixCache(PrefixCacheParams),
+    /// `in-flight-requests-scorer`: kvpick's own in-flight count, (max − n) / max.
+    InFlight,
+    /// `lora-affinity-scorer`: 1.0 adapter active, 0.8 room to load, 0.6 waiting, else 0.
+    LoraAffinity,
+    /// `session-affinity-scorer`: 1.0 for the endpoint that served the session last.
+    SessionAffinity {
+        /// Sessions remembered (LRU beyond).
+        max_sessions: usize,
+    },
+    /// `no-hit-lru-scorer`: cold prefixes go to the endpoints least recently given one.
+    NoHitLru {
+        /// Endpoints remembered (LRU beyond).
+        max_endpoints: usize,
+    },
+    /// `ttft-cost-scorer`: estimated time to first token, lower is better.
+    Cost(CostModel),
+}
+
+impl ScorerSpec {
+    /// Whether the scorer reads the request's prefix matches.
+    pub fn needs_prefix(&self) -> bool {
+        matches!(
+            self,
+            Self::PrefixCache(_) | Self::NoHitLru { .. } | Self::Cost(_)
+        )
+    }
+}
+
+/// Where prefix matches come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixMode {
+    /// Token ids against the prefix index when the prompt is exact (precise for pods with KV
+    /// events, routing history for pods without); text chunks against kvpick's routing
+    /// history when the prompt is approximate.
+    Auto,
+    /// Only the prefix index (approximate prompts score 0).
+    Precise,
+}
+
+/// Parameters of the prefix-cache scorer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefixCacheParams {
+    /// Where matches come from.
+    pub mode: PrefixMode,
+    /// Characters per chunk of an approximate prompt (GIE `blockSize`, default 64).
+    pub approx_chunk_chars: usize,
+    /// Leading chunks of an approximate prompt considered (GIE `maxPrefixBlocksToMatch`).
+    pub approx_max_chunks: usize,
+    /// Chunks remembered per endpoint (GIE `lruCapacityPerServer`).
+    pub approx_capacity_per_endpoint: usize,
+}
+
+impl Default for PrefixCacheParams {
+    fn default() -> Self {
+        Self {
+            mode: PrefixMode::Auto,
+            approx_chunk_chars: 64,
+            approx_max_chunks: 256,
+            approx_capacity_per_endpoint: 31_250,
+        }
+    }
+}
+
+/// The TTFT cost model of the cost scorer (see [`super::scorers`] for the formula).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Prefill time per uncached prompt token, ms (default 0.1: ~10k tokens/s).
+    pub prefill_ms_per_token: f64,
+    /// Time one queued request ahead delays this one, ms (default 100: a ~1k-token prefill).
+    pub queued_request_ms: f64,
+    /// Relative prefill slowdown per running (decoding) request (default 0.02).
+    pub decode_slowdown_per_running: f64,
+    /// Characters per token when the prompt is approximate text (default 4).
+    pub chars_per_token: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        Self {
+            prefill_ms_per_token: 0.1,
+            queued_request_ms: 100.0,
+            decode_slowdown_per_running: 0.02,
+            chars_per_token: 4.0,
+        }
+    }
+}
+
+/// The pickers kvpick knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickerSpec {
+    /// `max-score-picker`: highest total score, random tie-break.
+    MaxScore {
+        /// Endpoints returned (primary + fallbacks); `None`: as many as fallbacks allow.
+        max_endpoints: Option<usize>,
+    },
+    /// `random-picker`: uniform, ignoring scores.
+    Random {
+        /// As for `MaxScore`.
+        max_endpoints: Option<usize>,
+    },
+    /// `weighted-random-picker`: probability proportional to total score.
+    WeightedRandom {
+        /// As for `MaxScore`.
+        max_endpoints: Option<usize>,
+    },
+}
+
+/// Saturation thresholds (DESIGN §5: per endpoint max(queue/5, kv/0.8), pool = mean).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SaturationConfig {
+    /// Waiting requests at which an endpoint is saturated (GIE: 5).
+    pub queue_depth_threshold: f64,
+    /// KV usage at which an endpoint is saturated (GIE: 0.8).
+    pub kv_cache_util_threshold: f64,
+    /// Metrics older than this count the endpoint as saturated (GIE: 200 ms).
+    pub metrics_staleness: Duration,
+}
+
+impl Default for SaturationConfig {
+    fn default() -> Self {
+        Self {
+            queue_depth_threshold: 5.0,
+            kv_cache_util_threshold: 0.8,
+            metrics_staleness: Duration::from_millis(200),
+        }
+    }
+}
+
+fn weighted(name: &str, scorer: ScorerSpec, weight: f64) -> WeightedScorer {
+    WeightedScorer {
+        name: name.to_owned(),
+        scorer,
+        weight,
+    }
+}
+
+impl SchedulerConfig {
+    /// GIE's default profile: queue-scorer 2, kv-cache-utilization-scorer 2,
+    /// prefix-cache-scorer 3, max-score-picker; no filters, flow control off.
+    pub fn gie_default() -> Self {
+        Self {
+            profile_name: "default".to_owned(),
+            filters: Vec::new(),
+            scorers: vec![
+                weighted("queue-scorer", ScorerSpec::Queue, 2.0),
+                weighted(
+                    "kv-cache-utilization-scorer",
+                    ScorerSpec::KvCacheUtilization,
+                    2.0,
+                ),
+                weighted(
+                    "prefix-cache-scorer",
+                    ScorerSpec::PrefixCache(PrefixCacheParams::default()),
+                    3.0,
+                ),
+            ],
+            picker: PickerSpec::MaxScore {
+                max_endpoints: None,
+            },
+            saturation: SaturationConfig::default(),
+            flow_control: false,
+        }
+    }
+
+    /// kvpick's recommended profile: saturation filter, ttft-cost-scorer 4 (the cache/load
+    /// trade-off in one number), prefix-cache-scorer 1 (keeps ties on the cache owner),
+    /// in-flight-requests-scorer 1 (exact load between scrapes), max-score-picker; flow
+    /// control on. The same profile as YAML: `deploy/config/kvpick-recommended.yaml`.
+    pub fn kvpick_recommended() -> Self {
+        Self {
+            profile_name: "default".to_owned(),
+            filters: vec![FilterSpec {
+                name: "saturation-filter".to_owned(),
+                filter: FilterKind::Saturation {
+                    queue_threshold: None,
+                    kv_threshold: None,
+                },
+            }],
+            scorers: vec![
+                weighted(
+                    "ttft-cost-scorer",
+                    ScorerSpec::Cost(CostModel::default()),
+                    4.0,
+                ),
+                weighted(
+                    "prefix-cache-scorer",
+                    ScorerSpec::PrefixCache(PrefixCacheParams::default()),
+                    1.0,
+                ),
+                weighted("in-flight-requests-scorer", ScorerSpec::InFlight, 1.0),
+            ],
+            picker: PickerSpec::MaxScore {
+                max_endpoints: None,
+            },
+            saturation: SaturationConfig::default(),
+            flow_control: true,
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! EndpointPickerConfig parsing: GIE-style example configs round-trip and validate into the
+//! expected typed profile; bad configs fail with errors naming the field.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvpick::config::picker_config::{
+    EndpointPickerConfig, GIE_DEFAULT_YAML, KVPICK_RECOMMENDED_YAML, PickerConfigError, load,
+};
+use kvpick::scheduling::{
+    CostModel, FilterKind, PickerSpec, PrefixMode, SchedulerConfig, ScorerSpec,
+};
+
+/// GIE-style configs as users write them (GIE docs/llm-d guides shapes).
+const EXAMPLES: &[&str] = &[
+    GIE_DEFAULT_YAML,
+    KVPICK_RECOMMENDED_YAML,
+    include_str!("../deploy/config/gie-default.yaml"),
+    // GIE prefix-aware with explicit parameters and a named plugin.
+    "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: single-profile-handler
+- name: prefix
+  type: prefix-cache-scorer
+  parameters:
+    blockSize: 5
+    maxPrefixBlocksToMatch: 256
+    lruCapacityPerServer: 31250
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: lora-affinity-scorer
+- type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 3
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix
+    weight: 3
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: lora-affinity-scorer
+  - pluginRef: max-score-picker
+",
+    // llm-d style: label filter, session affinity, no-hit LRU, weighted random.
+    "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: by-label
+  name: decode-filter
+  parameters:
+    label: llm-d.ai/role
+    validValues: [decode, both]
+    allowsNoLabel: true
+- type: by-label-selector
+  parameters:
+    matchLabels:
+      inference.networking.k8s.io/engine-type: vllm
+- type: session-affinity-scorer
+  parameters: {maxSessions: 1000}
+- type: no-hit-lru-scorer
+- type: active-request-scorer
+- type: precise-prefix-cache-scorer
+- type: weighted-random-picker
+featureGates: [flowControl, somethingNew]
+saturationDetector:
+  queueDepthThreshold: 8
+  kvCacheUtilThreshold: 0.9
+  metricsStalenessThreshold: 500ms
+schedulingProfiles:
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: by-label-selector
+  - pluginRef: session-affinity-scorer
+    weight: 10
+  - pluginRef: no-hit-lru-scorer
+    weight: 0.5
+  - pluginRef: active-request-scorer
+  - pluginRef: precise-prefix-cache-scorer
+    weight: 2
+  - pluginRef: weighted-random-picker
+",
+];
+
+#[test]
+fn examples_round_trip_and_validate() {
+    for (n, text) in EXAMPLES.iter().enumerate() {
+        let parsed =
+            EndpointPickerConfig::from_yaml(text).unwrap_or_else(|e| panic!("example {n}: {e}"));
+        let validated = parsed
+            .validate()
+            .unwrap_or_else(|e| panic!("example {n}: {e}"));
+        let yaml = parsed.to_yaml().expect("serialize");
+        let again = EndpointPickerConfig::from_yaml(&yaml).expect("reparse");
+        assert_eq!(again, parsed, "example {n} round-trips:\n{yaml}");
+        assert_eq!(
+            again.validate().expect("revalidate"),
+            validated,
+            "example {n}"
+        );
+    }
+}
+
+#[test]
+fn examples_resolve_to_typed_profiles() {
+    let named = load(Some(EXAMPLES[3])).expect("gie named");
+    let s = &named.scheduler;
+    assert_eq!(s.scorers.len(), 4);
+    assert_eq!(s.scorers[0].name, "prefix");
+    assert_eq!(s.scorers[0].weight, 3.0);
+    let ScorerSpec::PrefixCache(p) = &s.scorers[0].scorer else {
+        panic!("prefix scorer: {:?}", s.scorers[0]);
+    };
+    assert_eq!(
+        (
+            p.approx_chunk_chars,
+            p.approx_max_chunks,
+            p.approx_capacity_per_endpoint
+        ),
+        (5, 256, 31250)
+    );
+    assert_eq!(s.scorers[3].scorer, ScorerSpec::LoraAffinity);
+    assert_eq!(s.scorers[3].weight, 1.0, "GIE's default weight");
+    assert_eq!(
+        s.picker,
+        PickerSpec::MaxScore {
+            max_endpoints: Some(3)
+        }
+    );
+    assert!(!s.flow_control);
+
+    let llmd = load(Some(EXAMPLES[4])).expect("llm-d style");
+    let s = &llmd.scheduler;
+    assert_eq!(s.profile_name, "decode");
+    assert_eq!(
+        s.filters[0].filter,
+        FilterKind::ByLabel {
+            label: "llm-d.ai/role".into(),
+            valid_values: vec!["decode".into(), "both".into()],
+            allows_no_label: true
+        }
+    );
+    assert_eq!(
+        s.filters[1].filter,
+        FilterKind::LabelSelector {
+            match_labels: BTreeMap::from([(
+                "inference.networking.k8s.io/engine-type".to_owned(),
+                "vllm".to_owned()
+            )])
+        }
+    );
+    let kinds: Vec<_> = s
+        .scorers
+        .iter()
+        .map(|w| (w.scorer.clone(), w.weight))
+        .collect();
+    assert_eq!(
+        kinds[0],
+        (ScorerSpec::SessionAffinity { max_sessions: 1000 }, 10.0)
+    );
+    assert_eq!(
+        kinds[1],
+        (
+            ScorerSpec::NoHitLru {
+                max_endpoints: 4096
+            },
+            0.5
+        )
+    );
+    assert_eq!(kinds[2], (ScorerSpec::InFlight, 1.0));
+    assert!(matches!(&kinds[3].0, ScorerSpec::PrefixCache(p) if p.mode == PrefixMode::Precise));
+    assert_eq!(
+        s.picker,
+        PickerSpec::WeightedRandom {
+            max_endpoints: None
+        }
+    );
+    assert!(s.flow_control);
+    assert_eq!(s.saturation.queue_depth_threshold, 8.0);
+    assert_eq!(s.saturation.kv_cache_util_threshold, 0.9);
+    assert_eq!(s.saturation.metrics_staleness, Duration::from_millis(500));
+    assert!(
+        llmd.warnings.iter().any(|w| w.contains("featureGates[1]")),
+        "{:?}",
+        llmd.warnings
+    );
+}
+
+#[test]
+fn recommended_profile_uses_the_cost_scorer() {
+    let rec = SchedulerConfig::kvpick_recommended();
+    assert_eq!(
+        rec.scorers[0].scorer,
+        ScorerSpec::Cost(CostModel::default())
+    );
+    assert!(rec.flow_control);
+}
+
+fn error_of(text: &str) -> String {
+    match load(Some(text)) {
+        Ok(v) => panic!("accepted: {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+const HEAD: &str =
+    "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n";
+
+#[test]
+fn errors_name_the_bad_field() {
+    let unknown_type = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\n- type: magic-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: queue-scorer\n"
+    );
+    let e = error_of(&unknown_type);
+    assert!(
+        e.contains("plugins[1].type") && e.contains("magic-scorer"),
+        "{e}"
+    );
+
+    let dangling = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: queue-scorer\n  - pluginRef: prefix\n"
+    );
+    let e = error_of(&dangling);
+    assert!(
+        e.contains("schedulingProfiles[0].plugins[1].pluginRef") && e.contains("`prefix`"),
+        "{e}"
+    );
+
+    let typo_param = format!(
+        "{HEAD}plugins:\n- type: max-score-picker\n  parameters: {{maxNumOfEndpoint: 2}}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n"
+    );
+    let e = error_of(&typo_param);
+    assert!(
+        e.contains("plugins[0].parameters") && e.contains("maxNumOfEndpoint"),
+        "{e}"
+    );
+
+    let top_typo = format!("{HEAD}plugin: []\n");
+    let e = error_of(&top_typo);
+    assert!(e.contains("unknown field `plugin`"), "{e}");
+
+    let ref_typo = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginref: queue-scorer\n"
+    );
+    assert!(error_of(&ref_typo).contains("pluginref"));
+
+    let weight = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: queue-scorer\n    weight: -1\n"
+    );
+    assert!(error_of(&weight).contains("schedulingProfiles[0].plugins[0].weight"));
+
+    let dup = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\n- type: kv-cache-utilization-scorer\n  name: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins: []\n"
+    );
+    assert!(error_of(&dup).contains("plugins[1].name"));
+
+    let two_pickers = format!(
+        "{HEAD}plugins:\n- type: max-score-picker\n- type: random-picker\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n  - pluginRef: random-picker\n"
+    );
+    assert!(error_of(&two_pickers).contains("schedulingProfiles[0].plugins[1].pluginRef"));
+
+    let two_profiles = format!("{HEAD}plugins: []\nschedulingProfiles:\n- name: a\n- name: b\n");
+    assert!(error_of(&two_profiles).contains("schedulingProfiles"));
+
+    let stale = format!(
+        "{HEAD}plugins: []\nschedulingProfiles:\n- name: a\nsaturationDetector:\n  metricsStalenessThreshold: soon\n"
+    );
+    assert!(error_of(&stale).contains("saturationDetector.metricsStalenessThreshold"));
+
+    let kind = "apiVersion: v1\nkind: ConfigMap\n";
+    assert!(matches!(load(Some(kind)), Err(PickerConfigError::Kind(k)) if k == "ConfigMap"));
+
+    let bad_cost = format!(
+        "{HEAD}plugins:\n- type: ttft-cost-scorer\n  parameters: {{prefillMsPerToken: -2}}\nschedulingProfiles:\n- name: a\n"
+    );
+    assert!(error_of(&bad_cost).contains("prefillMsPerToken"));
+}
+
+#[test]
+fn profile_without_picker_gets_max_score_and_sections_kvpick_ignores_warn() {
+    let text = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: queue-scorer\ndataLayer:\n  sources: []\n"
+    );
+    let v = load(Some(&text)).expect("valid");
+    assert_eq!(
+        v.scheduler.picker,
+        PickerSpec::MaxScore {
+            max_endpoints: None
+        }
+    );
+    assert!(
+        v.warnings.iter().any(|w| w.starts_with("dataLayer")),
+        "{:?}",
+        v.warnings
+    );
+}

@@ -1,0 +1,528 @@
+//! The configured scheduler end to end on hand-built pod states: a real prefix index fed by
+//! KV-event batches, metrics through the `MetricsSource` seam, real in-flight counters.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpick::config::picker_config::load;
+use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
+use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+use kvpick::scheduling::{
+    ConfiguredScheduler, MetricsSource, ScheduleError, Scheduler, SchedulerConfig, SchedulerDeps,
+    SchedulingRequest,
+};
+use kvpick::scrape::{PodMetrics, ScrapeStatus};
+use kvpick::tokenize::{ApproximatePrompt, ApproximateReason, PromptTokens};
+
+const BLOCK: usize = 16;
+
+#[derive(Default)]
+struct Metrics(Mutex<HashMap<PodId, ScrapeStatus>>);
+
+impl Metrics {
+    fn set(&self, pod: PodId, waiting: f64, running: f64, kv: f64) {
+        self.set_at(pod, waiting, running, kv, Instant::now());
+    }
+    fn set_at(&self, pod: PodId, waiting: f64, running: f64, kv: f64, at: Instant) {
+        let status = ScrapeStatus {
+            metrics: Some(PodMetrics {
+                waiting,
+                running,
+                kv_usage: kv,
+                ..PodMetrics::default()
+            }),
+            fetched_at: Some(at),
+            ..ScrapeStatus::default()
+        };
+        self.0.lock().expect("lock").insert(pod, status);
+    }
+}
+
+impl MetricsSource for Metrics {
+    fn status(&self, pod: PodId) -> ScrapeStatus {
+        self.0
+            .lock()
+            .expect("lock")
+            .get(&pod)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+struct Fixture {
+    pods: Vec<Arc<EndpointState>>,
+    index: Arc<PrefixIndex>,
+    metrics: Arc<Metrics>,
+}
+
+impl Fixture {
+    fn new(n: usize) -> Self {
+        Self::with_labels(n, |_| Vec::new())
+    }
+
+    fn with_labels(n: usize, labels: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -> Self {
+        let store = Datastore::new();
+        store.set_endpoints(
+            (0..n)
+                .map(|i| {
+                    let mut e =
+                        Endpoint::new(format!("10.1.0.{}:8000", i + 1).parse().expect("addr"));
+                    for (k, v) in labels(i) {
+                        e.labels.insert(k.to_owned(), v.to_owned());
+                    }
+                    e
+                })
+                .collect(),
+        );
+        let metrics = Arc::new(Metrics::default());
+        let pods = store.snapshot().endpoints.clone();
+        for p in &pods {
+            metrics.set(p.id(), 0.0, 0.0, 0.1);
+        }
+        Self {
+            pods,
+            index: Arc::new(PrefixIndex::new(IndexConfig::default())),
+            metrics,
+        }
+    }
+
+    fn scheduler(&self, config: SchedulerConfig, max_fallbacks: usize) -> ConfiguredScheduler {
+        let deps = SchedulerDeps {
+            index: Arc::clone(&self.index),
+            metrics: self.metrics.clone(),
+        };
+        ConfiguredScheduler::new(config, deps, max_fallbacks)
+    }
+
+    fn id(&self, i: usize) -> PodId {
+        self.pods[i].id()
+    }
+
+    /// Pod `i` reports (via a KV event) that it holds the full blocks of `tokens`.
+    fn holds(&self, i: usize, tokens: &[u32]) {
+        self.holds_in(i, tokens, Tier::Gpu);
+    }
+
+    fn holds_in(&self, i: usize, tokens: &[u32], tier: Tier) {
+        let blocks = tokens.len() / BLOCK;
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..blocks)
+                    .map(|b| EngineHash(0xabc0_0000 + b as u64))
+                    .collect(),
+                parent_block_hash: None,
+                token_ids: tokens[..blocks * BLOCK].to_vec(),
+                block_size: Some(BLOCK as u32),
+                tier,
+                extra: vec![BlockExtra::default(); blocks],
+                ..BlockStored::default()
+            })],
+            dp_rank: Some(0),
+        };
+        self.index.apply_batch(self.id(i), "m", &batch);
+    }
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|t| seed.wrapping_mul(100_003) ^ t)
+        .collect()
+}
+
+fn exact(tokens: Vec<u32>) -> SchedulingRequest {
+    SchedulingRequest {
+        model: Some("m".into()),
+        target_model: Some("m".into()),
+        key_context: Some(KeyContext::model("m")),
+        prompt: Arc::new(PromptTokens::Exact(tokens)),
+        ..SchedulingRequest::default()
+    }
+}
+
+#[test]
+fn shared_prefix_lands_on_the_pod_that_holds_it() {
+    let f = Fixture::new(4);
+    let system = tokens(7, 2000);
+    f.holds(2, &system);
+    let scheduler = f.scheduler(SchedulerConfig::gie_default(), 0);
+    for q in 0..20 {
+        let mut prompt = system.clone();
+        prompt.extend(tokens(1000 + q, 120));
+        let pick = scheduler.pick(&exact(prompt), &f.pods).expect("pick");
+        assert_eq!(pick.primary, f.id(2), "request {q}");
+        assert!(pick.fallbacks.is_empty());
+    }
+    // A different prefix is not attracted to pod 2.
+    let cold: HashSet<PodId> = (0..40)
+        .map(|q| {
+            scheduler
+                .pick(&exact(tokens(5000 + q, 300)), &f.pods)
+                .expect("pick")
+                .primary
+        })
+        .collect();
+    assert!(
+        cold.len() > 1,
+        "cold prefixes spread over equal pods: {cold:?}"
+    );
+}
+
+fn cost_only() -> SchedulerConfig {
+    load(Some(
+        "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: saturation-filter
+  parameters: {queueDepthThreshold: 100}
+- type: ttft-cost-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: ttft-cost-scorer
+  - pluginRef: max-score-picker
+",
+    ))
+    .expect("config")
+    .scheduler
+}
+
+#[test]
+fn cost_scorer_leaves_the_cache_owner_when_its_queue_costs_more_than_the_cache_saves() {
+    let f = Fixture::new(2);
+    let shared = tokens(3, 9_000);
+    f.holds(0, &shared);
+    let scheduler = f.scheduler(cost_only(), 0);
+    // Each request has its own 1k-token question (a repeated one would be cached too).
+    let mut question = 0;
+    let mut request = || {
+        question += 1;
+        let mut prompt = shared.clone();
+        prompt.extend(tokens(77 + question, 1_000));
+        exact(prompt)
+    };
+    // 1k uncached tokens (100 ms) + 8 queued (800 ms) < 10k cold tokens (1000 ms).
+    f.metrics.set(f.id(0), 8.0, 4.0, 0.3);
+    assert_eq!(
+        scheduler.pick(&request(), &f.pods).expect("pick").primary,
+        f.id(0)
+    );
+    // 10 queued: 1100 ms > 1000 ms.
+    f.metrics.set(f.id(0), 10.0, 4.0, 0.3);
+    assert_eq!(
+        scheduler.pick(&request(), &f.pods).expect("pick").primary,
+        f.id(1)
+    );
+    // Between scrapes: the scrape says 8 waiting + 4 running, but kvpick has 15 in flight
+    // there, so 3 more are queued than the scrape shows.
+    f.metrics.set(f.id(0), 8.0, 4.0, 0.3);
+    let guards: Vec<_> = (0..15).map(|_| f.pods[0].in_flight.start()).collect();
+    assert_eq!(
+        scheduler.pick(&request(), &f.pods).expect("pick").primary,
+        f.id(1)
+    );
+    drop(guards);
+    // Pod 1 (no KV events) has learned the shared prefix from the requests routed to it, so
+    // it is now both cached and idle: it keeps winning over the queued pod 0.
+    let explanation = scheduler.explain(&request(), &f.pods);
+    assert!(
+        explanation.candidates[1].cached_tokens >= 8_992.0,
+        "{explanation:?}"
+    );
+    assert_eq!(
+        scheduler.pick(&request(), &f.pods).expect("pick").primary,
+        f.id(1)
+    );
+}
+
+#[test]
+fn stale_failing_and_saturated_pods_get_no_traffic_while_others_can() {
+    let f = Fixture::new(4);
+    let scheduler = f.scheduler(SchedulerConfig::kvpick_recommended(), 0);
+    f.metrics.set(f.id(0), 6.0, 1.0, 0.2); // over the queue threshold
+    f.metrics.set_at(
+        f.id(1),
+        0.0,
+        0.0,
+        0.0,
+        Instant::now() - Duration::from_secs(2),
+    ); // stale
+    f.metrics.set(f.id(2), 0.0, 1.0, 0.95); // KV nearly full
+    for q in 0..30 {
+        let pick = scheduler
+            .pick(&exact(tokens(q, 64)), &f.pods)
+            .expect("pick");
+        assert_eq!(pick.primary, f.id(3));
+    }
+    let explanation = scheduler.explain(&exact(tokens(1, 64)), &f.pods);
+    assert_eq!(explanation.filters.len(), 1);
+    let mut removed = explanation.filters[0].removed.clone();
+    removed.sort();
+    assert_eq!(
+        removed,
+        vec![
+            f.id(0).to_string(),
+            f.id(1).to_string(),
+            f.id(2).to_string()
+        ]
+    );
+    assert_eq!(explanation.pick, Some(vec![f.id(3).to_string()]));
+    assert_eq!(explanation.candidates.len(), 1);
+    assert!(explanation.candidates[0].saturation < 1.0);
+    // When every pod is saturated the filter steps aside: requests still get a pod.
+    f.metrics.set(f.id(3), 9.0, 1.0, 0.2);
+    assert!(scheduler.pick(&exact(tokens(9, 64)), &f.pods).is_ok());
+    assert!(scheduler.explain(&exact(tokens(9, 64)), &f.pods).filters[0].kept_all);
+    // And the saturation detector sees a saturated pool.
+    assert!(scheduler.saturation_detector().pool(&f.pods).saturated());
+}
+
+#[test]
+fn approximate_prompts_follow_routing_history() {
+    let f = Fixture::new(4);
+    let scheduler = f.scheduler(SchedulerConfig::gie_default(), 0);
+    let system = "You are a helpful assistant. ".repeat(40);
+    let request = |question: &str| SchedulingRequest {
+        key_context: Some(KeyContext::model("m")),
+        prompt: Arc::new(PromptTokens::Approximate(ApproximatePrompt {
+            text: format!("{system}{question}"),
+            reason: ApproximateReason::NoTokenizer,
+        })),
+        ..SchedulingRequest::default()
+    };
+    let first = scheduler
+        .pick(&request("what is rust?"), &f.pods)
+        .expect("pick")
+        .primary;
+    for q in 0..10 {
+        let pick = scheduler
+            .pick(&request(&format!("question {q}")), &f.pods)
+            .expect("pick");
+        assert_eq!(pick.primary, first, "same system prompt, same pod");
+    }
+    let explanation = scheduler.explain(&request("x"), &f.pods);
+    let holder = explanation
+        .candidates
+        .iter()
+        .find(|c| c.address == first.to_string())
+        .expect("candidate");
+    assert!(holder.scores["prefix-cache-scorer"] > 0.9, "{holder:?}");
+    assert!(holder.cached_tokens > 200.0, "{holder:?}");
+}
+
+#[test]
+fn fallbacks_are_ordered_and_bounded() {
+    let f = Fixture::new(5);
+    for (i, waiting) in [4.0, 0.0, 3.0, 1.0, 2.0].into_iter().enumerate() {
+        f.metrics.set(f.id(i), waiting, 0.0, 0.1);
+    }
+    let pick = f
+        .scheduler(SchedulerConfig::gie_default(), 3)
+        .pick(&exact(tokens(1, 32)), &f.pods)
+        .expect("pick");
+    assert_eq!(pick.primary, f.id(1));
+    assert_eq!(pick.fallbacks, vec![f.id(3), f.id(4), f.id(2)]);
+    let mut capped = SchedulerConfig::gie_default();
+    capped.picker = kvpick::scheduling::PickerSpec::MaxScore {
+        max_endpoints: Some(2),
+    };
+    let pick = f
+        .scheduler(capped, 3)
+        .pick(&exact(tokens(1, 32)), &f.pods)
+        .expect("pick");
+    assert_eq!(
+        pick.fallbacks,
+        vec![f.id(3)],
+        "maxNumOfEndpoints 2 = primary + 1"
+    );
+    assert_eq!(
+        f.scheduler(SchedulerConfig::gie_default(), 3)
+            .pick(&exact(tokens(1, 32)), &[]),
+        Err(ScheduleError::NoCandidates)
+    );
+}
+
+#[test]
+fn role_selector_and_session_affinity() {
+    let f = Fixture::with_labels(4, |i| {
+        if i % 2 == 0 {
+            vec![("role", "decode")]
+        } else {
+            vec![("role", "prefill")]
+        }
+    });
+    let config = load(Some(
+        "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: by-label-selector
+  parameters: {matchLabels: {role: decode}}
+- type: session-affinity-scorer
+- type: in-flight-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: by-label-selector
+  - pluginRef: session-affinity-scorer
+    weight: 5
+  - pluginRef: in-flight-requests-scorer
+  - pluginRef: max-score-picker
+",
+    ))
+    .expect("config")
+    .scheduler;
+    let scheduler = f.scheduler(config, 0);
+    let with_session = |s: &str| SchedulingRequest {
+        session_id: Some(s.to_owned()),
+        ..exact(tokens(1, 32))
+    };
+    let mut guards = Vec::new();
+    let first = scheduler
+        .pick(&with_session("alice"), &f.pods)
+        .expect("pick")
+        .primary;
+    assert!(first == f.id(0) || first == f.id(2), "decode pods only");
+    // Load the session's pod: affinity (5) still beats in-flight (1).
+    let index = if first == f.id(0) { 0 } else { 2 };
+    guards.extend((0..3).map(|_| f.pods[index].in_flight.start()));
+    for _ in 0..5 {
+        assert_eq!(
+            scheduler
+                .pick(&with_session("alice"), &f.pods)
+                .expect("pick")
+                .primary,
+            first
+        );
+    }
+    // A new session goes to the idle decode pod.
+    let other = scheduler
+        .pick(&with_session("bob"), &f.pods)
+        .expect("pick")
+        .primary;
+    assert_ne!(other, first);
+    // Only prefill pods: the selector leaves nothing.
+    assert_eq!(
+        scheduler.pick(
+            &with_session("carol"),
+            &[Arc::clone(&f.pods[1]), Arc::clone(&f.pods[3])]
+        ),
+        Err(ScheduleError::NoCandidates)
+    );
+    drop(guards);
+}
+
+#[test]
+fn explain_does_not_record() {
+    let f = Fixture::new(3);
+    let mut config = SchedulerConfig::gie_default();
+    config.scorers.push(kvpick::scheduling::WeightedScorer {
+        name: "session".into(),
+        scorer: kvpick::scheduling::ScorerSpec::SessionAffinity { max_sessions: 16 },
+        weight: 1.0,
+    });
+    let scheduler = f.scheduler(config, 0);
+    let request = SchedulingRequest {
+        session_id: Some("s".into()),
+        ..exact(tokens(4, 64))
+    };
+    let before = scheduler.explain(&request, &f.pods);
+    assert!(before.candidates.iter().all(|c| c.scores["session"] == 0.0));
+    assert_eq!(before.candidates.len(), 3);
+    assert_eq!(
+        scheduler
+            .explain(&request, &f.pods)
+            .candidates
+            .iter()
+            .map(|c| c.scores["session"])
+            .sum::<f64>(),
+        0.0
+    );
+    let picked = scheduler.pick(&request, &f.pods).expect("pick").primary;
+    let after = scheduler.explain(&request, &f.pods);
+    let scored: Vec<_> = after
+        .candidates
+        .iter()
+        .filter(|c| c.scores["session"] == 1.0)
+        .map(|c| c.address.clone())
+        .collect();
+    assert_eq!(scored, vec![picked.to_string()]);
+    let json = serde_json::to_value(&after).expect("json");
+    assert!(json["candidates"][0]["scores"]["queue-scorer"].is_number());
+}
+
+#[test]
+fn offloaded_blocks_save_less_than_gpu_blocks() {
+    let f = Fixture::new(2);
+    let shared = tokens(11, 1_600);
+    f.holds_in(0, &shared, Tier::Gpu);
+    f.holds_in(1, &shared, Tier::Cpu);
+    let scheduler = f.scheduler(SchedulerConfig::kvpick_recommended(), 0);
+    let explanation = scheduler.explain(&exact(shared.clone()), &f.pods);
+    let cached: Vec<f64> = explanation
+        .candidates
+        .iter()
+        .map(|c| c.cached_tokens)
+        .collect();
+    assert_eq!(cached[0], 1_600.0);
+    assert!(
+        (cached[1] - 1_280.0).abs() < 1e-6,
+        "cpu tier weight 0.8: {cached:?}"
+    );
+    let ttft: Vec<f64> = explanation
+        .candidates
+        .iter()
+        .map(|c| c.estimated_ttft_ms.expect("cost scorer configured"))
+        .collect();
+    assert!(ttft[0] < ttft[1], "{ttft:?}");
+    assert_eq!(
+        scheduler
+            .pick(&exact(shared), &f.pods)
+            .expect("pick")
+            .primary,
+        f.id(0)
+    );
+}
+
+#[test]
+fn background_recording_lands_shortly_after_the_pick() {
+    let f = Fixture::new(3);
+    let scheduler = f
+        .scheduler(SchedulerConfig::gie_default(), 0)
+        .with_background_recording(64)
+        .expect("recorder thread");
+    let prompt = tokens(21, 640);
+    let first = scheduler
+        .pick(&exact(prompt.clone()), &f.pods)
+        .expect("pick")
+        .primary;
+    // Readiness poll with a deadline: the recorder thread applies the record asynchronously.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let explanation = scheduler.explain(&exact(prompt.clone()), &f.pods);
+        let cached = explanation
+            .candidates
+            .iter()
+            .find(|c| c.address == first.to_string())
+            .map_or(0.0, |c| c.cached_tokens);
+        if cached >= 640.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "record never applied");
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        scheduler
+            .pick(&exact(prompt), &f.pods)
+            .expect("pick")
+            .primary,
+        first
+    );
+    assert_eq!(scheduler.recording_drops(), 0);
+}
