@@ -14,10 +14,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::EndpointState;
 use kvpick::endpoints::{Datastore, Endpoint};
+use kvpick::extproc::admission::Admission;
 use kvpick::extproc::{ExtProcService, StreamContext};
-use kvpick::kvcache::{IndexConfig, PrefixIndex};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{LeastInFlight, Pick, ScheduleError, Scheduler, SchedulingRequest};
+use kvpick::scheduling::{MetricsSource, SaturationConfig, SaturationDetector};
+use kvpick::scrape::MetricsStore;
 use kvpick::telemetry::EppMetrics;
 use kvpick::tokenize::PromptTokens;
 use kvpick::tokenize::{Tokenizers, TokenizersConfig};
@@ -41,6 +43,8 @@ struct Options {
     rewrites: ModelRewriteRules,
     objectives: HashMap<String, i32>,
     recorder: Option<Arc<Recorder>>,
+    /// What the saturation detector reads (empty: every pod unscraped, i.e. saturated).
+    scrapes: Arc<MetricsStore>,
 }
 
 /// A scheduler that records what it was asked and picks least-in-flight.
@@ -70,6 +74,7 @@ impl Default for Options {
             rewrites: ModelRewriteRules::default(),
             objectives: HashMap::new(),
             recorder: None,
+            scrapes: Arc::new(MetricsStore::default()),
         }
     }
 }
@@ -98,7 +103,13 @@ async fn start(options: Options) -> Harness {
         tokenizers,
         model_rewrites: Arc::new(options.rewrites.clone()),
         objectives: Arc::new(options.objectives.clone()),
-        index: Arc::new(PrefixIndex::new(IndexConfig::default())),
+        admission: Arc::new(Admission {
+            detector: SaturationDetector::new(
+                SaturationConfig::default(),
+                Arc::clone(&options.scrapes) as Arc<dyn MetricsSource>,
+            ),
+            flow: None,
+        }),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::clone(&budget),
         max_body_bytes: options.max_body,
@@ -890,4 +901,40 @@ async fn the_scheduler_sees_model_priority_fairness_session_and_prompt() {
     );
     assert_eq!(seen[1].priority, 0, "unknown objective: default priority");
     assert_eq!(seen[1].prompt.as_ref(), &PromptTokens::Exact(vec![1, 2, 3]));
+}
+
+#[tokio::test]
+async fn sheddable_requests_get_429_when_the_pool_is_saturated() {
+    // No pod has been scraped: stale metrics count as saturated.
+    let mut h = start(Options {
+        objectives: HashMap::from([("batch".to_owned(), -1), ("critical".to_owned(), 5)]),
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-inference-objective", "batch"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(BODY, true)).await;
+    let (status, text) = immediate(&s.recv().await);
+    assert_eq!(status, 429);
+    assert!(text.contains("sheddable"), "{text}");
+
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-inference-objective", "critical"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(BODY, true)).await;
+    decision(&s.recv().await);
+    assert_eq!(h.in_flight_total(), 1, "critical requests are not shed");
 }

@@ -18,10 +18,13 @@ mod pool_sync;
 use crate::config::ServeConfig;
 use crate::discovery::{PoolFileError, parse_pool, watch_pool_file};
 use crate::endpoints::Datastore;
+use crate::extproc::admission::Admission;
 use crate::extproc::{ExtProcService, StreamContext};
 use crate::kvcache::{IndexConfig, PrefixIndex};
 use crate::kvevents::{KvEventsConfig, KvEventsError, KvEventsManager};
-use crate::scheduling::LeastInFlight;
+use crate::scheduling::{
+    ConfiguredScheduler, FlowControlConfig, FlowController, MetricsSource, SchedulerDeps,
+};
 use crate::scrape::{MetricsStore, ScrapeManager, ScrapeMetrics};
 use crate::telemetry::{EppMetrics, admin, health};
 use crate::tokenize::{TokenizeError, Tokenizers};
@@ -113,6 +116,32 @@ pub async fn serve(
     let model_rewrites = Arc::new(config.model_rewrites.clone());
 
     let background = CancellationToken::new();
+    for warning in &config.picker.warnings {
+        tracing::warn!(%warning, "scheduler config");
+    }
+    let scheduler = Arc::new(
+        ConfiguredScheduler::new(
+            config.picker.scheduler.clone(),
+            SchedulerDeps {
+                index: Arc::clone(&index),
+                metrics: Arc::clone(&metrics_store) as Arc<dyn MetricsSource>,
+            },
+            config.max_fallbacks,
+        )
+        // Speculative index entries are written off the request path (bounded queue).
+        .with_background_recording(ROUTING_RECORD_QUEUE)
+        .map_err(|e| ServeError::Server {
+            server: "routing recorder",
+            message: e.to_string(),
+        })?,
+    );
+    tracing::info!(profile = %config.picker.scheduler.profile_name, flow_control = config.picker.scheduler.flow_control, "scheduler ready");
+    let admission = Arc::new(admission(
+        &scheduler,
+        config.picker.scheduler.flow_control,
+        &datastore,
+        &background,
+    ));
     tokio::spawn(pool_sync::follow_pool(
         datastore.subscribe(),
         Arc::clone(&kv_events),
@@ -164,6 +193,8 @@ pub async fn serve(
             scrapes: Arc::clone(&metrics_store),
             staleness: config.scrape.staleness,
             model_rewrites: Arc::clone(&model_rewrites),
+            scheduler: Arc::clone(&scheduler),
+            admission: Arc::clone(&admission),
         });
         async move {
             axum::serve(metrics_listener, router)
@@ -174,11 +205,11 @@ pub async fn serve(
 
     let ctx = Arc::new(StreamContext {
         datastore: Arc::clone(&datastore),
-        scheduler: Arc::new(LeastInFlight::new(config.max_fallbacks)),
+        scheduler: Arc::clone(&scheduler) as _,
         tokenizers: Arc::clone(&tokenizers),
         model_rewrites: Arc::clone(&model_rewrites),
         objectives: Arc::new(config.objectives.clone()),
-        index: Arc::clone(&index),
+        admission: Arc::clone(&admission),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
         max_body_bytes: config.max_body_bytes,
@@ -216,6 +247,33 @@ pub async fn serve(
     let _ = admin_server.await;
     tracing::info!("kvpick stopped");
     result
+}
+
+/// Routing records queued for the background writer before new ones are dropped (counted).
+const ROUTING_RECORD_QUEUE: usize = 4096;
+/// How often flow control re-checks capacity for queued requests.
+const FLOW_DISPATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Shedding always; flow control when its feature gate is on.
+fn admission(
+    scheduler: &ConfiguredScheduler,
+    flow_control: bool,
+    datastore: &Arc<Datastore>,
+    background: &CancellationToken,
+) -> Admission {
+    let detector = scheduler.saturation_detector().clone();
+    let flow = flow_control.then(|| {
+        let (detector, datastore) = (detector.clone(), Arc::clone(datastore));
+        let flow = FlowController::new(FlowControlConfig::default(), move |pending| {
+            detector.has_capacity(&datastore.snapshot().endpoints, pending)
+        });
+        tokio::spawn(
+            flow.clone()
+                .run_dispatcher(FLOW_DISPATCH_INTERVAL, background.clone()),
+        );
+        flow
+    });
+    Admission { detector, flow }
 }
 
 fn local(listener: &TcpListener) -> String {

@@ -71,9 +71,17 @@ pub struct ServeArgs {
     /// Longest one /metrics scrape may take.
     #[arg(long, default_value = "1000ms", value_parser = parse_duration)]
     pub scrape_timeout: Duration,
-    /// Metrics older than this make an endpoint count as saturated.
-    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
-    pub metrics_staleness: Duration,
+    /// EndpointPickerConfig YAML file (plugins, scheduling profile, saturation detector,
+    /// feature gates). Without one, GIE's default profile runs.
+    #[arg(long, conflicts_with = "config_text")]
+    pub config_file: Option<PathBuf>,
+    /// EndpointPickerConfig YAML given inline.
+    #[arg(long)]
+    pub config_text: Option<String>,
+    /// Run kvpick's recommended profile (TTFT-cost + prefix + in-flight scorers, flow
+    /// control on) instead of GIE's default when no config is given.
+    #[arg(long, conflicts_with_all = ["config_file", "config_text"])]
+    pub recommended_profile: bool,
     /// InferenceModelRewrite-style weighted model rewrite rules (YAML `rules: [{matches,
     /// targets: [{modelRewrite, weight}]}]`). The `x-gateway-model-name-rewrite` header wins.
     #[arg(long)]
@@ -123,6 +131,9 @@ pub enum ConfigError {
         /// The shared port.
         port: u16,
     },
+    /// The EndpointPickerConfig cannot be read or is invalid.
+    #[error("scheduler config: {0}")]
+    Picker(String),
     /// The model rewrite file cannot be read or is invalid.
     #[error("--model-rewrites {path}: {reason}")]
     ModelRewrites {
@@ -174,6 +185,8 @@ pub struct ServeConfig {
     pub model_rewrites: crate::request::ModelRewriteRules,
     /// Objective name → priority.
     pub objectives: std::collections::HashMap<String, i32>,
+    /// The validated scheduling profile.
+    pub picker: picker_config::ValidatedPickerConfig,
 }
 
 impl ServeArgs {
@@ -237,6 +250,18 @@ impl ServeArgs {
                 serde_yaml::from_str(&text).map_err(|e| fail(e.to_string()))?
             }
         };
+        let picker_text = match (&self.config_file, &self.config_text) {
+            (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {
+                ConfigError::Picker(format!("cannot read {}: {e}", path.display()))
+            })?),
+            (None, Some(text)) => Some(text.clone()),
+            (None, None) => None,
+        };
+        let mut picker = picker_config::load(picker_text.as_deref())
+            .map_err(|e| ConfigError::Picker(e.to_string()))?;
+        if self.recommended_profile {
+            picker.scheduler = crate::scheduling::SchedulerConfig::kvpick_recommended();
+        }
         let ip = self.bind_address;
         Ok(ServeConfig {
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
@@ -253,11 +278,13 @@ impl ServeArgs {
             scrape: crate::scrape::ScrapeConfig {
                 interval: self.scrape_interval,
                 timeout: self.scrape_timeout,
-                staleness: self.metrics_staleness,
+                // One source of truth: the saturation detector's staleness threshold.
+                staleness: picker.scheduler.saturation.metrics_staleness,
                 ..Default::default()
             },
             model_rewrites,
             objectives: self.objectives.into_iter().collect(),
+            picker,
         })
     }
 }

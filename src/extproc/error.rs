@@ -7,7 +7,7 @@
 //! mode (FailOpen/FailClose) decides what the client sees.
 
 use crate::request::RequestError;
-use crate::scheduling::ScheduleError;
+use crate::scheduling::{FlowError, ScheduleError};
 
 /// A request kvpick refuses, with the HTTP status the client gets.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +30,12 @@ pub enum Rejection {
     /// The scheduler found no endpoint.
     #[error("{0}")]
     Schedule(#[from] ScheduleError),
+    /// The request is sheddable (negative priority) and the pool is saturated.
+    #[error("request is sheddable and the pool is saturated")]
+    Shed,
+    /// Flow control refused or timed the request out.
+    #[error("{0}")]
+    Queue(FlowError),
     /// kvpick could not finish reading the request (an internal fault, not the client's).
     #[error("internal error: {0}")]
     Internal(&'static str),
@@ -42,6 +48,8 @@ impl Rejection {
             Self::BadRequest(_) => 400,
             Self::BodyTooLarge { .. } => 413,
             Self::BufferBudgetExhausted | Self::EmptySubset | Self::Schedule(_) => 503,
+            Self::Shed => 429,
+            Self::Queue(error) => error.http_status(),
             Self::Internal(_) => 500,
         }
     }
@@ -52,6 +60,8 @@ impl Rejection {
             Self::BadRequest(_) | Self::BodyTooLarge { .. } => "BadRequest",
             Self::BufferBudgetExhausted => "ResourceExhausted",
             Self::EmptySubset | Self::Schedule(_) => "ServiceUnavailable",
+            Self::Shed | Self::Queue(FlowError::QueueFull) => "InferencePoolResourceExhausted",
+            Self::Queue(FlowError::TimedOut) => "ServiceUnavailable",
             Self::Internal(_) => "Internal",
         }
     }

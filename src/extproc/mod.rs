@@ -7,8 +7,10 @@
 //! - `prepare`: body parsing, model rewrite and tokenization (on the blocking pool);
 //! - `response`: the response path, restoring a rewritten model name;
 //! - [`subset`]: the gateway's subset hint;
+//! - [`admission`]: shedding and flow control before the pick;
 //! - [`error`]: request and protocol errors, mapped to statuses in one place.
 
+pub mod admission;
 pub mod error;
 pub mod meta;
 pub mod mutations;

@@ -20,6 +20,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::admission::Admission;
 use super::error::{ProtocolError, Rejection};
 use super::meta::RequestMeta;
 use super::mutations;
@@ -28,7 +29,6 @@ use super::response::ResponseBody;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId};
-use crate::kvcache::PrefixIndex;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
@@ -46,8 +46,8 @@ pub struct StreamContext {
     pub model_rewrites: Arc<ModelRewriteRules>,
     /// Objective name → priority (unknown or absent objective: 0).
     pub objectives: Arc<HashMap<String, i32>>,
-    /// The prefix index (told where each request went, for speculative entries).
-    pub index: Arc<PrefixIndex>,
+    /// Shedding and flow control.
+    pub admission: Arc<Admission>,
     /// EPP metrics.
     pub metrics: Arc<EppMetrics>,
     /// Bytes of request bodies that may be buffered across all streams.
@@ -262,48 +262,69 @@ impl RequestStream {
         self.body = Vec::new();
     }
 
-    /// The whole request is in: read it, pick, and return the headers response (with the
-    /// destination metadata) and the body chunks.
+    /// The whole request is in: read it, admit it (shed or queue), pick, and return the
+    /// headers response (with the destination metadata) and the body chunks.
     pub async fn decide(&mut self) -> Vec<ProcessingResponse> {
         let started = Instant::now();
-        let prepared = if self.end == RequestEnd::Bodyless || self.body.is_empty() {
-            None
-        } else {
-            let body = std::mem::take(&mut self.body);
-            let tokenizers = Arc::clone(&self.ctx.tokenizers);
-            let rules = Arc::clone(&self.ctx.model_rewrites);
-            let meta = self.meta.clone();
-            let work = tokio::task::spawn_blocking(move || {
-                let prepared = prepare(&tokenizers, &rules, &meta, &body);
-                (prepared, body)
-            });
-            match work.await {
-                Ok((result, body)) => {
-                    self.body = body;
-                    match result {
-                        Ok(prepared) => Some(prepared),
-                        Err(error) => return self.reject(error.into(), None),
-                    }
-                }
-                Err(_) => {
-                    return self.reject(Rejection::Internal("request preparation failed"), None);
-                }
-            }
+        let prepared = match self.prepare_body().await {
+            Ok(prepared) => prepared,
+            Err(rejection) => return self.reject(rejection, None),
         };
-        match self.pick(prepared, started) {
+        let model = prepared.as_ref().map(|p| p.client_model.clone());
+        let priority = self
+            .meta
+            .objective
+            .as_ref()
+            .and_then(|name| self.ctx.objectives.get(name))
+            .copied()
+            .unwrap_or(0);
+        let candidates = self.candidates();
+        let admitted = self
+            .ctx
+            .admission
+            .admit(
+                priority,
+                self.meta.fairness_id.as_deref(),
+                self.body.len(),
+                &candidates,
+                &self.ctx.metrics.flow_queue_seconds,
+            )
+            .await;
+        // The permit counts the request as pending until the pick has counted it in flight.
+        let _permit = match admitted {
+            Ok(permit) => permit,
+            Err(rejection) => return self.reject(rejection, model.as_deref()),
+        };
+        match self.pick(prepared, priority, started) {
             Ok(replies) => replies,
             Err((rejection, model)) => self.reject(rejection, model.as_deref()),
         }
     }
 
-    fn pick(
-        &mut self,
-        prepared: Option<Prepared>,
-        started: Instant,
-    ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
-        let model = prepared.as_ref().map(|p| p.client_model.clone());
+    /// Parses, rewrites and tokenizes the body on the blocking pool (`None`: no body).
+    async fn prepare_body(&mut self) -> Result<Option<Prepared>, Rejection> {
+        if self.end == RequestEnd::Bodyless || self.body.is_empty() {
+            return Ok(None);
+        }
+        let body = std::mem::take(&mut self.body);
+        let tokenizers = Arc::clone(&self.ctx.tokenizers);
+        let rules = Arc::clone(&self.ctx.model_rewrites);
+        let meta = self.meta.clone();
+        let work = tokio::task::spawn_blocking(move || {
+            let prepared = prepare(&tokenizers, &rules, &meta, &body);
+            (prepared, body)
+        });
+        let (result, body) = work
+            .await
+            .map_err(|_| Rejection::Internal("request preparation failed"))?;
+        self.body = body;
+        Ok(Some(result?))
+    }
+
+    /// The pool's endpoints the gateway's subset hint allows, from the current pool.
+    fn candidates(&self) -> Vec<Arc<crate::endpoints::EndpointState>> {
         let pool = self.ctx.datastore.snapshot();
-        let candidates: Vec<_> = match &self.subset {
+        match &self.subset {
             Some(hint) => pool
                 .endpoints
                 .iter()
@@ -311,9 +332,21 @@ impl RequestStream {
                 .cloned()
                 .collect(),
             None => pool.endpoints.clone(),
-        };
+        }
+    }
+
+    fn pick(
+        &mut self,
+        prepared: Option<Prepared>,
+        priority: i32,
+        started: Instant,
+    ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
+        let model = prepared.as_ref().map(|p| p.client_model.clone());
+        // A fresh look at the pool: flow control may have held the request a while.
+        let candidates = self.candidates();
         if candidates.is_empty() {
-            let rejection = if self.subset.is_some() && !pool.endpoints.is_empty() {
+            let pool_empty = self.ctx.datastore.snapshot().endpoints.is_empty();
+            let rejection = if self.subset.is_some() && !pool_empty {
                 Rejection::EmptySubset
             } else {
                 Rejection::Schedule(ScheduleError::NoCandidates)
@@ -335,13 +368,7 @@ impl RequestStream {
             key_context,
             prompt,
             body_bytes: self.body.len(),
-            priority: self
-                .meta
-                .objective
-                .as_ref()
-                .and_then(|name| self.ctx.objectives.get(name))
-                .copied()
-                .unwrap_or(0),
+            priority,
             fairness_id: self.meta.fairness_id.clone(),
             session_id: self.meta.session_id.clone(),
         };
@@ -352,11 +379,6 @@ impl RequestStream {
             .map_err(|e| (e.into(), model.clone()))?;
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
             self.in_flight = Some(primary.in_flight.start());
-        }
-        if let (Some(context), PromptTokens::Exact(tokens)) =
-            (&request.key_context, request.prompt.as_ref())
-        {
-            self.ctx.index.record_routed(pick.primary, context, tokens);
         }
 
         let metrics = &self.ctx.metrics;
@@ -428,6 +450,10 @@ impl RequestStream {
     fn end_response(&mut self) {
         self.in_flight = None;
         self.phase = Phase::Done;
+        // Capacity freed: let a queued request go without waiting for the next tick.
+        if let Some(flow) = &self.ctx.admission.flow {
+            flow.dispatch();
+        }
         if let (Some(routed), Some(usage)) = (&self.routed, self.usage.usage()) {
             let metrics = &self.ctx.metrics;
             let labels = [routed.model.as_str(), routed.target_model.as_str()];

@@ -40,6 +40,10 @@ pub struct AdminState {
     pub staleness: Duration,
     /// Model rewrite rules (so `/debug/prefix` keys a request as routing does).
     pub model_rewrites: Arc<crate::request::ModelRewriteRules>,
+    /// The scheduler (for `/debug/explain`).
+    pub scheduler: Arc<crate::scheduling::ConfiguredScheduler>,
+    /// Shedding and flow control (queue gauges).
+    pub admission: Arc<crate::extproc::admission::Admission>,
 }
 
 /// The admin router.
@@ -48,6 +52,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/debug/pods", get(debug::pods))
         .route("/debug/prefix", post(debug::prefix))
+        .route("/debug/explain", post(debug::explain))
         .with_state(state)
 }
 
@@ -56,6 +61,9 @@ async fn metrics(State(state): State<AdminState>) -> Response {
     // rare, requests are not.
     let pool = state.datastore.snapshot();
     state.metrics.ready_pods.set(pool.endpoints.len() as i64);
+    if let Some(flow) = &state.admission.flow {
+        state.metrics.flow_queue_size.set(flow.queued() as i64);
+    }
     state.metrics.in_flight.reset();
     for endpoint in &pool.endpoints {
         state

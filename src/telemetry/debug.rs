@@ -1,5 +1,5 @@
-//! The JSON debug views on the admin port (DESIGN §2.1): `GET /debug/pods` and
-//! `POST /debug/prefix`.
+//! The JSON debug views on the admin port (DESIGN §2.1): `GET /debug/pods`,
+//! `POST /debug/prefix` and `POST /debug/explain`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,9 +14,10 @@ use serde::{Deserialize, Serialize};
 use super::admin::AdminState;
 use crate::endpoints::PodId;
 use crate::extproc::meta::RequestMeta;
-use crate::extproc::prepare::prepare;
+use crate::extproc::prepare::{Prepared, prepare};
 use crate::kvcache::{DebugPrefixPod, KeyContext};
 use crate::kvevents::KvEventsStatus;
+use crate::scheduling::SchedulingRequest;
 use crate::tokenize::PromptTokens;
 
 /// A pod's last scraped load, as `/debug/pods` shows it.
@@ -94,6 +95,63 @@ pub async fn pods(State(state): State<AdminState>) -> axum::Json<PodsView> {
     axum::Json(PodsView { pods })
 }
 
+/// Parses and tokenizes a request body exactly as the ext-proc path does.
+async fn prepare_request(
+    state: &AdminState,
+    path: Option<String>,
+    body: Bytes,
+) -> Result<Prepared, Response> {
+    let tokenizers = Arc::clone(&state.tokenizers);
+    let rules = Arc::clone(&state.model_rewrites);
+    let meta = RequestMeta {
+        path: path.unwrap_or_default(),
+        ..RequestMeta::default()
+    };
+    match tokio::task::spawn_blocking(move || prepare(&tokenizers, &rules, &meta, &body)).await {
+        Ok(Ok(prepared)) => Ok(prepared),
+        Ok(Err(error)) => {
+            Err((StatusCode::BAD_REQUEST, format!("inference error: {error}")).into_response())
+        }
+        Err(_) => Err((StatusCode::INTERNAL_SERVER_ERROR, "tokenization failed").into_response()),
+    }
+}
+
+/// Query of `POST /debug/explain`.
+#[derive(Debug, Deserialize)]
+pub struct ExplainQuery {
+    /// The API path the body is for (default: guessed from the body's shape).
+    #[serde(default)]
+    path: Option<String>,
+    /// Priority to explain the request at (default 0).
+    #[serde(default)]
+    priority: Option<i32>,
+}
+
+/// `POST /debug/explain` with a request body: every candidate's per-scorer scores, the
+/// filters that removed pods, and the pick. Records nothing.
+pub async fn explain(
+    State(state): State<AdminState>,
+    Query(query): Query<ExplainQuery>,
+    body: Bytes,
+) -> Response {
+    let body_bytes = body.len();
+    let prepared = match prepare_request(&state, query.path, body).await {
+        Ok(prepared) => prepared,
+        Err(response) => return response,
+    };
+    let request = SchedulingRequest {
+        model: Some(prepared.client_model),
+        target_model: Some(prepared.target_model),
+        key_context: Some(prepared.key_context),
+        prompt: Arc::new(prepared.prompt),
+        body_bytes,
+        priority: query.priority.unwrap_or(0),
+        ..SchedulingRequest::default()
+    };
+    let candidates = state.datastore.snapshot().endpoints.clone();
+    axum::Json(state.scheduler.explain(&request, &candidates)).into_response()
+}
+
 /// Query of `POST /debug/prefix`.
 #[derive(Debug, Deserialize)]
 pub struct PrefixQuery {
@@ -146,28 +204,10 @@ pub async fn prefix(
             },
             PromptTokens::Exact(direct.token_ids),
         ),
-        None => {
-            let tokenizers = Arc::clone(&state.tokenizers);
-            let meta = RequestMeta {
-                path: query.path.clone().unwrap_or_default(),
-                ..RequestMeta::default()
-            };
-            let rules = Arc::clone(&state.model_rewrites);
-            let prepared =
-                tokio::task::spawn_blocking(move || prepare(&tokenizers, &rules, &meta, &body))
-                    .await;
-            match prepared {
-                Ok(Ok(prepared)) => (prepared.key_context, prepared.prompt),
-                Ok(Err(error)) => {
-                    return (StatusCode::BAD_REQUEST, format!("inference error: {error}"))
-                        .into_response();
-                }
-                Err(_) => {
-                    return (StatusCode::INTERNAL_SERVER_ERROR, "tokenization failed")
-                        .into_response();
-                }
-            }
-        }
+        None => match prepare_request(&state, query.path, body).await {
+            Ok(prepared) => (prepared.key_context, prepared.prompt),
+            Err(response) => return response,
+        },
     };
     let candidates: Vec<PodId> = state
         .datastore

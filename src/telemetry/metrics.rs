@@ -41,6 +41,11 @@ pub struct EppMetrics {
     /// Prompt tokens the servers served from their prefix cache, by endpoint: with
     /// `kvpick_prompt_tokens_total` this is the real cache hit rate of kvpick's routing.
     pub cached_prompt_tokens: IntCounterVec,
+    /// Requests waiting in flow control (GIE: `inference_extension_flow_control_queue_size`).
+    pub flow_queue_size: IntGauge,
+    /// Time requests spent in flow control
+    /// (GIE: `inference_extension_flow_control_request_queue_duration_seconds`).
+    pub flow_queue_seconds: Histogram,
     /// Pool reloads applied.
     pub pool_reloads: IntCounter,
     /// Pool reloads rejected (unreadable or invalid file).
@@ -130,6 +135,17 @@ impl EppMetrics {
                 ),
                 &["endpoint"],
             )?,
+            flow_queue_size: IntGauge::new(
+                "inference_extension_flow_control_queue_size",
+                "Requests waiting in flow control.",
+            )?,
+            flow_queue_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "inference_extension_flow_control_request_queue_duration_seconds",
+                    "Time a request waited in flow control.",
+                )
+                .buckets(prometheus::exponential_buckets(1e-4, 2.0, 20)?),
+            )?,
             pool_reloads: IntCounter::new("kvpick_pool_reloads_total", "Pool updates applied.")?,
             pool_reload_errors: IntCounter::new(
                 "kvpick_pool_reload_errors_total",
@@ -149,6 +165,8 @@ impl EppMetrics {
         registry.register(Box::new(metrics.output_tokens.clone()))?;
         registry.register(Box::new(metrics.prompt_tokens.clone()))?;
         registry.register(Box::new(metrics.cached_prompt_tokens.clone()))?;
+        registry.register(Box::new(metrics.flow_queue_size.clone()))?;
+        registry.register(Box::new(metrics.flow_queue_seconds.clone()))?;
         registry.register(Box::new(metrics.pool_reloads.clone()))?;
         registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
         Ok(metrics)
