@@ -1,0 +1,413 @@
+//! Scheduling end to end: kvpick-sim pods (real HTTP, real ZMQ KV events), the real kvpick
+//! binary with the shipped recommended profile (deploy/config/kvpick-recommended.yaml), and
+//! a real Envoy. What a client sees is what is asserted: prefix-cache hits reported by the
+//! pods, statuses, and kvpick's per-endpoint counters.
+
+mod support;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpick::sim::engine::EngineConfig;
+use kvpick::sim::events::EventLayout;
+use kvpick::sim::fleet::{FleetConfig, FleetPod, PodOverride, start_fleet};
+use kvpick::sim::tokenizer::SimTokenizer;
+use serde_json::{Value, json};
+use support::envoy::{Envoy, EnvoyOptions};
+use support::http::{post_json, send};
+use support::kvpick::Kvpick;
+
+const MODEL: &str = "sim-model";
+
+fn repo(path: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(path)
+        .to_string_lossy()
+        .into_owned()
+}
+
+async fn fleet(
+    pods: usize,
+    time_scale: f64,
+    overrides: Vec<(usize, PodOverride)>,
+) -> Vec<FleetPod> {
+    let tokenizer =
+        SimTokenizer::load(&PathBuf::from(repo("assets/tokenizer"))).expect("tokenizer");
+    start_fleet(
+        FleetConfig {
+            pods,
+            host: [127, 0, 0, 1].into(),
+            base_port: 0,
+            events_base_port: Some(0),
+            replay_base_port: Some(0),
+            model: MODEL.into(),
+            engine: EngineConfig {
+                block_size: 16,
+                num_gpu_blocks: 4096,
+                max_num_seqs: 8,
+                ..EngineConfig::default()
+            },
+            time_scale,
+            buffer_steps: 10_000,
+            layout: EventLayout::Map,
+            overrides,
+        },
+        Arc::new(tokenizer),
+    )
+    .await
+    .expect("fleet")
+}
+
+fn pool_yaml(pods: &[FleetPod]) -> String {
+    let mut yaml = String::from("endpoints:\n");
+    for pod in pods {
+        yaml.push_str(&format!("  - address: {}\n", pod.http));
+        if let Some(publisher) = &pod.pod.publisher {
+            yaml.push_str(&format!("    kvEvents: {}\n", publisher.endpoint));
+            if let Some(replay) = &publisher.replay_endpoint {
+                yaml.push_str(&format!("    kvReplay: {replay}\n"));
+            }
+        }
+    }
+    yaml
+}
+
+async fn kvpick(pods: &[FleetPod], extra: &[&str]) -> Kvpick {
+    let config = repo("deploy/config/kvpick-recommended.yaml");
+    let tokenizer = repo("assets/tokenizer");
+    let mut args = vec![
+        "--config-file",
+        config.as_str(),
+        "--tokenizer",
+        tokenizer.as_str(),
+        "--scrape-timeout",
+        "150ms",
+    ];
+    args.extend_from_slice(extra);
+    Kvpick::start(&pool_yaml(pods), &args).await
+}
+
+/// A shared system prompt of several hundred tokens.
+fn system_prompt() -> String {
+    (0..60)
+        .map(|i| format!("Rule {i}: answer billing questions about invoice {i} politely. "))
+        .collect()
+}
+
+fn completion(prompt: &str, max_tokens: u32) -> Vec<u8> {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+        .to_string()
+        .into_bytes()
+}
+
+fn cached_tokens(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Waits until kvpick's index shows some pod holding `blocks` leading blocks of `body`.
+async fn wait_for_index(kvpick: &Kvpick, body: &[u8], blocks: u64) -> String {
+    let url = kvpick.metrics_url("/debug/prefix?path=/v1/completions");
+    for _ in 0..200 {
+        let view = send("POST", &url, &[], body.to_vec())
+            .await
+            .expect("debug prefix")
+            .json();
+        if let Some(pod) = view["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["matched_blocks"].as_u64().unwrap_or(0) >= blocks)
+        {
+            return pod["address"].as_str().expect("address").to_owned();
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("kvpick's index never learned the prefix");
+}
+
+async fn pod_view(kvpick: &Kvpick, address: &str) -> Value {
+    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+        .await
+        .expect("debug pods")
+        .json();
+    pods["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["address"] == address)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+/// kvpick's `kvpick_prompt_tokens_total` for one endpoint (0 before its first response).
+async fn prompt_tokens_served(kvpick: &Kvpick, address: &str) -> u64 {
+    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    let series = format!("kvpick_prompt_tokens_total{{endpoint=\"{address}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
+    let pods = fleet(3, 0.05, Vec::new()).await;
+    let kvpick = kvpick(&pods, &[]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let system = system_prompt();
+    let url = envoy.url("/v1/completions");
+
+    let first = post_json(&url, &completion(&format!("{system}Question 0?"), 4)).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("usage");
+    assert!(
+        prompt_tokens > 400,
+        "a long shared prefix ({prompt_tokens} tokens)"
+    );
+    let probe = completion(&format!("{system}Question 1?"), 4);
+    let holder = wait_for_index(&kvpick, &probe, prompt_tokens / 16 - 2).await;
+
+    for i in 1..=6 {
+        let reply = post_json(&url, &completion(&format!("{system}Question {i}?"), 4)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let cached = cached_tokens(&reply.json());
+        assert!(
+            cached + 32 >= prompt_tokens,
+            "request {i}: {cached} of {prompt_tokens} prompt tokens cached: not routed to the holder {holder}"
+        );
+    }
+    let others: u64 = served_by_others(&kvpick, &pods, &holder).await;
+    assert_eq!(others, 0, "no shared-prefix request went to another pod");
+}
+
+async fn served_by_others(kvpick: &Kvpick, pods: &[FleetPod], except: &str) -> u64 {
+    let mut total = 0;
+    for pod in pods.iter().filter(|p| p.http.to_string() != except) {
+        total += prompt_tokens_served(kvpick, &pod.http.to_string()).await;
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_owner_whose_queue_outgrows_the_savings_loses_new_requests() {
+    // One request at a time per pod, so a burst builds a visible queue.
+    let one_at_a_time = (0..3)
+        .map(|i| {
+            (
+                i,
+                PodOverride {
+                    max_num_seqs: Some(1),
+                    ..PodOverride::default()
+                },
+            )
+        })
+        .collect();
+    let pods = fleet(3, 0.2, one_at_a_time).await;
+    let kvpick = kvpick(&pods, &[]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let system = system_prompt();
+    let url = envoy.url("/v1/completions");
+
+    let first = post_json(&url, &completion(&format!("{system}Question 0?"), 4)).await;
+    assert_eq!(first.status, 200);
+    let prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("usage");
+    let probe = completion(&format!("{system}Question 1?"), 4);
+    let holder = wait_for_index(&kvpick, &probe, prompt_tokens / 16 - 2).await;
+    let holder_pod = pods
+        .iter()
+        .find(|p| p.http.to_string() == holder)
+        .expect("holder is a pod");
+
+    // Load the owner directly (not through kvpick): only its scraped queue shows it.
+    let direct = format!("http://{}/v1/completions", holder_pod.http);
+    let mut load = Vec::new();
+    for i in 0..6 {
+        let (direct, body) = (
+            direct.clone(),
+            completion(&format!("unrelated load {i}"), 300),
+        );
+        load.push(tokio::spawn(async move { post_json(&direct, &body).await }));
+    }
+    support::wait_until(
+        "the owner's queue to show in kvpick",
+        Duration::from_secs(10),
+        || {
+            let (kvpick, holder) = (&kvpick, holder.clone());
+            async move {
+                pod_view(kvpick, &holder).await["metrics"]["waiting"]
+                    .as_f64()
+                    .unwrap_or(0.0)
+                    >= 3.0
+            }
+        },
+    )
+    .await;
+
+    let reply = post_json(&url, &completion(&format!("{system}Question 2?"), 4)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        cached_tokens(&reply.json()),
+        0,
+        "with the owner's queue costing more than the prefill it saves, the request went to an idle pod"
+    );
+    assert!(served_by_others(&kvpick, &pods, &holder).await > 0);
+    for handle in load {
+        assert_eq!(handle.await.expect("join").status, 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sheddable_requests_get_429_under_saturation_while_critical_ones_queue_and_complete() {
+    let pods = fleet(
+        1,
+        1.0,
+        vec![(
+            0,
+            PodOverride {
+                max_num_seqs: Some(1),
+                ..PodOverride::default()
+            },
+        )],
+    )
+    .await;
+    let kvpick = kvpick(
+        &pods,
+        &["--objective", "critical=10", "--objective", "batch=-1"],
+    )
+    .await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    let address = pods[0].http.to_string();
+
+    let mut critical = Vec::new();
+    for i in 0..10 {
+        let (url, body) = (
+            url.clone(),
+            completion(&format!("critical work item {i}"), 48),
+        );
+        critical.push(tokio::spawn(async move {
+            send(
+                "POST",
+                &url,
+                &[
+                    ("content-type", "application/json"),
+                    ("x-gateway-inference-objective", "critical"),
+                ],
+                body,
+            )
+            .await
+            .expect("critical request")
+        }));
+    }
+    // Saturated: the pod's queue reached the detector's threshold (5 waiting).
+    support::wait_until("the pool to saturate", Duration::from_secs(15), || {
+        let (kvpick, address) = (&kvpick, address.clone());
+        async move {
+            pod_view(kvpick, &address).await["metrics"]["waiting"]
+                .as_f64()
+                .unwrap_or(0.0)
+                >= 5.0
+        }
+    })
+    .await;
+    let shed = send(
+        "POST",
+        &url,
+        &[
+            ("content-type", "application/json"),
+            ("x-gateway-inference-objective", "batch"),
+        ],
+        completion("batch work", 4),
+    )
+    .await
+    .expect("sheddable request");
+    assert_eq!(shed.status, 429, "{}", shed.text());
+    assert!(shed.text().contains("sheddable"), "{}", shed.text());
+
+    for handle in critical {
+        let reply = handle.await.expect("join");
+        assert_eq!(
+            reply.status,
+            200,
+            "critical requests complete: {}",
+            reply.text()
+        );
+    }
+    let metrics = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    assert!(
+        metrics.contains(
+            "inference_objective_request_error_total{error_code=\"InferencePoolResourceExhausted\""
+        ),
+        "the 429 is counted: {metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_metrics_hang_gets_no_traffic_until_it_recovers() {
+    let pods = fleet(2, 0.05, Vec::new()).await;
+    let kvpick = kvpick(&pods, &[]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    let (healthy, hung) = (pods[0].http.to_string(), pods[1].http.to_string());
+    let faults = format!("http://{hung}/admin/faults");
+
+    let stall = send("POST", &faults, &[], br#"{"metrics":"stall"}"#.to_vec())
+        .await
+        .expect("fault");
+    assert_eq!(stall.status, 200);
+    support::wait_until(
+        "kvpick to see the hung scrape",
+        Duration::from_secs(10),
+        || {
+            let (kvpick, hung) = (&kvpick, hung.clone());
+            async move { pod_view(kvpick, &hung).await["ready"] == false }
+        },
+    )
+    .await;
+    for i in 0..12 {
+        let reply = post_json(
+            &url,
+            &completion(&format!("independent prompt number {i}"), 2),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    assert_eq!(
+        prompt_tokens_served(&kvpick, &hung).await,
+        0,
+        "the hung pod got no traffic"
+    );
+    assert!(prompt_tokens_served(&kvpick, &healthy).await > 0);
+
+    let ok = send("POST", &faults, &[], br#"{"metrics":"ok"}"#.to_vec())
+        .await
+        .expect("fault");
+    assert_eq!(ok.status, 200);
+    support::wait_until("the pod to come back", Duration::from_secs(10), || {
+        let (kvpick, hung) = (&kvpick, hung.clone());
+        async move { pod_view(kvpick, &hung).await["ready"] == true }
+    })
+    .await;
+    for i in 0..40 {
+        let reply = post_json(&url, &completion(&format!("after recovery {i}"), 2)).await;
+        assert_eq!(reply.status, 200);
+        if prompt_tokens_served(&kvpick, &hung).await > 0 {
+            return;
+        }
+    }
+    panic!("the recovered pod never got traffic again");
+}
