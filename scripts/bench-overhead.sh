@@ -19,7 +19,10 @@ for port in 8101 8102; do
   $BIN/kvpick-bench backend --listen 127.0.0.1:$port & PIDS+=($!)
 done
 printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' > "$WORK/pool.yaml"
-RUST_LOG=warn $BIN/kvpick serve --bind-address 127.0.0.1 --endpoints-file "$WORK/pool.yaml" & KVPICK=$!; PIDS+=($KVPICK)
+# The full request path: body parse, chat/completion tokenization with the shipped
+# tokenizer, prefix lookup, GIE's default profile over scraped metrics.
+RUST_LOG=warn $BIN/kvpick serve --bind-address 127.0.0.1 --endpoints-file "$WORK/pool.yaml" \
+  --tokenizer assets/tokenizer & KVPICK=$!; PIDS+=($KVPICK)
 
 # Envoy alone: the shipped config without the ext_proc filter, on other ports.
 python3 - "$WORK" <<'PY'
@@ -32,12 +35,18 @@ plain = config[:start] + config[end:]
 plain = plain.replace("port_value: 8081", "port_value: 8082").replace("port_value: 9901", "port_value: 9902")
 open(f"{work}/envoy-plain.yaml", "w").write(plain)
 PY
-.venv/bin/envoy -c deploy/envoy/envoy.yaml --disable-hot-restart --concurrency 1 -l error & PIDS+=($!)
-.venv/bin/envoy -c "$WORK/envoy-plain.yaml" --disable-hot-restart --concurrency 1 -l error & PIDS+=($!)
+.venv/bin/envoy -c deploy/envoy/envoy.yaml --disable-hot-restart --concurrency 1 -l error \
+  >"$WORK/envoy-kvpick.log" 2>&1 & PIDS+=($!)
+.venv/bin/envoy -c "$WORK/envoy-plain.yaml" --disable-hot-restart --concurrency 1 -l error \
+  >"$WORK/envoy-plain.log" 2>&1 & PIDS+=($!)
 for admin in 9901 9902; do
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
 done
-sleep 1.5 # first kvpick health check
+# Envoy routes through kvpick once its health check has seen kvpick ready.
+for _ in $(seq 100); do
+  curl -sf localhost:9901/clusters | grep -q "^kvpick::127.0.0.1:9002::health_flags::healthy" && break
+  sleep 0.1
+done
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$KVPICK/stat"; }
 TICK=$(getconf CLK_TCK)
@@ -59,3 +68,7 @@ for name, rep, cpu in (("envoy+kvpick", a, f"{cpu_us:.1f}"), ("envoy-alone", b, 
     print(f'{r},{name},{l["p50_ms"]:.3f},{l["p99_ms"]:.3f},{rep["requests_per_second"]:.0f},{rep["errors"]},{cpu}')
 PY
 done
+# Every request of the kvpick runs must have been picked by kvpick (not failed open).
+picked=$(grep -c ' picked=127.0.0.1:810' "$WORK/envoy-kvpick.log" || true)
+unpicked=$(grep -c ' picked=- ' "$WORK/envoy-kvpick.log" || true)
+echo "# kvpick-routed requests: $picked, not routed by kvpick: $unpicked"

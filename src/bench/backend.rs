@@ -1,5 +1,6 @@
 //! A minimal HTTP backend that answers every request at once with a small JSON body, for
-//! measuring proxy overhead without model time in the way.
+//! measuring proxy overhead without model time in the way. `GET /metrics` answers an idle
+//! vLLM's scheduling metrics, so kvpick scrapes it as it would a real pod.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -26,10 +27,19 @@ pub async fn serve(listener: TcpListener) -> std::io::Result<()> {
     }
 }
 
+/// An idle vLLM's scheduling metrics.
+const IDLE_METRICS: &str =
+    "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n";
+
 async fn answer(
     addr: SocketAddr,
     request: hyper::Request<hyper::body::Incoming>,
 ) -> Result<hyper::Response<Full<Bytes>>, Infallible> {
+    if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
+        return Ok(hyper::Response::new(Full::new(Bytes::from_static(
+            IDLE_METRICS.as_bytes(),
+        ))));
+    }
     let bytes = request
         .into_body()
         .collect()

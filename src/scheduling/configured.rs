@@ -59,6 +59,10 @@ pub struct ConfiguredScheduler {
     recorder: Option<Recorder>,
 }
 
+/// Prompts up to this many tokens are recorded on the request path even with a background
+/// recorder (measured: below this the thread wake-up costs more than the write).
+const INLINE_RECORD_TOKENS: usize = 4096;
+
 /// A routing record handed to the background recorder.
 type RouteRecord = (PodId, KeyContext, Arc<PromptTokens>);
 
@@ -387,14 +391,16 @@ impl ConfiguredScheduler {
                 let Some(context) = cycle.request.key_context.as_ref() else {
                     return;
                 };
+                // NOTE: a short prompt is recorded inline: waking the recorder thread costs
+                // more than writing a few hundred speculative entries.
                 match &self.recorder {
-                    None => self.deps.index.record_routed(primary, context, tokens),
-                    Some(recorder) => {
+                    Some(recorder) if tokens.len() > INLINE_RECORD_TOKENS => {
                         let record = (primary, context.clone(), Arc::clone(&cycle.request.prompt));
                         if recorder.queue.try_send(record).is_err() {
                             recorder.drops.fetch_add(1, Ordering::Relaxed);
                         }
                     }
+                    _ => self.deps.index.record_routed(primary, context, tokens),
                 }
             }
             PromptTokens::Approximate(prompt) if params.mode == PrefixMode::Auto => {
