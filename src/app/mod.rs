@@ -192,6 +192,7 @@ pub async fn serve(
             tokenizers: Arc::clone(&tokenizers),
             scrapes: Arc::clone(&metrics_store),
             staleness: config.scrape.staleness,
+            pool_name: config.pool_name.clone(),
             model_rewrites: Arc::clone(&model_rewrites),
             scheduler: Arc::clone(&scheduler),
             admission: Arc::clone(&admission),

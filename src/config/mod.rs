@@ -28,6 +28,9 @@ pub struct ServeArgs {
     /// Address all three servers bind to.
     #[arg(long, default_value = "0.0.0.0")]
     pub bind_address: IpAddr,
+    /// The pool's name (GIE `--pool-name`; the `name` label of pool metrics).
+    #[arg(long, default_value = "default")]
+    pub pool_name: String,
     /// Static pool file (YAML, see DESIGN §2.1); re-read when it changes.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,
@@ -163,6 +166,8 @@ pub struct ServeConfig {
     pub health_addr: SocketAddr,
     /// Metrics/admin HTTP listen address.
     pub metrics_addr: SocketAddr,
+    /// The pool's name.
+    pub pool_name: String,
     /// The static pool file.
     pub endpoints_file: PathBuf,
     /// Poll interval of the pool file.
@@ -267,6 +272,7 @@ impl ServeArgs {
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
             health_addr: SocketAddr::new(ip, self.grpc_health_port),
             metrics_addr: SocketAddr::new(ip, self.metrics_port),
+            pool_name: self.pool_name,
             endpoints_file,
             endpoints_reload_interval: self.endpoints_reload_interval,
             max_body_bytes: self.max_body_bytes,

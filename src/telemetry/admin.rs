@@ -38,6 +38,8 @@ pub struct AdminState {
     pub scrapes: Arc<MetricsStore>,
     /// Metrics older than this are stale.
     pub staleness: Duration,
+    /// The pool's name (the `name` label of pool metrics).
+    pub pool_name: String,
     /// Model rewrite rules (so `/debug/prefix` keys a request as routing does).
     pub model_rewrites: Arc<crate::request::ModelRewriteRules>,
     /// The scheduler (for `/debug/explain`).
@@ -60,7 +62,40 @@ async fn metrics(State(state): State<AdminState>) -> Response {
     // Gauges that mirror the pool are set here rather than on every request: a scrape is
     // rare, requests are not.
     let pool = state.datastore.snapshot();
-    state.metrics.ready_pods.set(pool.endpoints.len() as i64);
+    let now = std::time::Instant::now();
+    let fresh: Vec<_> = pool
+        .endpoints
+        .iter()
+        .filter_map(|e| {
+            let status = state.scrapes.status(e.id());
+            if status.is_fresh(now, state.staleness) {
+                status.metrics
+            } else {
+                None
+            }
+        })
+        .collect();
+    let name = [state.pool_name.as_str()];
+    state
+        .metrics
+        .ready_pods
+        .with_label_values(&name)
+        .set(fresh.len() as i64);
+    if !fresh.is_empty() {
+        let n = fresh.len() as f64;
+        let kv = fresh.iter().map(|m| m.kv_usage).sum::<f64>() / n;
+        let queue = fresh.iter().map(|m| m.waiting).sum::<f64>() / n;
+        state
+            .metrics
+            .pool_average_kv
+            .with_label_values(&name)
+            .set(kv);
+        state
+            .metrics
+            .pool_average_queue
+            .with_label_values(&name)
+            .set(queue);
+    }
     if let Some(flow) = &state.admission.flow {
         state.metrics.flow_queue_size.set(flow.queued() as i64);
     }

@@ -5,8 +5,8 @@
 //! existing dashboards keep working; kvpick-only series are prefixed `kvpick_`.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 /// Metrics of the ext-proc path and the pool.
@@ -22,8 +22,14 @@ pub struct EppMetrics {
     /// Time from the end of the request body to the pick
     /// (GIE: `inference_extension_scheduler_e2e_duration_seconds`).
     pub scheduler_e2e: Histogram,
-    /// Endpoints in the pool (GIE: `inference_pool_ready_pods`).
-    pub ready_pods: IntGauge,
+    /// Endpoints with fresh metrics, by pool (GIE: `inference_pool_ready_pods`).
+    pub ready_pods: IntGaugeVec,
+    /// Mean KV-cache usage over the pool's fresh endpoints
+    /// (GIE: `inference_pool_average_kv_cache_utilization`).
+    pub pool_average_kv: GaugeVec,
+    /// Mean waiting queue over the pool's fresh endpoints
+    /// (GIE: `inference_pool_average_queue_size`).
+    pub pool_average_queue: GaugeVec,
     /// In-flight requests per endpoint, kvpick's own count.
     pub in_flight: IntGaugeVec,
     /// Ext-proc streams currently open.
@@ -85,7 +91,27 @@ impl EppMetrics {
                 )
                 .buckets(prometheus::exponential_buckets(1e-6, 2.0, 20)?),
             )?,
-            ready_pods: IntGauge::new("inference_pool_ready_pods", "Endpoints in the pool.")?,
+            ready_pods: IntGaugeVec::new(
+                Opts::new(
+                    "inference_pool_ready_pods",
+                    "Endpoints of the pool whose metrics are fresh.",
+                ),
+                &["name"],
+            )?,
+            pool_average_kv: GaugeVec::new(
+                Opts::new(
+                    "inference_pool_average_kv_cache_utilization",
+                    "Mean KV-cache usage of the pool's endpoints with fresh metrics.",
+                ),
+                &["name"],
+            )?,
+            pool_average_queue: GaugeVec::new(
+                Opts::new(
+                    "inference_pool_average_queue_size",
+                    "Mean waiting requests of the pool's endpoints with fresh metrics.",
+                ),
+                &["name"],
+            )?,
             in_flight: IntGaugeVec::new(
                 Opts::new(
                     "kvpick_endpoint_in_flight_requests",
@@ -157,6 +183,8 @@ impl EppMetrics {
         registry.register(Box::new(metrics.request_sizes.clone()))?;
         registry.register(Box::new(metrics.scheduler_e2e.clone()))?;
         registry.register(Box::new(metrics.ready_pods.clone()))?;
+        registry.register(Box::new(metrics.pool_average_kv.clone()))?;
+        registry.register(Box::new(metrics.pool_average_queue.clone()))?;
         registry.register(Box::new(metrics.in_flight.clone()))?;
         registry.register(Box::new(metrics.open_streams.clone()))?;
         registry.register(Box::new(metrics.aborted_streams.clone()))?;
