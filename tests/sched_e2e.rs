@@ -187,6 +187,23 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
     }
     let others: u64 = served_by_others(&kvpick, &pods, &holder).await;
     assert_eq!(others, 0, "no shared-prefix request went to another pod");
+    let metrics = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    for plugin in [
+        "extension_point=\"Filter\",plugin_name=\"saturation-filter\"",
+        "extension_point=\"Scorer\",plugin_name=\"ttft-cost-scorer\"",
+        "extension_point=\"DataProducer\",plugin_name=\"prefix-cache-match\"",
+        "extension_point=\"Picker\",plugin_name=\"picker\"",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "inference_extension_plugin_duration_seconds_count{{{plugin}}} 7"
+            )),
+            "seven picks timed for {plugin}"
+        );
+    }
 }
 
 async fn served_by_others(kvpick: &Kvpick, pods: &[FleetPod], except: &str) -> u64 {

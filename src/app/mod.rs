@@ -129,6 +129,7 @@ pub async fn serve(
             config.max_fallbacks,
         )
         // Speculative index entries are written off the request path (bounded queue).
+        .with_plugin_metrics(&registry)?
         .with_background_recording(ROUTING_RECORD_QUEUE)
         .map_err(|e| ServeError::Server {
             server: "routing recorder",

@@ -57,6 +57,7 @@ pub struct ConfiguredScheduler {
     limit: usize,
     detector: SaturationDetector,
     recorder: Option<Recorder>,
+    plugin_seconds: Option<prometheus::HistogramVec>,
 }
 
 /// Prompts up to this many tokens are recorded on the request path even with a background
@@ -158,6 +159,7 @@ impl ConfiguredScheduler {
             limit,
             detector,
             recorder: None,
+            plugin_seconds: None,
             config,
         }
     }
@@ -187,6 +189,34 @@ impl ConfiguredScheduler {
             drops: Arc::new(AtomicU64::new(0)),
         });
         Ok(self)
+    }
+
+    /// Times every filter, the prefix lookup, every scorer and the picker into
+    /// `inference_extension_plugin_duration_seconds{extension_point, plugin_name}` (GIE's
+    /// metric; kvpick labels plugins by their configured name).
+    pub fn with_plugin_metrics(
+        mut self,
+        registry: &prometheus::Registry,
+    ) -> prometheus::Result<Self> {
+        let histogram = prometheus::HistogramVec::new(
+            prometheus::HistogramOpts::new(
+                "inference_extension_plugin_duration_seconds",
+                "Time spent in each scheduling plugin.",
+            )
+            .buckets(prometheus::exponential_buckets(1e-7, 2.0, 24)?),
+            &["extension_point", "plugin_name"],
+        )?;
+        registry.register(Box::new(histogram.clone()))?;
+        self.plugin_seconds = Some(histogram);
+        Ok(self)
+    }
+
+    fn observe(&self, point: &str, plugin: &str, started: Instant) {
+        if let Some(histogram) = &self.plugin_seconds {
+            histogram
+                .with_label_values(&[point, plugin])
+                .observe(started.elapsed().as_secs_f64());
+        }
     }
 
     /// Routing records dropped because the background recorder's queue was full.
@@ -277,8 +307,10 @@ impl ConfiguredScheduler {
             .map(|e| PodView::read(e, self.deps.metrics.as_ref(), now, staleness))
             .collect();
         for filter in &self.filters {
+            let started = Instant::now();
             let (removed, kept_all) =
                 filters::apply(&filter.filter, request, &self.config.saturation, &mut pods);
+            self.observe("Filter", &filter.name, started);
             if let Some(reports) = reports.as_deref_mut() {
                 reports.push(FilterReport {
                     filter: filter.name.clone(),
@@ -296,15 +328,19 @@ impl ConfiguredScheduler {
             prefix: Vec::new(),
             pods,
         };
+        let started = Instant::now();
         self.prefix_hits(&mut cycle);
+        self.observe("DataProducer", "prefix-cache-match", started);
         let n = cycle.pods.len();
         let mut totals = vec![0.0; n];
         let keep_columns = reports.is_some();
         let mut columns = Vec::new();
         let mut column = vec![0.0; n];
-        for (_, weight, scorer) in &self.scorers {
+        for (name, weight, scorer) in &self.scorers {
+            let started = Instant::now();
             column.iter_mut().for_each(|s| *s = 0.0);
             scorer.score(&cycle, &mut column);
+            self.observe("Scorer", name, started);
             for (total, score) in totals.iter_mut().zip(&column) {
                 *total += weight * score;
             }
@@ -312,7 +348,9 @@ impl ConfiguredScheduler {
                 columns.push(column.clone());
             }
         }
+        let started = Instant::now();
         let order = pickers::order(&self.config.picker, &totals, self.limit);
+        self.observe("Picker", "picker", started);
         Some((cycle, columns, totals, order))
     }
 
