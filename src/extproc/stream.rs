@@ -353,7 +353,7 @@ impl RequestStream {
 
     fn pick(
         &mut self,
-        prepared: Option<Prepared>,
+        mut prepared: Option<Prepared>,
         priority: i32,
         started: Instant,
     ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
@@ -369,12 +369,13 @@ impl RequestStream {
             };
             return Err((rejection, model));
         }
-        let (target_model, key_context, prompt) = match &prepared {
+        let (target_model, key_context, prompt) = match prepared.as_mut() {
+            // The token ids move into the Arc the scheduler shares (no copy of a long prompt);
+            // what the reply still needs of `prepared` is the body, model names and `stream`.
             Some(p) => (
                 Some(p.target_model.clone()),
                 Some(p.key_context.clone()),
-                // NOTE: the prompt moves into an Arc once per request; the scheduler shares it.
-                Arc::new(p.prompt.clone()),
+                Arc::new(std::mem::replace(&mut p.prompt, PromptTokens::Empty)),
             ),
             None => (None, None, Arc::new(PromptTokens::Empty)),
         };
