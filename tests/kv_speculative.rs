@@ -133,3 +133,47 @@ async fn approximate_mode_learns_from_routing_with_lru_capacity() {
     assert_eq!(index.pod_entries(c), 0);
     assert_eq!(index.distinct_blocks(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn record_after_lookup_reuses_keys_and_refreshes_only_speculation() {
+    let index = PrefixIndex::new(IndexConfig::default());
+    let (a, b) = (pod(8104), pod(8105));
+    index.apply_batch(a, "tiny", &batch(0));
+    index.apply_batch(b, "tiny", &batch(0));
+    let context = KeyContext::model("tiny");
+    let billing = prompt(2); // 14 full blocks
+    // b is routed the first 6 blocks' worth of the prompt, then (1.5 s later) the whole prompt
+    // after a lookup: the lookup's keys are reused and b's speculative head is refreshed, so
+    // the whole run outlives the first record's TTL.
+    let head = &billing[..6 * 32];
+    index.record_routed(b, &context, head);
+    assert_eq!(index.speculative_entries(), 6);
+    tokio::time::advance(Duration::from_millis(1500)).await;
+    let mut lookup = index.lookup(&context, &billing, &[a, b]);
+    let runs: Vec<usize> = lookup.matches.iter().map(|m| m.matched_blocks).collect();
+    assert_eq!(runs, vec![0, 6]);
+    assert_eq!(lookup.confirmed_run(b, 32), 0, "b's run is speculative");
+    index.record_routed_lookup(b, &context, &billing, &mut lookup);
+    assert_eq!(index.speculative_entries(), 14);
+    tokio::time::advance(Duration::from_millis(600)).await;
+    assert_eq!(matched(&index, &billing, &[a, b]), vec![0, 14]);
+    // Blocks b holds confirmed are neither refreshed nor duplicated: after chat-billing's
+    // events (seq 2) b's run is confirmed and a record adds nothing.
+    index.apply_batch(b, "tiny", &batch(2));
+    assert_eq!(index.speculative_entries(), 0);
+    let mut lookup = index.lookup(&context, &billing, &[a, b]);
+    assert_eq!(lookup.confirmed_run(b, 32), 14);
+    index.record_routed_lookup(b, &context, &billing, &mut lookup);
+    assert_eq!(index.speculative_entries(), 0);
+    // The keys the lookup reused are the keys a fresh record computes: recording the whole
+    // prompt on a from scratch lands on the same blocks.
+    index.record_routed(a, &context, &billing);
+    assert_eq!(matched(&index, &billing, &[a, b]), vec![14, 14]);
+    assert_eq!(index.speculative_entries(), 14);
+    // A lookup whose chain was taken by another pod's record still records correctly.
+    let mut lookup = index.lookup(&context, &billing[..10 * 32], &[a]);
+    let c = pod(8106);
+    index.apply_batch(c, "tiny", &batch(0));
+    index.record_routed_lookup(c, &context, &billing[..10 * 32], &mut lookup);
+    assert_eq!(matched(&index, &billing, &[c]), vec![10]);
+}

@@ -28,7 +28,8 @@ use tokio::time::Instant;
 
 use super::approx::LruBlocks;
 use super::holders::Holders;
-use super::key::{BlockKey, KeyContext, KeyHasherScratch, PrehashedState, block_keys};
+use super::key::{BlockKey, KeyChain, KeyContext, PrehashedState, next_key};
+use super::matching::PrefixLookup;
 use super::metrics::IndexMetrics;
 use super::speculative::Speculative;
 use crate::endpoints::PodId;
@@ -290,11 +291,10 @@ impl PrefixIndex {
             state.precise = true;
             self.drop_approx(&entry, &mut state);
         }
-        let mut scratch = KeyHasherScratch::default();
         for event in &batch.events {
             match event {
                 KvEvent::BlockStored(stored) => {
-                    self.apply_stored(&entry, &mut state, model, stored, &mut scratch, &mut stats)
+                    self.apply_stored(&entry, &mut state, model, stored, &mut stats)
                 }
                 KvEvent::BlockRemoved(removed) => {
                     self.apply_removed(&entry, &mut state, removed, &mut stats)
@@ -317,7 +317,6 @@ impl PrefixIndex {
         state: &mut PodBlocks,
         model: &str,
         stored: &BlockStored,
-        scratch: &mut KeyHasherScratch,
         stats: &mut ApplyStats,
     ) {
         let blocks = stored.block_hashes.len();
@@ -380,7 +379,7 @@ impl PrefixIndex {
             .enumerate()
         {
             let opaque = stored.extra.get(i).and_then(|e| e.opaque);
-            let key = scratch.next_key(previous, tokens, opaque);
+            let key = next_key(previous, tokens, opaque);
             previous = key.0;
             reannounce = self.insert(entry, state, *hash, key, tier, reannounce, stats);
         }
@@ -493,8 +492,44 @@ impl PrefixIndex {
     /// publishes events, its blocks count as held for the speculative TTL (until confirmed);
     /// for a pod without events, they enter its approximate LRU set.
     pub fn record_routed(&self, pod: PodId, context: &KeyContext, tokens: &[u32]) {
+        let chain = KeyChain::new(context.seed(), self.block_size_for(pod));
+        self.record_routed_chain(pod, tokens, chain, 0);
+    }
+
+    /// [`Self::record_routed`] after a [`Self::lookup`] that had `pod` among its candidates:
+    /// reuses the keys the lookup computed, and skips the leading blocks the lookup found
+    /// `pod` holding confirmed (speculative ones are refreshed).
+    pub fn record_routed_lookup(
+        &self,
+        pod: PodId,
+        context: &KeyContext,
+        tokens: &[u32],
+        lookup: &mut PrefixLookup,
+    ) {
+        let size = self.block_size_for(pod);
+        let held = lookup.confirmed_run(pod, size);
+        let chain = lookup
+            .take_chain(size)
+            .unwrap_or_else(|| KeyChain::new(context.seed(), size));
+        self.record_routed_chain(pod, tokens, chain, held);
+    }
+
+    /// Records `pod` as holding `tokens`' blocks from block `held` on (the ones before are
+    /// known to be held confirmed), keyed through `chain` (which must have been built for `tokens` in
+    /// the request's context).
+    pub fn record_routed_chain(
+        &self,
+        pod: PodId,
+        tokens: &[u32],
+        mut chain: KeyChain,
+        held: usize,
+    ) {
         let entry = self.pod_or_insert(pod);
-        let keys = block_keys(context, tokens, self.block_size_for(pod));
+        if chain.block_size() != self.block_size_for(pod) {
+            // The pod's block size changed since the lookup: the chain keys another layout.
+            return;
+        }
+        let keys = chain.extend_to(tokens, usize::MAX);
         if keys.is_empty() {
             return;
         }
@@ -504,8 +539,14 @@ impl PrefixIndex {
         }
         if state.precise {
             drop(state);
+            // NOTE: beyond the run the lookup found, blocks are checked one by one: a pod may
+            // hold a later block confirmed (its prefix was evicted out of order), and a
+            // speculative entry for it would only cost memory.
             let missing: Vec<BlockKey> = keys
-                .into_iter()
+                .get(held..)
+                .unwrap_or_default()
+                .iter()
+                .copied()
                 .filter(|key| {
                     !self
                         .blocks
@@ -517,8 +558,9 @@ impl PrefixIndex {
                 .record(entry.slot, &missing, Instant::now());
             return;
         }
+        // Approximate mode: every block is touched, so the LRU order follows recency.
         let capacity = state.approx_capacity;
-        let (added, evicted) = state.approx.touch(&keys, capacity);
+        let (added, evicted) = state.approx.touch(keys, capacity);
         for key in &added {
             self.add_holder(*key, entry.slot, Tier::Gpu);
         }

@@ -5,8 +5,13 @@
 //! makes the index independent of all that; the engine hash is only used to find which key a
 //! `BlockRemoved` refers to (see [`super::index`]).
 //!
-//! `key_0 = xxh3(tokens_0, seed(model, lora, cache_salt))`, `key_i = xxh3(tokens_i, key_{i-1})`:
+//! `key_i = chain(key_{i-1}, xxh3(tokens_i))` with `key_{-1} = seed(model, lora, cache_salt)`:
 //! equal keys mean equal model, adapter, salt and every token of the prefix up to that block.
+//!
+//! Why hash each block on its own and chain with a cheap mix (rather than seeding block i's
+//! xxh3 with key i−1): the blocks' hashes do not depend on each other, so the CPU overlaps
+//! them; only the mix (a multiply) is serial. Keys are hashed over the token ids' native
+//! byte order without copying; they never leave the process, so no byte order is fixed.
 
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -58,68 +63,95 @@ impl KeyContext {
     }
 }
 
-/// Reusable scratch space for hashing token ids without allocating per block.
-#[derive(Default)]
-pub struct KeyHasherScratch {
-    bytes: Vec<u8>,
+/// Seed of the hash of a block's extra keys (kept apart from token hashes).
+const OPAQUE_SEED: u64 = 0x6f70_6171_7565_6b76;
+
+/// Mixes one block's hash into the chain: a bijection in each argument (xor, multiply by an
+/// odd constant, rotate), so distinct prefixes or distinct blocks give distinct keys unless
+/// their 64-bit hashes collide.
+#[inline]
+fn chain(previous: u64, block_hash: u64) -> u64 {
+    (previous ^ block_hash)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .rotate_left(29)
 }
 
-impl KeyHasherScratch {
-    /// The key of one block given the previous key (or the context seed for block 0), and
-    /// an optional digest of extra keys that a plain text prefix cannot carry.
-    pub fn next_key(&mut self, previous: u64, tokens: &[u32], opaque: Option<u64>) -> BlockKey {
-        self.bytes.resize(tokens.len() * 4, 0);
-        for (bytes, token) in self.bytes.chunks_exact_mut(4).zip(tokens) {
-            bytes.copy_from_slice(&token.to_le_bytes());
-        }
-        let key = xxh3_64_with_seed(&self.bytes, previous);
-        BlockKey(match opaque {
-            Some(extra) => xxh3_64_with_seed(&extra.to_le_bytes(), key),
-            None => key,
-        })
-    }
+/// The key of one block given the previous key (or the context seed for block 0), and an
+/// optional digest of extra keys that a plain token prefix cannot carry.
+#[inline]
+pub fn next_key(previous: u64, tokens: &[u32], opaque: Option<u64>) -> BlockKey {
+    let key = chain(previous, xxh3_64(bytemuck::cast_slice(tokens)));
+    BlockKey(match opaque {
+        Some(extra) => chain(key, xxh3_64_with_seed(&extra.to_le_bytes(), OPAQUE_SEED)),
+        None => key,
+    })
 }
 
 /// The keys of every full block of `tokens` (a trailing partial block has no key).
 pub fn block_keys(context: &KeyContext, tokens: &[u32], block_size: u32) -> Vec<BlockKey> {
-    BlockKeys::new(context, tokens, block_size).collect()
+    let mut chain = KeyChain::new(context.seed(), block_size);
+    chain.extend_to(tokens, usize::MAX);
+    chain.keys
 }
 
-/// The chain of block keys of a token sequence, computed one block at a time (so matching
-/// only hashes as far as it walks).
-pub struct BlockKeys<'a> {
-    blocks: std::slice::ChunksExact<'a, u32>,
-    previous: u64,
-    scratch: KeyHasherScratch,
+/// The block keys of one prompt at one block size, computed on demand and kept, so that
+/// matching (which stops at the first block no pod holds) and the routing record that follows
+/// hash each block at most once.
+///
+/// A chain belongs to one token sequence: every call must pass the same `tokens`.
+#[derive(Clone, Debug)]
+pub struct KeyChain {
+    seed: u64,
+    block_size: u32,
+    keys: Vec<BlockKey>,
 }
 
-impl<'a> BlockKeys<'a> {
-    /// The keys of `tokens` in `context` at `block_size` (0 is treated as 1).
-    pub fn new(context: &KeyContext, tokens: &'a [u32], block_size: u32) -> Self {
+impl KeyChain {
+    /// An empty chain seeded by a [`KeyContext::seed`], at `block_size` (0 is treated as 1).
+    pub fn new(seed: u64, block_size: u32) -> Self {
         Self {
-            blocks: tokens.chunks_exact(block_size.max(1) as usize),
-            previous: context.seed(),
-            scratch: KeyHasherScratch::default(),
+            seed,
+            block_size: block_size.max(1),
+            keys: Vec::new(),
         }
     }
-}
 
-impl Iterator for BlockKeys<'_> {
-    type Item = BlockKey;
-
-    fn next(&mut self) -> Option<BlockKey> {
-        let block = self.blocks.next()?;
-        let key = self.scratch.next_key(self.previous, block, None);
-        self.previous = key.0;
-        Some(key)
+    /// The block size the keys are computed at.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
     }
 
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        self.blocks.size_hint()
+    /// Full blocks in `tokens` at this chain's block size.
+    pub fn total_blocks(&self, tokens: &[u32]) -> usize {
+        tokens.len() / self.block_size as usize
+    }
+
+    /// The keys computed so far.
+    pub fn keys(&self) -> &[BlockKey] {
+        &self.keys
+    }
+
+    /// Computes keys until there are `blocks` of them (or every full block of `tokens` has
+    /// one) and returns them all.
+    pub fn extend_to(&mut self, tokens: &[u32], blocks: usize) -> &[BlockKey] {
+        let size = self.block_size as usize;
+        let total = self.total_blocks(tokens);
+        let target = blocks.min(total);
+        if target > self.keys.len() {
+            let done = self.keys.len();
+            let mut previous = self.keys.last().map_or(self.seed, |k| k.0);
+            self.keys.reserve(target - done);
+            let start = done * size;
+            let rest = tokens.get(start..target * size).unwrap_or_default();
+            for block in rest.chunks_exact(size) {
+                let key = next_key(previous, block, None);
+                previous = key.0;
+                self.keys.push(key);
+            }
+        }
+        &self.keys
     }
 }
-
-impl ExactSizeIterator for BlockKeys<'_> {}
 
 /// A fast hasher for keys that are already uniformly distributed 64-bit hashes (one multiply,
 /// FxHash style); not for attacker-chosen keys of arbitrary shape.
@@ -190,5 +222,25 @@ mod tests {
             assert!(keys.iter().zip(&base).all(|(a, b)| a != b));
         }
         assert!(block_keys(&KeyContext::model("m"), &tokens[..31], 32).is_empty());
+    }
+
+    #[test]
+    fn a_chain_extended_in_steps_equals_keying_at_once() {
+        let tokens: Vec<u32> = (0..1000).map(|t| t * 7 + 3).collect();
+        let context = KeyContext::model("m");
+        let all = block_keys(&context, &tokens, 16);
+        assert_eq!(all.len(), 62);
+        let mut chain = KeyChain::new(context.seed(), 16);
+        assert_eq!(chain.extend_to(&tokens, 5).len(), 5);
+        assert_eq!(chain.extend_to(&tokens, 3).len(), 5, "never shrinks");
+        assert_eq!(chain.extend_to(&tokens, 40).len(), 40);
+        assert_eq!(chain.extend_to(&tokens, usize::MAX), all.as_slice());
+        // Swapping two blocks changes the keys from the first swapped block on.
+        let mut swapped = tokens.clone();
+        swapped[16..32].copy_from_slice(&tokens[32..48]);
+        swapped[32..48].copy_from_slice(&tokens[16..32]);
+        let other = block_keys(&context, &swapped, 16);
+        assert_eq!(other[0], all[0]);
+        assert!(other[1..].iter().zip(&all[1..]).all(|(a, b)| a != b));
     }
 }

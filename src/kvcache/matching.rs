@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use super::index::PrefixIndex;
-use super::key::{BlockKey, BlockKeys, KeyContext};
+use super::key::{BlockKey, KeyChain, KeyContext};
 use crate::endpoints::PodId;
 
 /// How much of a request's prefix one candidate pod holds.
@@ -50,6 +50,45 @@ impl PrefixMatch {
     }
 }
 
+/// The result of one lookup: the matches, plus the block keys computed on the way so that the
+/// routing record of the chosen pod does not hash the prompt again.
+#[derive(Clone, Debug)]
+pub struct PrefixLookup {
+    /// One match per candidate, in candidate order.
+    pub matches: Vec<PrefixMatch>,
+    /// One chain per distinct block size among the candidates.
+    chains: Vec<KeyChain>,
+    /// Per candidate, the first block of its run it held only speculatively (`usize::MAX`
+    /// when none): a record must refresh speculation from there.
+    speculative_from: Vec<usize>,
+}
+
+impl PrefixLookup {
+    /// Takes the key chain computed at `block_size` (if a candidate had that size).
+    pub fn take_chain(&mut self, block_size: u32) -> Option<KeyChain> {
+        let position = self
+            .chains
+            .iter()
+            .position(|c| c.block_size() == block_size)?;
+        Some(self.chains.swap_remove(position))
+    }
+
+    /// Leading blocks `pod` holds confirmed (from its events): its run up to the first block
+    /// it held only speculatively. A routing record starts there, so the speculation it
+    /// depends on is refreshed and the confirmed head is not touched.
+    pub fn confirmed_run(&self, pod: PodId, block_size: u32) -> usize {
+        self.matches
+            .iter()
+            .zip(&self.speculative_from)
+            .find(|(m, _)| m.pod == pod && m.block_size == block_size)
+            .map_or(0, |(m, from)| m.matched_blocks.min(*from))
+    }
+}
+
+/// Blocks keyed ahead of the walk at a time: enough to amortise the call, few enough that a
+/// walk that stops early hashes little beyond its stop.
+const KEY_BATCH: usize = 32;
+
 impl PrefixIndex {
     /// For each candidate, the longest run of leading blocks of `tokens` it holds, keyed in
     /// `context` at the pod's block size. Cost O(matched blocks × holders per block) per
@@ -60,27 +99,43 @@ impl PrefixIndex {
         tokens: &[u32],
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
+        self.lookup(context, tokens, candidates).matches
+    }
+
+    /// [`Self::match_prefix`], keeping the block keys computed for a later
+    /// [`PrefixIndex::record_routed_lookup`].
+    pub fn lookup(
+        &self,
+        context: &KeyContext,
+        tokens: &[u32],
+        candidates: &[PodId],
+    ) -> PrefixLookup {
         let started = std::time::Instant::now();
-        let found = self.match_grouped(context, tokens, candidates);
+        let found = self.lookup_grouped(context, tokens, candidates);
         if let Some(metrics) = &self.metrics {
             metrics
                 .lookup_seconds
                 .observe(started.elapsed().as_secs_f64());
-            if let Some(total) = found.iter().map(|m| m.total_blocks).max() {
+            if let Some(total) = found.matches.iter().map(|m| m.total_blocks).max() {
                 metrics.lookup_blocks.inc_by(total as u64);
             }
-            let best = found.iter().map(|m| m.matched_blocks).max().unwrap_or(0);
+            let best = found
+                .matches
+                .iter()
+                .map(|m| m.matched_blocks)
+                .max()
+                .unwrap_or(0);
             metrics.hit_blocks.inc_by(best as u64);
         }
         found
     }
 
-    fn match_grouped(
+    fn lookup_grouped(
         &self,
         context: &KeyContext,
         tokens: &[u32],
         candidates: &[PodId],
-    ) -> Vec<PrefixMatch> {
+    ) -> PrefixLookup {
         let default_size = self.config().default_block_size.max(1);
         let per_candidate: Vec<u32> = {
             let table = self.table_read();
@@ -96,16 +151,23 @@ impl PrefixIndex {
                 })
                 .collect()
         };
+        let seed = context.seed();
         let mut sizes = per_candidate.clone();
         sizes.sort_unstable();
         sizes.dedup();
         if let [size] = sizes[..] {
             // The common case: one block size for every candidate.
-            let keys = BlockKeys::new(context, tokens, size);
-            let total = keys.len();
-            return self.match_iter(keys, total, size, candidates);
+            let mut chain = KeyChain::new(seed, size);
+            let (matches, speculative_from) = self.match_chain(&mut chain, tokens, candidates);
+            return PrefixLookup {
+                matches,
+                chains: vec![chain],
+                speculative_from,
+            };
         }
         let mut out: Vec<Option<PrefixMatch>> = vec![None; candidates.len()];
+        let mut speculative_from = vec![usize::MAX; candidates.len()];
+        let mut chains = Vec::with_capacity(sizes.len());
         for size in sizes {
             let group: Vec<(usize, PodId)> = candidates
                 .iter()
@@ -113,20 +175,28 @@ impl PrefixIndex {
                 .filter(|(i, _)| per_candidate.get(*i) == Some(&size))
                 .map(|(i, pod)| (i, *pod))
                 .collect();
-            // Keys are computed lazily: only as far as some candidate still matches.
-            let keys = BlockKeys::new(context, tokens, size);
-            let total = keys.len();
             let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
-            for ((i, _), found) in group.iter().zip(self.match_iter(keys, total, size, &pods)) {
+            let mut chain = KeyChain::new(seed, size);
+            let (found, from) = self.match_chain(&mut chain, tokens, &pods);
+            for (((i, _), found), from) in group.iter().zip(found).zip(from) {
                 if let Some(cell) = out.get_mut(*i) {
                     *cell = Some(found);
                 }
+                if let Some(cell) = speculative_from.get_mut(*i) {
+                    *cell = from;
+                }
             }
+            chains.push(chain);
         }
-        out.into_iter().flatten().collect()
+        PrefixLookup {
+            matches: out.into_iter().flatten().collect(),
+            chains,
+            speculative_from,
+        }
     }
 
-    pub(super) fn block_size_for(&self, pod: PodId) -> u32 {
+    /// The block size `pod`'s blocks are keyed at (learned from its events, else the default).
+    pub fn block_size_for(&self, pod: PodId) -> u32 {
         self.pod_block_size(pod)
             .unwrap_or(self.config().default_block_size.max(1))
     }
@@ -138,25 +208,59 @@ impl PrefixIndex {
         block_size: u32,
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
-        self.match_iter(keys.iter().copied(), keys.len(), block_size, candidates)
+        let mut walk = Walk::new(self, candidates);
+        for (i, key) in keys.iter().enumerate() {
+            if !walk.step(self, i, key) {
+                break;
+            }
+        }
+        walk.finish(candidates, keys.len(), block_size).0
     }
 
-    fn match_iter(
+    /// Walks `tokens`' blocks, keying them lazily through `chain`; also returns per candidate
+    /// the first block of its run held only speculatively.
+    fn match_chain(
         &self,
-        keys: impl Iterator<Item = BlockKey>,
-        total_blocks: usize,
-        block_size: u32,
+        chain: &mut KeyChain,
+        tokens: &[u32],
         candidates: &[PodId],
-    ) -> Vec<PrefixMatch> {
-        let weights = self.config().tier_weights.0;
-        let mut run = vec![0usize; candidates.len()];
-        let mut weighted = vec![0f64; candidates.len()];
-        let mut last_weight = vec![0f64; candidates.len()];
-        // slot → candidate position, built once per call (slots are small dense integers).
+    ) -> (Vec<PrefixMatch>, Vec<usize>) {
+        let total = chain.total_blocks(tokens);
+        let mut walk = Walk::new(self, candidates);
+        let mut i = 0;
+        'walk: while i < total {
+            let keys = chain.extend_to(tokens, i + KEY_BATCH);
+            for key in keys.get(i..).unwrap_or_default() {
+                if !walk.step(self, i, key) {
+                    break 'walk;
+                }
+                i += 1;
+            }
+        }
+        walk.finish(candidates, total, chain.block_size())
+    }
+}
+
+/// The state of one walk over a request's blocks: per candidate position, its run so far.
+struct Walk {
+    weights: [f64; 3],
+    run: Vec<usize>,
+    weighted: Vec<f64>,
+    last_weight: Vec<f64>,
+    /// First block of each candidate's run credited by speculation alone.
+    speculative_from: Vec<usize>,
+    /// slot → candidate position (slots are small dense integers).
+    position_of_slot: Vec<u32>,
+    alive: usize,
+    speculation: Option<Instant>,
+}
+
+impl Walk {
+    fn new(index: &PrefixIndex, candidates: &[PodId]) -> Self {
         let mut position_of_slot: Vec<u32> = Vec::new();
         let mut alive = 0usize;
         {
-            let table = self.table_read();
+            let table = index.table_read();
             position_of_slot.resize(table.slots.len(), u32::MAX);
             for (position, pod) in candidates.iter().enumerate() {
                 if let Some(entry) = table.by_id.get(pod)
@@ -167,64 +271,96 @@ impl PrefixIndex {
                 }
             }
         }
-        let speculation = (!self.speculative.is_empty()).then(Instant::now);
-        let gpu_weight = weights.first().copied().unwrap_or(1.0);
-        for (i, key) in keys.enumerate() {
-            if alive == 0 {
-                break;
-            }
-            let key = &key;
-            let mut extended = 0;
-            let mut visit = |slot: u32, tier_weight: f64| {
-                let Some(&position) = position_of_slot.get(slot as usize) else {
-                    return;
-                };
-                let p = position as usize;
-                let (Some(r), Some(w), Some(last)) =
-                    (run.get_mut(p), weighted.get_mut(p), last_weight.get_mut(p))
-                else {
-                    return;
-                };
-                if *r == i {
-                    *r = i + 1;
-                    *w += tier_weight;
-                    *last = tier_weight;
-                    extended += 1;
-                } else if *r == i + 1 && tier_weight > *last {
-                    *w += tier_weight - *last;
-                    *last = tier_weight;
-                }
-            };
-            let mut found = false;
-            if let Some(holders) = self.blocks.get(key) {
-                found = true;
-                for holder in holders.iter() {
-                    let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
-                    visit(holder.slot, tier_weight);
-                }
-            }
-            // The block map's guard is released before the speculative map is read.
-            if let Some(now) = speculation {
-                found |= self
-                    .speculative
-                    .visit(key, now, |slot| visit(slot, gpu_weight));
-            }
-            if !found {
-                break;
-            }
-            alive = extended;
+        Self {
+            weights: index.config().tier_weights.0,
+            run: vec![0; candidates.len()],
+            weighted: vec![0.0; candidates.len()],
+            last_weight: vec![0.0; candidates.len()],
+            speculative_from: vec![usize::MAX; candidates.len()],
+            position_of_slot,
+            alive,
+            speculation: (!index.speculative.is_empty()).then(Instant::now),
         }
-        candidates
+    }
+
+    /// Credits block `i` (key `key`) to every candidate on its run; false when the walk ends
+    /// (no candidate holds the block, or none is left on its run).
+    fn step(&mut self, index: &PrefixIndex, i: usize, key: &BlockKey) -> bool {
+        if self.alive == 0 {
+            return false;
+        }
+        let mut extended = 0;
+        let Walk {
+            weights,
+            run,
+            weighted,
+            last_weight,
+            speculative_from,
+            position_of_slot,
+            ..
+        } = self;
+        let mut visit = |slot: u32, tier_weight: f64, speculative: bool| {
+            let Some(&position) = position_of_slot.get(slot as usize) else {
+                return;
+            };
+            let p = position as usize;
+            let (Some(r), Some(w), Some(last)) =
+                (run.get_mut(p), weighted.get_mut(p), last_weight.get_mut(p))
+            else {
+                return;
+            };
+            if *r == i {
+                *r = i + 1;
+                *w += tier_weight;
+                *last = tier_weight;
+                extended += 1;
+                // Confirmed holders are visited first: credit here from speculation means
+                // no confirmed copy of this block on this pod.
+                if speculative && let Some(from) = speculative_from.get_mut(p) {
+                    *from = (*from).min(i);
+                }
+            } else if *r == i + 1 && tier_weight > *last {
+                *w += tier_weight - *last;
+                *last = tier_weight;
+            }
+        };
+        let mut found = false;
+        if let Some(holders) = index.blocks.get(key) {
+            found = true;
+            for holder in holders.iter() {
+                let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
+                visit(holder.slot, tier_weight, false);
+            }
+        }
+        // The block map's guard is released before the speculative map is read.
+        if let Some(now) = self.speculation {
+            let gpu_weight = weights.first().copied().unwrap_or(1.0);
+            found |= index
+                .speculative
+                .visit(key, now, |slot| visit(slot, gpu_weight, true));
+        }
+        self.alive = extended;
+        found && extended > 0
+    }
+
+    fn finish(
+        self,
+        candidates: &[PodId],
+        total_blocks: usize,
+        block_size: u32,
+    ) -> (Vec<PrefixMatch>, Vec<usize>) {
+        let matches = candidates
             .iter()
             .enumerate()
             .map(|(p, pod)| PrefixMatch {
                 pod: *pod,
                 block_size,
                 total_blocks,
-                matched_blocks: run.get(p).copied().unwrap_or(0),
-                weighted_blocks: weighted.get(p).copied().unwrap_or(0.0),
+                matched_blocks: self.run.get(p).copied().unwrap_or(0),
+                weighted_blocks: self.weighted.get(p).copied().unwrap_or(0.0),
             })
-            .collect()
+            .collect();
+        (matches, self.speculative_from)
     }
 }
 

@@ -18,6 +18,6 @@ pub mod metrics;
 mod speculative;
 
 pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
-pub use key::{BlockKey, BlockKeys, KeyContext, block_keys};
-pub use matching::{DebugPrefix, DebugPrefixPod, PrefixMatch};
+pub use key::{BlockKey, KeyChain, KeyContext, block_keys};
+pub use matching::{DebugPrefix, DebugPrefixPod, PrefixLookup, PrefixMatch};
 pub use metrics::IndexMetrics;

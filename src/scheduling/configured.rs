@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::endpoints::{EndpointState, PodId};
-use crate::kvcache::{KeyContext, PrefixIndex};
+use crate::kvcache::{KeyChain, PrefixIndex};
 use crate::tokenize::PromptTokens;
 
 use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
@@ -65,7 +65,14 @@ pub struct ConfiguredScheduler {
 const INLINE_RECORD_TOKENS: usize = 4096;
 
 /// A routing record handed to the background recorder.
-type RouteRecord = (PodId, KeyContext, Arc<PromptTokens>);
+struct RouteRecord {
+    pod: PodId,
+    prompt: Arc<PromptTokens>,
+    /// The prompt's block keys at the pod's block size (as far as the lookup computed them).
+    chain: KeyChain,
+    /// Leading blocks the pod was found to hold confirmed.
+    held: usize,
+}
 
 /// The background recorder's sending side.
 struct Recorder {
@@ -178,9 +185,9 @@ impl ConfiguredScheduler {
         std::thread::Builder::new()
             .name("kvpick-route-recorder".to_owned())
             .spawn(move || {
-                while let Ok((pod, context, prompt)) = rx.recv() {
-                    if let PromptTokens::Exact(tokens) = prompt.as_ref() {
-                        index.record_routed(pod, &context, tokens);
+                while let Ok(record) = rx.recv() {
+                    if let PromptTokens::Exact(tokens) = record.prompt.as_ref() {
+                        index.record_routed_chain(record.pod, tokens, record.chain, record.held);
                     }
                 }
             })?;
@@ -326,6 +333,7 @@ impl ConfiguredScheduler {
             request,
             prompt_tokens: 0.0,
             prefix: Vec::new(),
+            lookup: None,
             pods,
         };
         let started = Instant::now();
@@ -366,8 +374,9 @@ impl ConfiguredScheduler {
                     return;
                 }
                 let ids: Vec<PodId> = cycle.pods.iter().map(|p| p.id).collect();
-                let matches = self.deps.index.match_prefix(context, tokens, &ids);
-                cycle.prefix = matches
+                let lookup = self.deps.index.lookup(context, tokens, &ids);
+                cycle.prefix = lookup
+                    .matches
                     .iter()
                     .map(|m| PrefixHit {
                         score: m.score(),
@@ -377,6 +386,7 @@ impl ConfiguredScheduler {
                             .min(cycle.prompt_tokens),
                     })
                     .collect();
+                cycle.lookup = Some(lookup);
             }
             PromptTokens::Approximate(prompt) => {
                 cycle.prompt_tokens = prompt.text.chars().count() as f64 / self.chars_per_token;
@@ -417,7 +427,7 @@ impl ConfiguredScheduler {
         )
     }
 
-    fn record(&self, cycle: &Cycle<'_>, primary: PodId) {
+    fn record(&self, cycle: &mut Cycle<'_>, primary: PodId) {
         for (_, _, scorer) in &self.scorers {
             scorer.after_pick(cycle, primary);
         }
@@ -429,16 +439,31 @@ impl ConfiguredScheduler {
                 let Some(context) = cycle.request.key_context.as_ref() else {
                     return;
                 };
+                let index = &self.deps.index;
+                let mut lookup = cycle.lookup.take();
                 // NOTE: a short prompt is recorded inline: waking the recorder thread costs
                 // more than writing a few hundred speculative entries.
-                match &self.recorder {
-                    Some(recorder) if tokens.len() > INLINE_RECORD_TOKENS => {
-                        let record = (primary, context.clone(), Arc::clone(&cycle.request.prompt));
+                match (&self.recorder, lookup.as_mut()) {
+                    (Some(recorder), Some(lookup)) if tokens.len() > INLINE_RECORD_TOKENS => {
+                        let size = index.block_size_for(primary);
+                        let held = lookup.confirmed_run(primary, size);
+                        let chain = lookup
+                            .take_chain(size)
+                            .unwrap_or_else(|| KeyChain::new(context.seed(), size));
+                        let record = RouteRecord {
+                            pod: primary,
+                            prompt: Arc::clone(&cycle.request.prompt),
+                            chain,
+                            held,
+                        };
                         if recorder.queue.try_send(record).is_err() {
                             recorder.drops.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    _ => self.deps.index.record_routed(primary, context, tokens),
+                    (_, Some(lookup)) => {
+                        index.record_routed_lookup(primary, context, tokens, lookup)
+                    }
+                    (_, None) => index.record_routed(primary, context, tokens),
                 }
             }
             PromptTokens::Approximate(prompt) if params.mode == PrefixMode::Auto => {
@@ -456,7 +481,7 @@ impl Scheduler for ConfiguredScheduler {
         request: &SchedulingRequest,
         candidates: &[Arc<EndpointState>],
     ) -> Result<Pick, ScheduleError> {
-        let (cycle, _, _, order) = self
+        let (mut cycle, _, _, order) = self
             .run(request, candidates, None)
             .ok_or(ScheduleError::NoCandidates)?;
         let mut ids = order
@@ -464,7 +489,7 @@ impl Scheduler for ConfiguredScheduler {
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
         let fallbacks = ids.collect();
-        self.record(&cycle, primary);
+        self.record(&mut cycle, primary);
         Ok(Pick { primary, fallbacks })
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::endpoints::{EndpointState, PodId};
+use crate::kvcache::PrefixLookup;
 use crate::scrape::{MetricsStore, PodMetrics, ScrapeStatus};
 
 use super::SchedulingRequest;
@@ -97,6 +98,9 @@ pub struct Cycle<'r> {
     pub prompt_tokens: f64,
     /// Per candidate prefix hit; empty when no scorer needs it.
     pub prefix: Vec<PrefixHit>,
+    /// The index lookup behind `prefix` (exact prompts), kept so the routing record reuses
+    /// its block keys.
+    pub lookup: Option<PrefixLookup>,
 }
 
 impl Cycle<'_> {

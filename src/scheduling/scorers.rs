@@ -235,6 +235,7 @@ mod tests {
             pods,
             prompt_tokens: prompt,
             prefix,
+            lookup: None,
         };
         let mut out = vec![f64::NAN; cycle.pods.len()];
         scorer.score(&cycle, &mut out);
@@ -411,6 +412,7 @@ mod tests {
             pods: pods.clone(),
             prompt_tokens: 0.0,
             prefix: vec![],
+            lookup: None,
         };
         scorer.after_pick(&cycle, pods[1].id);
         assert_eq!(
