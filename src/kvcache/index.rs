@@ -23,11 +23,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use dashmap::DashMap;
 use tokio::time::Instant;
 
 use super::approx::LruBlocks;
-use super::holders::Holders;
+use super::blockmap::BlockMap;
 use super::key::{BlockKey, KeyChain, KeyContext, PrehashedState, next_key};
 use super::matching::PrefixLookup;
 use super::metrics::IndexMetrics;
@@ -177,7 +176,7 @@ pub(super) struct PodTable {
 /// The precise prefix index (see the module docs for its concurrency rules).
 pub struct PrefixIndex {
     config: IndexConfig,
-    pub(super) blocks: DashMap<BlockKey, Holders, PrehashedState>,
+    pub(super) blocks: BlockMap,
     pods: RwLock<PodTable>,
     pub(super) speculative: Speculative,
     pub(super) metrics: Option<IndexMetrics>,
@@ -187,7 +186,7 @@ impl PrefixIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Self {
         Self {
-            blocks: DashMap::with_hasher(PrehashedState::default()),
+            blocks: BlockMap::default(),
             pods: RwLock::new(PodTable::default()),
             speculative: Speculative::new(config.speculative_ttl, config.max_speculative_entries),
             config,
@@ -474,10 +473,7 @@ impl PrefixIndex {
     }
 
     fn add_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
-        self.blocks
-            .entry(key)
-            .and_modify(|h| h.add(slot, tier))
-            .or_insert_with(|| Holders::new(slot, tier));
+        self.blocks.add(key, slot, tier);
         self.speculative.confirm(&key, slot);
     }
 
@@ -542,18 +538,14 @@ impl PrefixIndex {
             // NOTE: beyond the run the lookup found, blocks are checked one by one: a pod may
             // hold a later block confirmed (its prefix was evicted out of order), and a
             // speculative entry for it would only cost memory.
-            let missing: Vec<BlockKey> = keys
-                .get(held..)
-                .unwrap_or_default()
-                .iter()
-                .copied()
-                .filter(|key| {
-                    !self
-                        .blocks
-                        .get(key)
-                        .is_some_and(|h| h.iter().any(|h| h.slot == entry.slot))
-                })
-                .collect();
+            let tail = keys.get(held..).unwrap_or_default();
+            let missing: Vec<BlockKey> = {
+                let blocks = self.blocks.reader(tail.len());
+                tail.iter()
+                    .copied()
+                    .filter(|key| !blocks.holds(*key, entry.slot))
+                    .collect()
+            };
             self.speculative
                 .record(entry.slot, &missing, Instant::now());
             return;
@@ -582,11 +574,7 @@ impl PrefixIndex {
     }
 
     fn remove_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
-        if let dashmap::Entry::Occupied(mut occupied) = self.blocks.entry(key)
-            && occupied.get_mut().remove(slot, tier)
-        {
-            occupied.remove();
-        }
+        self.blocks.remove(key, slot, tier);
     }
 
     /// Drops the pod's entries in one tier (or all), keeping the pod registered.
@@ -703,19 +691,13 @@ impl PrefixIndex {
         let Some(entry) = self.pod(pod) else {
             return false;
         };
-        self.blocks
-            .get(&key)
-            .is_some_and(|h| h.iter().any(|h| h.slot == entry.slot))
+        self.blocks.holds(key, entry.slot)
     }
 
     /// An estimate of the bytes the index uses (tables at their capacity, plus boxed holder
     /// lists), for the memory-per-entry figure.
     pub fn memory_bytes(&self) -> usize {
-        let block_entry = std::mem::size_of::<(BlockKey, Holders)>() + 1;
-        let mut bytes = self.blocks.capacity() * block_entry;
-        for item in self.blocks.iter() {
-            bytes += item.value().heap_bytes();
-        }
+        let mut bytes = self.blocks.memory_bytes();
         let hash_entry = std::mem::size_of::<(EngineHash, HashEntry)>() + 1;
         for entry in self.table_read().by_id.values() {
             bytes += entry.lock().by_hash.capacity() * hash_entry;

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
+use super::blockmap::BlockMapReader;
 use super::index::PrefixIndex;
 use super::key::{BlockKey, KeyChain, KeyContext};
 use crate::endpoints::PodId;
@@ -209,8 +210,9 @@ impl PrefixIndex {
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
         let mut walk = Walk::new(self, candidates);
+        let blocks = self.blocks.reader(keys.len());
         for (i, key) in keys.iter().enumerate() {
-            if !walk.step(self, i, key) {
+            if !walk.step(self, &blocks, i, key) {
                 break;
             }
         }
@@ -227,11 +229,12 @@ impl PrefixIndex {
     ) -> (Vec<PrefixMatch>, Vec<usize>) {
         let total = chain.total_blocks(tokens);
         let mut walk = Walk::new(self, candidates);
+        let blocks = self.blocks.reader(total);
         let mut i = 0;
         'walk: while i < total {
             let keys = chain.extend_to(tokens, i + KEY_BATCH);
             for key in keys.get(i..).unwrap_or_default() {
-                if !walk.step(self, i, key) {
+                if !walk.step(self, &blocks, i, key) {
                     break 'walk;
                 }
                 i += 1;
@@ -285,7 +288,13 @@ impl Walk {
 
     /// Credits block `i` (key `key`) to every candidate on its run; false when the walk ends
     /// (no candidate holds the block, or none is left on its run).
-    fn step(&mut self, index: &PrefixIndex, i: usize, key: &BlockKey) -> bool {
+    fn step(
+        &mut self,
+        index: &PrefixIndex,
+        blocks: &BlockMapReader<'_>,
+        i: usize,
+        key: &BlockKey,
+    ) -> bool {
         if self.alive == 0 {
             return false;
         }
@@ -324,15 +333,10 @@ impl Walk {
                 *last = tier_weight;
             }
         };
-        let mut found = false;
-        if let Some(holders) = index.blocks.get(key) {
-            found = true;
-            for holder in holders.iter() {
-                let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
-                visit(holder.slot, tier_weight, false);
-            }
-        }
-        // The block map's guard is released before the speculative map is read.
+        let mut found = blocks.visit(*key, |holder| {
+            let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
+            visit(holder.slot, tier_weight, false);
+        });
         if let Some(now) = self.speculation {
             let gpu_weight = weights.first().copied().unwrap_or(1.0);
             found |= index

@@ -10,7 +10,7 @@
 //! without events (the approximate mode). Concurrency rules: see [`index`].
 
 mod approx;
-mod holders;
+mod blockmap;
 pub mod index;
 pub mod key;
 pub mod matching;
