@@ -424,6 +424,7 @@ fn explain_does_not_record() {
     let mut config = SchedulerConfig::gie_default();
     config.scorers.push(kvpick::scheduling::WeightedScorer {
         name: "session".into(),
+        plugin_type: "session-affinity-scorer",
         scorer: kvpick::scheduling::ScorerSpec::SessionAffinity { max_sessions: 16 },
         weight: 1.0,
     });

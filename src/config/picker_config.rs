@@ -308,6 +308,15 @@ pub fn load(text: Option<&str>) -> Result<ValidatedPickerConfig, PickerConfigErr
     }
 }
 
+/// The `'static` spelling of a known plugin type (metric label values stay allocation-free).
+fn static_type(plugin_type: &str) -> &'static str {
+    PLUGIN_TYPES
+        .iter()
+        .copied()
+        .find(|known| *known == plugin_type)
+        .unwrap_or("unknown")
+}
+
 enum Plugin {
     Filter(FilterKind),
     Scorer(ScorerSpec),
@@ -349,11 +358,14 @@ impl EndpointPickerConfig {
                 warnings.push(format!("{section}: not used by kvpick; ignored"));
             }
         }
-        let mut plugins: HashMap<&str, (usize, Plugin)> = HashMap::new();
+        let mut plugins: HashMap<&str, (&'static str, Plugin)> = HashMap::new();
         for (i, spec) in self.plugins.iter().enumerate() {
             let name = spec.instance_name();
             let plugin = parse_plugin(spec, i, &mut warnings)?;
-            if plugins.insert(name, (i, plugin)).is_some() {
+            if plugins
+                .insert(name, (static_type(&spec.plugin_type), plugin))
+                .is_some()
+            {
                 return Err(PickerConfigError::DuplicatePluginName {
                     field: format!("plugins[{i}].name"),
                     name: name.to_owned(),
@@ -367,15 +379,16 @@ impl EndpointPickerConfig {
         };
         let mut filters = Vec::new();
         let mut scorers = Vec::new();
-        let mut picker: Option<(String, PickerSpec)> = None;
+        let mut picker: Option<(String, &'static str, PickerSpec)> = None;
         for (j, used) in profile.plugins.iter().enumerate() {
             let field = format!("schedulingProfiles[0].plugins[{j}]");
-            let Some((_, plugin)) = plugins.get(used.plugin_ref.as_str()) else {
+            let Some((plugin_type, plugin)) = plugins.get(used.plugin_ref.as_str()) else {
                 return Err(PickerConfigError::DanglingPluginRef {
                     field: format!("{field}.pluginRef"),
                     name: used.plugin_ref.clone(),
                 });
             };
+            let plugin_type = *plugin_type;
             let name = used.plugin_ref.clone();
             if used.weight.is_some() && !matches!(plugin, Plugin::Scorer(_)) {
                 warnings.push(format!(
@@ -385,6 +398,7 @@ impl EndpointPickerConfig {
             match plugin {
                 Plugin::Filter(kind) => filters.push(FilterSpec {
                     name,
+                    plugin_type,
                     filter: kind.clone(),
                 }),
                 Plugin::Scorer(scorer) => {
@@ -397,18 +411,19 @@ impl EndpointPickerConfig {
                     }
                     scorers.push(WeightedScorer {
                         name,
+                        plugin_type,
                         scorer: scorer.clone(),
                         weight,
                     });
                 }
                 Plugin::Picker(spec) => {
-                    if let Some((first, _)) = &picker {
+                    if let Some((first, _, _)) = &picker {
                         return Err(PickerConfigError::SecondPicker {
                             field: format!("{field}.pluginRef"),
                             first: first.clone(),
                         });
                     }
-                    picker = Some((name, *spec));
+                    picker = Some((name, plugin_type, *spec));
                 }
                 Plugin::ProfileHandler => warnings.push(format!(
                     "{field}.pluginRef: `{name}` is a profile handler, not a profile step; ignored"
@@ -423,17 +438,23 @@ impl EndpointPickerConfig {
                 warnings.push(format!("featureGates[{i}]: unknown gate `{gate}`; ignored"));
             }
         }
+        let (picker_name, picker_type, picker) = picker.unwrap_or_else(|| {
+            (
+                "max-score-picker".to_owned(),
+                "max-score-picker",
+                PickerSpec::MaxScore {
+                    max_endpoints: None,
+                },
+            )
+        });
         Ok(ValidatedPickerConfig {
             scheduler: SchedulerConfig {
                 profile_name: profile.name.clone(),
                 filters,
                 scorers,
-                picker: picker.map_or(
-                    PickerSpec::MaxScore {
-                        max_endpoints: None,
-                    },
-                    |(_, p)| p,
-                ),
+                picker,
+                picker_name,
+                picker_type,
                 saturation: saturation(self.saturation_detector.as_ref())?,
                 flow_control: feature_flow_control,
             },

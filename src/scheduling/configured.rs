@@ -41,6 +41,14 @@ pub struct SchedulerDeps {
     pub metrics: Arc<dyn MetricsSource>,
 }
 
+/// One built scorer of the profile.
+struct ProfileScorer {
+    name: String,
+    plugin_type: &'static str,
+    weight: f64,
+    scorer: Scorer,
+}
+
 /// Endpoints remembered by the approximate text-prefix store.
 const APPROX_MAX_ENDPOINTS: usize = 4096;
 
@@ -48,7 +56,7 @@ const APPROX_MAX_ENDPOINTS: usize = 4096;
 pub struct ConfiguredScheduler {
     config: SchedulerConfig,
     filters: Vec<FilterSpec>,
-    scorers: Vec<(String, f64, Scorer)>,
+    scorers: Vec<ProfileScorer>,
     prefix: Option<PrefixCacheParams>,
     chars_per_token: f64,
     cost_model: Option<CostModel>,
@@ -125,7 +133,12 @@ impl ConfiguredScheduler {
         let scorers = config
             .scorers
             .iter()
-            .map(|s| (s.name.clone(), s.weight, Scorer::from_spec(&s.scorer)))
+            .map(|s| ProfileScorer {
+                name: s.name.clone(),
+                plugin_type: s.plugin_type,
+                weight: s.weight,
+                scorer: Scorer::from_spec(&s.scorer),
+            })
             .collect();
         let prefix = config.scorers.iter().find_map(|s| match &s.scorer {
             ScorerSpec::PrefixCache(p) => Some(p.clone()),
@@ -192,8 +205,9 @@ impl ConfiguredScheduler {
     }
 
     /// Times every filter, the prefix lookup, every scorer and the picker into
-    /// `inference_extension_plugin_duration_seconds{extension_point, plugin_name}` (GIE's
-    /// metric; kvpick labels plugins by their configured name).
+    /// `inference_extension_plugin_duration_seconds{extension_point, plugin_type,
+    /// plugin_name}` (GIE's metric and labels: `plugin_type` is the config `type`,
+    /// `plugin_name` the instance name).
     pub fn with_plugin_metrics(
         mut self,
         registry: &prometheus::Registry,
@@ -204,17 +218,17 @@ impl ConfiguredScheduler {
                 "Time spent in each scheduling plugin.",
             )
             .buckets(prometheus::exponential_buckets(1e-7, 2.0, 24)?),
-            &["extension_point", "plugin_name"],
+            &["extension_point", "plugin_type", "plugin_name"],
         )?;
         registry.register(Box::new(histogram.clone()))?;
         self.plugin_seconds = Some(histogram);
         Ok(self)
     }
 
-    fn observe(&self, point: &str, plugin: &str, started: Instant) {
+    fn observe(&self, point: &str, plugin_type: &str, plugin: &str, started: Instant) {
         if let Some(histogram) = &self.plugin_seconds {
             histogram
-                .with_label_values(&[point, plugin])
+                .with_label_values(&[point, plugin_type, plugin])
                 .observe(started.elapsed().as_secs_f64());
         }
     }
@@ -266,7 +280,7 @@ impl ConfiguredScheduler {
                     .scorers
                     .iter()
                     .zip(&columns)
-                    .map(|((name, _, _), col)| (name.clone(), col.get(i).copied().unwrap_or(0.0)))
+                    .map(|(s, col)| (s.name.clone(), col.get(i).copied().unwrap_or(0.0)))
                     .collect(),
                 total: totals.get(i).copied().unwrap_or(0.0),
                 cached_tokens: cycle.prefix_hit(i).cached_tokens,
@@ -310,7 +324,7 @@ impl ConfiguredScheduler {
             let started = Instant::now();
             let (removed, kept_all) =
                 filters::apply(&filter.filter, request, &self.config.saturation, &mut pods);
-            self.observe("Filter", &filter.name, started);
+            self.observe("Filter", filter.plugin_type, &filter.name, started);
             if let Some(reports) = reports.as_deref_mut() {
                 reports.push(FilterReport {
                     filter: filter.name.clone(),
@@ -330,19 +344,24 @@ impl ConfiguredScheduler {
         };
         let started = Instant::now();
         self.prefix_hits(&mut cycle);
-        self.observe("DataProducer", "prefix-cache-match", started);
+        self.observe(
+            "DataProducer",
+            "prefix-cache-match",
+            "prefix-cache-match",
+            started,
+        );
         let n = cycle.pods.len();
         let mut totals = vec![0.0; n];
         let keep_columns = reports.is_some();
         let mut columns = Vec::new();
         let mut column = vec![0.0; n];
-        for (name, weight, scorer) in &self.scorers {
+        for scorer in &self.scorers {
             let started = Instant::now();
             column.iter_mut().for_each(|s| *s = 0.0);
-            scorer.score(&cycle, &mut column);
-            self.observe("Scorer", name, started);
+            scorer.scorer.score(&cycle, &mut column);
+            self.observe("Scorer", scorer.plugin_type, &scorer.name, started);
             for (total, score) in totals.iter_mut().zip(&column) {
-                *total += weight * score;
+                *total += scorer.weight * score;
             }
             if keep_columns {
                 columns.push(column.clone());
@@ -350,7 +369,12 @@ impl ConfiguredScheduler {
         }
         let started = Instant::now();
         let order = pickers::order(&self.config.picker, &totals, self.limit);
-        self.observe("Picker", "picker", started);
+        self.observe(
+            "Picker",
+            self.config.picker_type,
+            &self.config.picker_name,
+            started,
+        );
         Some((cycle, columns, totals, order))
     }
 
@@ -418,8 +442,8 @@ impl ConfiguredScheduler {
     }
 
     fn record(&self, cycle: &Cycle<'_>, primary: PodId) {
-        for (_, _, scorer) in &self.scorers {
-            scorer.after_pick(cycle, primary);
+        for scorer in &self.scorers {
+            scorer.scorer.after_pick(cycle, primary);
         }
         let Some(params) = self.prefix.as_ref() else {
             return;

@@ -19,6 +19,10 @@ pub struct SchedulerConfig {
     pub scorers: Vec<WeightedScorer>,
     /// How the ranked endpoints become a pick.
     pub picker: PickerSpec,
+    /// The picker's plugin instance name (metrics).
+    pub picker_name: String,
+    /// The picker's config `type` (metrics).
+    pub picker_type: &'static str,
     /// Saturation thresholds (shedding, flow control, the saturation filter's defaults).
     pub saturation: SaturationConfig,
     /// Whether the `flowControl` feature gate is on.
@@ -30,6 +34,8 @@ pub struct SchedulerConfig {
 pub struct WeightedScorer {
     /// The plugin instance name (for explain).
     pub name: String,
+    /// The config `type` it was declared with (metrics' `plugin_type`).
+    pub plugin_type: &'static str,
     /// What it scores.
     pub scorer: ScorerSpec,
     /// Its weight (≥ 0).
@@ -41,6 +47,8 @@ pub struct WeightedScorer {
 pub struct FilterSpec {
     /// The plugin instance name (for explain).
     pub name: String,
+    /// The config `type` it was declared with (metrics' `plugin_type`).
+    pub plugin_type: &'static str,
     /// What it filters.
     pub filter: FilterKind,
 }
@@ -212,9 +220,10 @@ impl Default for SaturationConfig {
     }
 }
 
-fn weighted(name: &str, scorer: ScorerSpec, weight: f64) -> WeightedScorer {
+fn weighted(name: &'static str, scorer: ScorerSpec, weight: f64) -> WeightedScorer {
     WeightedScorer {
         name: name.to_owned(),
+        plugin_type: name,
         scorer,
         weight,
     }
@@ -243,6 +252,8 @@ impl SchedulerConfig {
             picker: PickerSpec::MaxScore {
                 max_endpoints: None,
             },
+            picker_name: "max-score-picker".to_owned(),
+            picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
             flow_control: false,
         }
@@ -257,6 +268,7 @@ impl SchedulerConfig {
             profile_name: "default".to_owned(),
             filters: vec![FilterSpec {
                 name: "saturation-filter".to_owned(),
+                plugin_type: "saturation-filter",
                 filter: FilterKind::Saturation {
                     queue_threshold: None,
                     kv_threshold: None,
@@ -278,6 +290,8 @@ impl SchedulerConfig {
             picker: PickerSpec::MaxScore {
                 max_endpoints: None,
             },
+            picker_name: "max-score-picker".to_owned(),
+            picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
             flow_control: true,
         }
