@@ -114,3 +114,49 @@ async fn plugin_timings_carry_gie_labels_extension_point_type_and_name() {
         assert_eq!(keys, ["extension_point", "plugin_name", "plugin_type"]);
     }
 }
+
+#[tokio::test]
+async fn emitted_scores_reach_the_model_server_and_forged_copies_do_not() {
+    let (a, b) = (
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    );
+    let kvpick = Kvpick::start(&pool_yaml(&[&a, &b]), &["--emit-endpoint-scores"]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let reply = send(
+        "POST",
+        &envoy.url("/v1/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("x-kvpick-endpoint-scores", "6.6.6.6:1=99"),
+            ("x-prefiller-host-port", "6.6.6.6:1"),
+        ],
+        BODY.to_vec(),
+    )
+    .await
+    .expect("request");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen: Vec<_> = a.seen().into_iter().chain(b.seen()).collect();
+    assert_eq!(seen.len(), 1);
+    let headers = &seen[0].headers;
+    let destination = headers["x-gateway-destination-endpoint"]
+        .to_str()
+        .expect("ascii");
+    let all: Vec<_> = headers.get_all("x-kvpick-endpoint-scores").iter().collect();
+    assert_eq!(all.len(), 1, "one value, kvpick's: {all:?}");
+    let scores = all[0].to_str().expect("ascii");
+    let entries: Vec<&str> = scores.split(';').collect();
+    assert_eq!(entries.len(), 2, "{scores}");
+    assert!(
+        entries[0].starts_with(&format!("{destination}=")),
+        "{scores} vs {destination}"
+    );
+    assert!(!scores.contains("6.6.6.6"));
+    assert!(
+        headers["x-kvpick-scorer-scores"]
+            .to_str()
+            .expect("ascii")
+            .contains("queue-scorer:")
+    );
+    assert!(headers.get("x-prefiller-host-port").is_none());
+}

@@ -130,6 +130,7 @@ pub async fn serve(
         )
         // Speculative index entries are written off the request path (bounded queue).
         .with_plugin_metrics(&registry)?
+        .with_score_trace(config.emit_endpoint_scores)
         .with_background_recording(ROUTING_RECORD_QUEUE)
         .map_err(|e| ServeError::Server {
             server: "routing recorder",

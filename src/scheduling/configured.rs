@@ -30,7 +30,7 @@ use super::scorers::{Scorer, estimate_ttft_ms};
 use super::spec::{
     CostModel, FilterSpec, PrefixCacheParams, PrefixMode, SchedulerConfig, ScorerSpec,
 };
-use super::{Pick, ScheduleError, Scheduler, SchedulingRequest};
+use super::{Pick, ScheduleError, Scheduler, SchedulingRequest, ScoreTrace};
 
 /// What the scheduler reads besides the request.
 #[derive(Clone)]
@@ -66,6 +66,7 @@ pub struct ConfiguredScheduler {
     detector: SaturationDetector,
     recorder: Option<Recorder>,
     plugin_seconds: Option<prometheus::HistogramVec>,
+    emit_scores: bool,
 }
 
 /// Prompts up to this many tokens are recorded on the request path even with a background
@@ -173,6 +174,7 @@ impl ConfiguredScheduler {
             detector,
             recorder: None,
             plugin_seconds: None,
+            emit_scores: false,
             config,
         }
     }
@@ -225,6 +227,14 @@ impl ConfiguredScheduler {
         Ok(self)
     }
 
+    /// With `on`, every pick carries its [`ScoreTrace`] (`--emit-endpoint-scores`): the
+    /// pick keeps its per-scorer columns and reports them as `/debug/explain` does. Off (the
+    /// default), a pick keeps no columns and builds no trace.
+    pub fn with_score_trace(mut self, on: bool) -> Self {
+        self.emit_scores = on;
+        self
+    }
+
     fn observe(&self, point: &str, plugin_type: &str, plugin: &str, started: Instant) {
         if let Some(histogram) = &self.plugin_seconds {
             histogram
@@ -258,7 +268,7 @@ impl ConfiguredScheduler {
         candidates: &[Arc<EndpointState>],
     ) -> Explanation {
         let mut reports = Vec::new();
-        let run = self.run(request, candidates, Some(&mut reports));
+        let run = self.run(request, candidates, Some(&mut reports), true);
         let mut explanation = Explanation {
             profile: self.config.profile_name.clone(),
             filters: reports,
@@ -270,33 +280,7 @@ impl ConfiguredScheduler {
             return explanation;
         };
         explanation.prompt_tokens = cycle.prompt_tokens;
-        explanation.candidates = cycle
-            .pods
-            .iter()
-            .enumerate()
-            .map(|(i, pod)| CandidateExplain {
-                address: pod.id.to_string(),
-                scores: self
-                    .scorers
-                    .iter()
-                    .zip(&columns)
-                    .map(|(s, col)| (s.name.clone(), col.get(i).copied().unwrap_or(0.0)))
-                    .collect(),
-                total: totals.get(i).copied().unwrap_or(0.0),
-                cached_tokens: cycle.prefix_hit(i).cached_tokens,
-                estimated_ttft_ms: self.cost_model.map(|m| {
-                    estimate_ttft_ms(
-                        &m,
-                        pod,
-                        cycle.prompt_tokens,
-                        cycle.prefix_hit(i).cached_tokens,
-                    )
-                }),
-                saturation: endpoint_saturation(&self.config.saturation, pod),
-                in_flight: pod.in_flight,
-                fresh_metrics: pod.fresh,
-            })
-            .collect();
+        explanation.candidates = self.candidate_explains(&cycle, &columns, &totals);
         explanation.pick = Some(
             order
                 .iter()
@@ -306,6 +290,42 @@ impl ConfiguredScheduler {
         explanation
     }
 
+    /// Every scored candidate's view (what explain and the score trace report).
+    fn candidate_explains(
+        &self,
+        cycle: &Cycle<'_>,
+        columns: &[Vec<f64>],
+        totals: &[f64],
+    ) -> Vec<CandidateExplain> {
+        cycle
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| CandidateExplain {
+                address: pod.id.to_string(),
+                scores: self
+                    .scorers
+                    .iter()
+                    .zip(columns)
+                    .map(|(s, col)| (s.name.clone(), col.get(i).copied().unwrap_or(0.0)))
+                    .collect(),
+                total: totals.get(i).copied().unwrap_or(0.0),
+                cached_tokens: cycle.prefix_hit(i).cached_tokens,
+                estimated_ttft_ms: self.cost_model.map(|model| {
+                    estimate_ttft_ms(
+                        &model,
+                        pod,
+                        cycle.prompt_tokens,
+                        cycle.prefix_hit(i).cached_tokens,
+                    )
+                }),
+                saturation: endpoint_saturation(&self.config.saturation, pod),
+                in_flight: pod.in_flight,
+                fresh_metrics: pod.fresh,
+            })
+            .collect()
+    }
+
     /// Filters, scores and orders; `None` when no candidate survives the filters.
     #[allow(clippy::type_complexity)]
     fn run<'r>(
@@ -313,6 +333,7 @@ impl ConfiguredScheduler {
         request: &'r SchedulingRequest,
         candidates: &[Arc<EndpointState>],
         mut reports: Option<&mut Vec<FilterReport>>,
+        keep_columns: bool,
     ) -> Option<(Cycle<'r>, Vec<Vec<f64>>, Vec<f64>, Vec<usize>)> {
         let now = Instant::now();
         let staleness = self.config.saturation.metrics_staleness;
@@ -352,7 +373,6 @@ impl ConfiguredScheduler {
         );
         let n = cycle.pods.len();
         let mut totals = vec![0.0; n];
-        let keep_columns = reports.is_some();
         let mut columns = Vec::new();
         let mut column = vec![0.0; n];
         for scorer in &self.scorers {
@@ -480,15 +500,30 @@ impl Scheduler for ConfiguredScheduler {
         request: &SchedulingRequest,
         candidates: &[Arc<EndpointState>],
     ) -> Result<Pick, ScheduleError> {
-        let (cycle, _, _, order) = self
-            .run(request, candidates, None)
+        let (cycle, columns, totals, order) = self
+            .run(request, candidates, None, self.emit_scores)
             .ok_or(ScheduleError::NoCandidates)?;
         let mut ids = order
             .iter()
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
-        let fallbacks = ids.collect();
+        let mut pick = Pick::new(primary, ids.collect());
         self.record(&cycle, primary);
-        Ok(Pick { primary, fallbacks })
+        if self.emit_scores {
+            let mut candidates = self.candidate_explains(&cycle, &columns, &totals);
+            // The pick first (a tie or a random picker may have passed over a higher
+            // total), then best total first.
+            let primary = primary.to_string();
+            candidates.sort_by(|a, b| {
+                (b.address == primary)
+                    .cmp(&(a.address == primary))
+                    .then(b.total.total_cmp(&a.total))
+            });
+            pick.trace = Some(Box::new(ScoreTrace {
+                profile: self.config.profile_name.clone(),
+                candidates,
+            }));
+        }
+        Ok(pick)
     }
 }

@@ -78,15 +78,41 @@ impl Default for SchedulingRequest {
 }
 
 /// The scheduler's answer: the primary endpoint, then ordered fallbacks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pick {
     /// The primary.
     pub primary: PodId,
     /// Fallbacks, best first.
     pub fallbacks: Vec<PodId>,
+    /// Prefill/decode disaggregation: the endpoint that runs the prefill
+    /// (`x-prefiller-host-port`), when the profile handler ran the prefill profile.
+    pub prefill: Option<PodId>,
+    /// The scores behind the pick, when the scheduler was asked to emit them
+    /// (`--emit-endpoint-scores`); `None` otherwise (nothing is computed for it).
+    pub trace: Option<Box<ScoreTrace>>,
+}
+
+/// The scores behind one pick: the same per-candidate view `POST /debug/explain` reports,
+/// taken from the pick's own scoring pass.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreTrace {
+    /// The profile that picked the destination.
+    pub profile: String,
+    /// Candidates that reached scoring: the picked one first, then best total first.
+    pub candidates: Vec<CandidateExplain>,
 }
 
 impl Pick {
+    /// A pick of `primary` then `fallbacks`, without prefill or trace.
+    pub fn new(primary: PodId, fallbacks: Vec<PodId>) -> Self {
+        Self {
+            primary,
+            fallbacks,
+            prefill: None,
+            trace: None,
+        }
+    }
+
     /// The destination header value: `primary[,fallback…]`.
     pub fn header_value(&self) -> String {
         let mut value = self.primary.to_string();
