@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response::Response,
 };
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
+use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::extproc::admission::Admission;
 use kvpick::extproc::{ExtProcService, StreamContext};
@@ -357,4 +358,78 @@ async fn without_the_flag_nothing_is_emitted_and_client_copies_are_removed() {
     // A request without forged headers removes nothing.
     let clean = reply(&route(&mut h, &[], BODY).await);
     assert!(clean.removed.is_empty(), "{:?}", clean.removed);
+}
+
+const PD_CONFIG: &str = "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefill-header-handler
+- type: prefill-filter
+- type: decode-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: pd-profile-handler
+  parameters: {threshold: 100}
+schedulingProfiles:
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: queue-scorer
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: queue-scorer
+";
+
+#[tokio::test]
+async fn pd_sends_the_prefill_pod_in_x_prefiller_host_port_above_the_threshold() {
+    let config = load(Some(PD_CONFIG)).expect("P/D config").scheduler;
+    // Pod 0 decodes, pod 1 prefills, pod 2 prefills too but is busier.
+    let mut h = start(
+        config,
+        3,
+        |i| match i {
+            0 => vec![("llm-d.ai/role", "decode")],
+            _ => vec![("llm-d.ai/role", "prefill")],
+        },
+        false,
+    )
+    .await;
+    // ~300 tokens of text (no tokenizer for `m`: 4 characters a token), none cached.
+    let long = format!(
+        r#"{{"model":"m","prompt":"{}"}}"#,
+        "a fresh question about disaggregated serving ".repeat(27)
+    );
+    let r = reply(
+        &route(
+            &mut h,
+            &[("x-prefiller-host-port", "6.6.6.6:1")],
+            long.as_bytes(),
+        )
+        .await,
+    );
+    assert_eq!(r.set["x-gateway-destination-endpoint"], "10.2.0.1:8000");
+    assert_eq!(r.set["x-prefiller-host-port"], "10.2.0.2:8000");
+    assert!(
+        r.removed.is_empty(),
+        "the client's copy is overwritten: {:?}",
+        r.removed
+    );
+    assert_eq!(
+        r.namespaces["kvpick"]["x-prefiller-host-port"],
+        "10.2.0.2:8000"
+    );
+    assert_eq!(
+        r.namespaces["envoy.lb"]["x-gateway-destination-endpoint"], "10.2.0.1:8000",
+        "the destination contract is the decode pod's"
+    );
+
+    // A short prompt (~2 tokens < 100): decode alone, no prefill header, the forged one gone.
+    let r = reply(&route(&mut h, &[("x-prefiller-host-port", "6.6.6.6:1")], BODY).await);
+    assert_eq!(r.set["x-gateway-destination-endpoint"], "10.2.0.1:8000");
+    assert!(!r.set.contains_key("x-prefiller-host-port"), "{:?}", r.set);
+    assert_eq!(r.removed, ["x-prefiller-host-port"]);
+    assert!(!r.namespaces.contains_key("kvpick"));
 }

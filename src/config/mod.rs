@@ -4,6 +4,7 @@
 
 mod duration;
 pub mod picker_config;
+mod profiles;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;

@@ -33,14 +33,17 @@
 //!   are warnings);
 //! - every `pluginRef` names a declared plugin; scorer weights are finite and ≥ 0 (default 1);
 //!   a profile has at most one picker (default `max-score-picker`);
-//! - exactly one scheduling profile (kvpick runs the single-profile handler);
+//! - exactly one scheduling profile under `single-profile-handler` (or no handler); a decode
+//!   and a prefill profile under llm-d's `pd-profile-handler` (rules in `super::profiles`);
 //! - unknown feature gates are warnings.
 //!
 //! Plugin types: GIE's names where GIE has one (`queue-scorer`, `kv-cache-utilization-scorer`,
 //! `prefix-cache-scorer`, `lora-affinity-scorer`, `max-score-picker`, `random-picker`,
 //! `weighted-random-picker`, `single-profile-handler`), llm-d's where llm-d has one
 //! (`precise-prefix-cache-scorer`, `session-affinity-scorer`, `no-hit-lru-scorer`,
-//! `active-request-scorer`, `by-label`, `by-label-selector`), and kvpick's own
+//! `active-request-scorer`, `by-label`, `by-label-selector`, `pd-profile-handler`,
+//! `prefill-header-handler`, `prefix-based-pd-decider`, `decode-filter`, `prefill-filter`),
+//! and kvpick's own
 //! (`ttft-cost-scorer`, `in-flight-requests-scorer`, `saturation-filter`,
 //! `lora-capacity-filter`).
 
@@ -51,9 +54,10 @@ use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
 use super::duration::parse_duration;
+use super::profiles::{self, HandlerPlugin, PdParams, PluginTable};
 use crate::scheduling::{
-    CostModel, FilterKind, FilterSpec, PickerSpec, PrefixCacheParams, PrefixMode, SaturationConfig,
-    SchedulerConfig, ScorerSpec, WeightedScorer,
+    CostModel, FilterKind, PickerSpec, PrefixCacheParams, PrefixMode, SaturationConfig,
+    SchedulerConfig, ScorerSpec,
 };
 
 /// The `kind` of the document.
@@ -92,6 +96,11 @@ pub const PLUGIN_TYPES: &[&str] = &[
     "random-picker",
     "weighted-random-picker",
     "single-profile-handler",
+    "pd-profile-handler",
+    "prefill-header-handler",
+    "prefix-based-pd-decider",
+    "decode-filter",
+    "prefill-filter",
 ];
 
 /// The YAML document, as written.
@@ -247,11 +256,45 @@ pub enum PickerConfigError {
         /// The first picker's name.
         first: String,
     },
-    /// Zero or several scheduling profiles.
+    /// Zero or several scheduling profiles under the single-profile handler.
     #[error(
         "schedulingProfiles: kvpick runs exactly one profile (single-profile-handler); got {0}"
     )]
     ProfileCount(usize),
+    /// A second profile handler.
+    #[error("{field}: a config has one profile handler; `{first}` is already declared")]
+    SecondHandler {
+        /// The second handler's field.
+        field: String,
+        /// The first handler's name.
+        first: String,
+    },
+    /// Two profiles share a name.
+    #[error("{field}: duplicate profile name `{name}`")]
+    DuplicateProfileName {
+        /// e.g. `schedulingProfiles[1].name`.
+        field: String,
+        /// The name.
+        name: String,
+    },
+    /// A handler parameter names no declared profile.
+    #[error("{field}: no scheduling profile named `{name}` is declared")]
+    UnknownProfile {
+        /// e.g. `plugins[0].parameters.prefillProfile`.
+        field: String,
+        /// The profile name referenced.
+        name: String,
+    },
+    /// A profile the handler never runs.
+    #[error("{field}: profile `{name}` is never run by profile handler `{handler}`")]
+    UnusedProfile {
+        /// e.g. `schedulingProfiles[2].name`.
+        field: String,
+        /// The profile.
+        name: String,
+        /// The handler.
+        handler: String,
+    },
     /// A bad saturation detector value.
     #[error("saturationDetector.{field}: {message}")]
     BadSaturation {
@@ -317,11 +360,27 @@ fn static_type(plugin_type: &str) -> &'static str {
         .unwrap_or("unknown")
 }
 
-enum Plugin {
+/// One parsed plugin declaration.
+pub(super) enum Plugin {
+    /// A filter.
     Filter(FilterKind),
+    /// A scorer.
     Scorer(ScorerSpec),
+    /// A picker.
     Picker(PickerSpec),
-    ProfileHandler,
+    /// A profile handler (decides which profiles run; not a profile step).
+    Handler(HandlerPlugin),
+    /// llm-d's `prefill-header-handler`: kvpick sets `x-prefiller-host-port` itself, so it
+    /// only names the prefill profile (validated).
+    PrefillHeader {
+        /// The profile whose pick is the prefill endpoint.
+        prefill_profile: String,
+    },
+    /// llm-d's `prefix-based-pd-decider`: the P/D threshold in uncached tokens.
+    PdDecider {
+        /// `nonCachedTokens`.
+        non_cached_tokens: u64,
+    },
 }
 
 impl EndpointPickerConfig {
@@ -358,76 +417,18 @@ impl EndpointPickerConfig {
                 warnings.push(format!("{section}: not used by kvpick; ignored"));
             }
         }
-        let mut plugins: HashMap<&str, (&'static str, Plugin)> = HashMap::new();
+        let mut plugins: PluginTable<'_> = HashMap::new();
         for (i, spec) in self.plugins.iter().enumerate() {
             let name = spec.instance_name();
             let plugin = parse_plugin(spec, i, &mut warnings)?;
             if plugins
-                .insert(name, (static_type(&spec.plugin_type), plugin))
+                .insert(name, (i, static_type(&spec.plugin_type), plugin))
                 .is_some()
             {
                 return Err(PickerConfigError::DuplicatePluginName {
                     field: format!("plugins[{i}].name"),
                     name: name.to_owned(),
                 });
-            }
-        }
-        let [profile] = self.scheduling_profiles.as_slice() else {
-            return Err(PickerConfigError::ProfileCount(
-                self.scheduling_profiles.len(),
-            ));
-        };
-        let mut filters = Vec::new();
-        let mut scorers = Vec::new();
-        let mut picker: Option<(String, &'static str, PickerSpec)> = None;
-        for (j, used) in profile.plugins.iter().enumerate() {
-            let field = format!("schedulingProfiles[0].plugins[{j}]");
-            let Some((plugin_type, plugin)) = plugins.get(used.plugin_ref.as_str()) else {
-                return Err(PickerConfigError::DanglingPluginRef {
-                    field: format!("{field}.pluginRef"),
-                    name: used.plugin_ref.clone(),
-                });
-            };
-            let plugin_type = *plugin_type;
-            let name = used.plugin_ref.clone();
-            if used.weight.is_some() && !matches!(plugin, Plugin::Scorer(_)) {
-                warnings.push(format!(
-                    "{field}.weight: `{name}` is not a scorer; weight ignored"
-                ));
-            }
-            match plugin {
-                Plugin::Filter(kind) => filters.push(FilterSpec {
-                    name,
-                    plugin_type,
-                    filter: kind.clone(),
-                }),
-                Plugin::Scorer(scorer) => {
-                    let weight = used.weight.unwrap_or(1.0);
-                    if !weight.is_finite() || weight < 0.0 {
-                        return Err(PickerConfigError::BadWeight {
-                            field: format!("{field}.weight"),
-                            weight,
-                        });
-                    }
-                    scorers.push(WeightedScorer {
-                        name,
-                        plugin_type,
-                        scorer: scorer.clone(),
-                        weight,
-                    });
-                }
-                Plugin::Picker(spec) => {
-                    if let Some((first, _, _)) = &picker {
-                        return Err(PickerConfigError::SecondPicker {
-                            field: format!("{field}.pluginRef"),
-                            first: first.clone(),
-                        });
-                    }
-                    picker = Some((name, plugin_type, *spec));
-                }
-                Plugin::ProfileHandler => warnings.push(format!(
-                    "{field}.pluginRef: `{name}` is a profile handler, not a profile step; ignored"
-                )),
             }
         }
         let mut feature_flow_control = false;
@@ -438,26 +439,15 @@ impl EndpointPickerConfig {
                 warnings.push(format!("featureGates[{i}]: unknown gate `{gate}`; ignored"));
             }
         }
-        let (picker_name, picker_type, picker) = picker.unwrap_or_else(|| {
-            (
-                "max-score-picker".to_owned(),
-                "max-score-picker",
-                PickerSpec::MaxScore {
-                    max_endpoints: None,
-                },
-            )
-        });
+        let scheduler = profiles::resolve(
+            &self.scheduling_profiles,
+            &plugins,
+            saturation(self.saturation_detector.as_ref())?,
+            feature_flow_control,
+            &mut warnings,
+        )?;
         Ok(ValidatedPickerConfig {
-            scheduler: SchedulerConfig {
-                profile_name: profile.name.clone(),
-                filters,
-                scorers,
-                picker,
-                picker_name,
-                picker_type,
-                saturation: saturation(self.saturation_detector.as_ref())?,
-                flow_control: feature_flow_control,
-            },
+            scheduler,
             warnings,
         })
     }
@@ -580,6 +570,39 @@ struct ByLabelParams {
     label: String,
     valid_values: Vec<String>,
     allows_no_label: bool,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PrefillHeaderParams {
+    prefill_profile: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct DeciderParams {
+    non_cached_tokens: Option<i64>,
+}
+
+/// llm-d's role label (`decode-filter`, `prefill-filter`).
+pub const ROLE_LABEL: &str = "llm-d.ai/role";
+/// Roles `decode-filter` keeps (endpoints without the label pass too).
+const DECODE_ROLES: &[&str] = &["decode", "prefill-decode", "both", "encode-prefill-decode"];
+/// Roles `prefill-filter` keeps (endpoints without the label do not pass).
+const PREFILL_ROLES: &[&str] = &[
+    "prefill",
+    "encode-prefill",
+    "prefill-decode",
+    "both",
+    "encode-prefill-decode",
+];
+
+fn role_filter(roles: &[&str], allows_no_label: bool) -> FilterKind {
+    FilterKind::ByLabel {
+        label: ROLE_LABEL.to_owned(),
+        valid_values: roles.iter().map(|r| (*r).to_owned()).collect(),
+        allows_no_label,
+    }
 }
 
 fn bad(index: usize, message: String) -> PickerConfigError {
@@ -792,7 +815,39 @@ fn parse_plugin(
         }),
         "single-profile-handler" => {
             no_params(spec, i)?;
-            Plugin::ProfileHandler
+            Plugin::Handler(HandlerPlugin::Single)
+        }
+        "pd-profile-handler" => {
+            let p: PdParams = params(spec, i)?;
+            p.check(i, warnings)?;
+            Plugin::Handler(HandlerPlugin::PrefillDecode(p))
+        }
+        "prefill-header-handler" => {
+            let p: PrefillHeaderParams = params(spec, i)?;
+            Plugin::PrefillHeader {
+                prefill_profile: p.prefill_profile.unwrap_or_else(|| "prefill".to_owned()),
+            }
+        }
+        "prefix-based-pd-decider" => {
+            let p: DeciderParams = params(spec, i)?;
+            let tokens = p.non_cached_tokens.unwrap_or(0);
+            if tokens < 0 {
+                return Err(bad(
+                    i,
+                    format!("nonCachedTokens must be ≥ 0 (got {tokens})"),
+                ));
+            }
+            Plugin::PdDecider {
+                non_cached_tokens: tokens.unsigned_abs(),
+            }
+        }
+        "decode-filter" => {
+            no_params(spec, i)?;
+            Plugin::Filter(role_filter(DECODE_ROLES, true))
+        }
+        "prefill-filter" => {
+            no_params(spec, i)?;
+            Plugin::Filter(role_filter(PREFILL_ROLES, false))
         }
         other => {
             return Err(PickerConfigError::UnknownPluginType {

@@ -8,6 +8,11 @@
 //! prefix index's routing record (`PrefixIndex::record_routed`: speculative holders for pods
 //! with KV events, the LRU model for pods without).
 //!
+//! Under `pd-profile-handler` this profile is the decode profile; the prefill profile is a
+//! second `ConfiguredScheduler` (same index and metrics) run after the decode pick when the
+//! prompt tokens not cached on the decode pod reach the threshold — before the decode pick is
+//! recorded, so its speculative entries cannot attract the prefill.
+//!
 //! Concurrency rules: `pick` takes `&self` and is called concurrently; all shared state is
 //! behind the index's own locks, the approximate store's mutex and the scorers' mutexes, each
 //! held for one short step. No lock is held across the whole pick.
@@ -28,7 +33,8 @@ use super::pickers;
 use super::saturation::{SaturationDetector, endpoint_saturation};
 use super::scorers::{Scorer, estimate_ttft_ms};
 use super::spec::{
-    CostModel, FilterSpec, PrefixCacheParams, PrefixMode, SchedulerConfig, ScorerSpec,
+    CostModel, FilterSpec, PrefillDecodeSpec, PrefixCacheParams, PrefixMode, ProfileHandlerSpec,
+    SchedulerConfig, ScorerSpec,
 };
 use super::{Pick, ScheduleError, Scheduler, SchedulingRequest, ScoreTrace};
 
@@ -67,6 +73,14 @@ pub struct ConfiguredScheduler {
     recorder: Option<Recorder>,
     plugin_seconds: Option<prometheus::HistogramVec>,
     emit_scores: bool,
+    disaggregation: Option<Disaggregation>,
+}
+
+/// The prefill side of `pd-profile-handler`: the handler's spec and the prefill profile built
+/// as its own scheduler (same index and metrics).
+struct Disaggregation {
+    spec: PrefillDecodeSpec,
+    prefill: Box<ConfiguredScheduler>,
 }
 
 /// Prompts up to this many tokens are recorded on the request path even with a background
@@ -125,6 +139,26 @@ pub struct Explanation {
     pub prompt_tokens: f64,
     /// The pick (`primary` first), or `None` when nothing was eligible.
     pub pick: Option<Vec<String>>,
+    /// Prefill/decode disaggregation (`pd-profile-handler`): this explanation is the decode
+    /// profile's; this says whether and where the prefill would run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<DisaggregationExplain>,
+}
+
+/// What `pd-profile-handler` decided for an explained request.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DisaggregationExplain {
+    /// The handler's plugin name.
+    pub handler: String,
+    /// Uncached tokens at or above which prefill runs separately (0: always).
+    pub threshold_tokens: u64,
+    /// Prompt tokens not cached on the decode pick.
+    pub uncached_tokens: f64,
+    /// Whether the prefill profile runs.
+    pub prefill_ran: bool,
+    /// The prefill profile's explanation, when it runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<Box<Explanation>>,
 }
 
 impl ConfiguredScheduler {
@@ -145,7 +179,9 @@ impl ConfiguredScheduler {
             ScorerSpec::PrefixCache(p) => Some(p.clone()),
             _ => None,
         });
-        let needs_prefix = config.scorers.iter().any(|s| s.scorer.needs_prefix());
+        // P/D decides on the decode pick's cached tokens: it needs the prefix matches too.
+        let needs_prefix = config.scorers.iter().any(|s| s.scorer.needs_prefix())
+            || matches!(config.handler, ProfileHandlerSpec::PrefillDecode(_));
         let cost_model = config.scorers.iter().find_map(|s| match &s.scorer {
             ScorerSpec::Cost(m) => Some(*m),
             _ => None,
@@ -162,6 +198,13 @@ impl ConfiguredScheduler {
             .min(max_fallbacks.saturating_add(1))
             .max(1);
         let detector = SaturationDetector::new(config.saturation, Arc::clone(&deps.metrics));
+        let disaggregation = match &config.handler {
+            ProfileHandlerSpec::Single => None,
+            ProfileHandlerSpec::PrefillDecode(spec) => Some(Disaggregation {
+                prefill: Box::new(Self::new((*spec.prefill).clone(), deps.clone(), 0)),
+                spec: spec.clone(),
+            }),
+        };
         Self {
             filters: config.filters.clone(),
             scorers,
@@ -175,6 +218,7 @@ impl ConfiguredScheduler {
             recorder: None,
             plugin_seconds: None,
             emit_scores: false,
+            disaggregation,
             config,
         }
     }
@@ -223,8 +267,15 @@ impl ConfiguredScheduler {
             &["extension_point", "plugin_type", "plugin_name"],
         )?;
         registry.register(Box::new(histogram.clone()))?;
-        self.plugin_seconds = Some(histogram);
+        self.set_plugin_histogram(&histogram);
         Ok(self)
+    }
+
+    fn set_plugin_histogram(&mut self, histogram: &prometheus::HistogramVec) {
+        self.plugin_seconds = Some(histogram.clone());
+        if let Some(pd) = self.disaggregation.as_mut() {
+            pd.prefill.set_plugin_histogram(histogram);
+        }
     }
 
     /// With `on`, every pick carries its [`ScoreTrace`] (`--emit-endpoint-scores`): the
@@ -275,6 +326,7 @@ impl ConfiguredScheduler {
             candidates: Vec::new(),
             prompt_tokens: 0.0,
             pick: None,
+            disaggregation: None,
         };
         let Some((cycle, columns, totals, order)) = run else {
             return explanation;
@@ -287,6 +339,17 @@ impl ConfiguredScheduler {
                 .filter_map(|i| cycle.pods.get(*i).map(|p| p.id.to_string()))
                 .collect(),
         );
+        if let Some(pd) = &self.disaggregation {
+            let uncached = uncached_tokens(&cycle, &order);
+            let prefill_ran = pd.spec.needs_prefill(uncached);
+            explanation.disaggregation = Some(DisaggregationExplain {
+                handler: pd.spec.name.clone(),
+                threshold_tokens: pd.spec.threshold_tokens,
+                uncached_tokens: uncached,
+                prefill_ran,
+                prefill: prefill_ran.then(|| Box::new(pd.prefill.explain(request, candidates))),
+            });
+        }
         explanation
     }
 
@@ -494,6 +557,14 @@ impl ConfiguredScheduler {
     }
 }
 
+/// Prompt tokens not cached on the pick (`order[0]`), per the cycle's prefix matches.
+fn uncached_tokens(cycle: &Cycle<'_>, order: &[usize]) -> f64 {
+    let cached = order
+        .first()
+        .map_or(0.0, |i| cycle.prefix_hit(*i).cached_tokens);
+    (cycle.prompt_tokens - cached).max(0.0)
+}
+
 impl Scheduler for ConfiguredScheduler {
     fn pick(
         &self,
@@ -508,6 +579,14 @@ impl Scheduler for ConfiguredScheduler {
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
         let mut pick = Pick::new(primary, ids.collect());
+        if let Some(pd) = &self.disaggregation {
+            // Before this pick is recorded, so the decode pod's speculative entries do not
+            // attract the prefill.
+            if pd.spec.needs_prefill(uncached_tokens(&cycle, &order)) {
+                // No prefill pod (e.g. none with the role): the decode pod prefills itself.
+                pick.prefill = pd.prefill.pick(request, candidates).ok().map(|p| p.primary);
+            }
+        }
         self.record(&cycle, primary);
         if self.emit_scores {
             let mut candidates = self.candidate_explains(&cycle, &columns, &totals);

@@ -4,7 +4,9 @@
 //! candidate endpoints (the pool, narrowed by the gateway's subset hint) and gets back a
 //! [`Pick`]: the primary first, then ordered fallbacks.
 //!
-//! The configurable scheduler ([`ConfiguredScheduler`]) runs one GIE-style profile: filters
+//! The configurable scheduler ([`ConfiguredScheduler`]) runs one GIE-style profile (two
+//! under llm-d's prefill/decode `pd-profile-handler`: decode picks the destination, prefill
+//! the pod named in [`Pick::prefill`]): filters
 //! ([`filters`]) → weighted scorers ([`scorers`], [`affinity`]) → picker ([`pickers`]), built
 //! once from a typed [`SchedulerConfig`] ([`spec`]; parsed from EndpointPickerConfig YAML by
 //! `crate::config::picker_config`). [`saturation`] says when the pool is full (shedding, flow
@@ -28,14 +30,16 @@ use crate::endpoints::{EndpointState, PodId};
 use crate::kvcache::KeyContext;
 use crate::tokenize::PromptTokens;
 
-pub use configured::{CandidateExplain, ConfiguredScheduler, Explanation, SchedulerDeps};
+pub use configured::{
+    CandidateExplain, ConfiguredScheduler, DisaggregationExplain, Explanation, SchedulerDeps,
+};
 pub use cycle::MetricsSource;
 pub use flow_control::{FlowControlConfig, FlowController, FlowError, FlowRequest, Permit};
 pub use least_in_flight::LeastInFlight;
 pub use saturation::{PoolSaturation, SaturationDetector};
 pub use spec::{
-    CostModel, FilterKind, FilterSpec, PickerSpec, PrefixCacheParams, PrefixMode, SaturationConfig,
-    SchedulerConfig, ScorerSpec, WeightedScorer,
+    CostModel, FilterKind, FilterSpec, PickerSpec, PrefillDecodeSpec, PrefixCacheParams,
+    PrefixMode, ProfileHandlerSpec, SaturationConfig, SchedulerConfig, ScorerSpec, WeightedScorer,
 };
 
 /// What the scheduler knows of a request.

@@ -27,6 +27,41 @@ pub struct SchedulerConfig {
     pub saturation: SaturationConfig,
     /// Whether the `flowControl` feature gate is on.
     pub flow_control: bool,
+    /// How profiles combine: one profile, or prefill/decode disaggregation (then the fields
+    /// above describe the decode profile, which picks the destination).
+    pub handler: ProfileHandlerSpec,
+}
+
+/// The profile handler: which profiles run for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProfileHandlerSpec {
+    /// `single-profile-handler`: the one profile picks the destination.
+    Single,
+    /// `pd-profile-handler` (llm-d): prefill/decode disaggregation.
+    PrefillDecode(PrefillDecodeSpec),
+}
+
+/// llm-d's `pd-profile-handler`: the decode profile picks the destination; when the prompt's
+/// part not cached on that decode pod reaches the threshold, the prefill profile picks a
+/// prefill pod too, named to the decode pod's sidecar in `x-prefiller-host-port`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillDecodeSpec {
+    /// The handler's plugin instance name.
+    pub name: String,
+    /// Uncached prompt tokens (prompt − tokens the decode pod holds) at or above which the
+    /// prefill profile runs; 0: always.
+    pub threshold_tokens: u64,
+    /// The prefill profile (its own handler is [`ProfileHandlerSpec::Single`]).
+    pub prefill: Box<SchedulerConfig>,
+}
+
+impl PrefillDecodeSpec {
+    /// Whether a request with `uncached_tokens` not cached on the decode pod gets a
+    /// separate prefill (llm-d: only when the uncached part is *below* the threshold does
+    /// decode run alone).
+    pub fn needs_prefill(&self, uncached_tokens: f64) -> bool {
+        self.threshold_tokens == 0 || uncached_tokens >= self.threshold_tokens as f64
+    }
 }
 
 /// A scorer and its weight in the profile.
@@ -256,6 +291,7 @@ impl SchedulerConfig {
             picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
             flow_control: false,
+            handler: ProfileHandlerSpec::Single,
         }
     }
 
@@ -294,6 +330,7 @@ impl SchedulerConfig {
             picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
             flow_control: true,
+            handler: ProfileHandlerSpec::Single,
         }
     }
 }
