@@ -160,3 +160,45 @@ async fn emitted_scores_reach_the_model_server_and_forged_copies_do_not() {
     );
     assert!(headers.get("x-prefiller-host-port").is_none());
 }
+
+#[tokio::test]
+async fn the_decode_pod_behind_envoy_receives_the_prefill_pod_in_x_prefiller_host_port() {
+    let (decode, prefill) = (
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    );
+    // Roles come from the endpoints file's labels.
+    let pool = format!(
+        "endpoints:\n  - address: {}\n    labels: {{llm-d.ai/role: decode}}\n  - address: {}\n    labels: {{llm-d.ai/role: prefill}}\n",
+        decode.addr, prefill.addr
+    );
+    let config = include_str!("../deploy/config/pd-disaggregation.yaml")
+        .replace("threshold: 256", "threshold: 0");
+    let kvpick = Kvpick::start(&pool, &["--config-text", &config]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let reply = send(
+        "POST",
+        &envoy.url("/v1/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("x-prefiller-host-port", "6.6.6.6:1"),
+        ],
+        BODY.to_vec(),
+    )
+    .await
+    .expect("request");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(
+        prefill.seen().is_empty(),
+        "the gateway routes to decode only"
+    );
+    let seen = decode.seen();
+    assert_eq!(seen.len(), 1);
+    let values: Vec<_> = seen[0]
+        .headers
+        .get_all("x-prefiller-host-port")
+        .iter()
+        .map(|v| v.to_str().expect("ascii").to_owned())
+        .collect();
+    assert_eq!(values, [prefill.addr.to_string()]);
+}

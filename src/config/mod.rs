@@ -4,6 +4,7 @@
 
 mod duration;
 pub mod picker_config;
+mod plugins;
 mod profiles;
 
 use std::net::{IpAddr, SocketAddr};

@@ -21,7 +21,8 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Deserialize;
 
-use super::picker_config::{PickerConfigError, Plugin, SchedulingProfile};
+use super::picker_config::{PickerConfigError, SchedulingProfile};
+use super::plugins::Plugin;
 use crate::scheduling::{
     FilterSpec, PickerSpec, PrefillDecodeSpec, ProfileHandlerSpec, SaturationConfig,
     SchedulerConfig, WeightedScorer,

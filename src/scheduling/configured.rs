@@ -91,6 +91,7 @@ const INLINE_RECORD_TOKENS: usize = 4096;
 type RouteRecord = (PodId, KeyContext, Arc<PromptTokens>);
 
 /// The background recorder's sending side.
+#[derive(Clone)]
 struct Recorder {
     queue: std::sync::mpsc::SyncSender<RouteRecord>,
     drops: Arc<AtomicU64>,
@@ -247,6 +248,10 @@ impl ConfiguredScheduler {
             queue: tx,
             drops: Arc::new(AtomicU64::new(0)),
         });
+        // The prefill profile (P/D) shares the thread, its queue and its drop count.
+        if let Some(pd) = self.disaggregation.as_mut() {
+            pd.prefill.recorder = self.recorder.clone();
+        }
         Ok(self)
     }
 
