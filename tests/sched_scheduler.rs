@@ -641,7 +641,11 @@ fn pd_without_prefill_pods_decodes_alone_and_explain_shows_both_profiles() {
     assert_eq!(pick.prefill, None);
 
     let f = pd_fixture();
-    let scheduler = f.scheduler(pd_config(100), 0);
+    let registry = prometheus::Registry::new();
+    let scheduler = f
+        .scheduler(pd_config(100), 0)
+        .with_plugin_metrics(&registry)
+        .expect("metrics");
     let explained = scheduler.explain(&exact(tokens(22, 400)), &f.pods);
     assert_eq!(explained.profile, "decode");
     assert_eq!(explained.filters[0].filter, "decode-filter");
@@ -672,6 +676,32 @@ fn pd_without_prefill_pods_decodes_alone_and_explain_shows_both_profiles() {
     let short = scheduler.explain(&exact(tokens(23, 50)), &f.pods);
     let pd = short.disaggregation.expect("P/D decision");
     assert!(!pd.prefill_ran && pd.prefill.is_none());
+    // Decisions are counted under llm-d's metric (explain counts nothing).
+    let decisions = |decision: &str| {
+        registry
+            .gather()
+            .iter()
+            .filter(|family| family.name() == "llm_d_inference_scheduler_pd_decision_total")
+            .flat_map(|family| family.get_metric().to_vec())
+            .filter(|m| m.get_label().iter().any(|l| l.value() == decision))
+            .map(|m| m.get_counter().get_value())
+            .sum::<f64>()
+    };
+    assert_eq!(decisions("prefill-decode") + decisions("decode-only"), 0.0);
+    for q in 0..3 {
+        let pick = scheduler
+            .pick(&exact(tokens(400 + q, 400)), &f.pods)
+            .expect("pick");
+        assert!(pick.prefill.is_some());
+    }
+    let pick = scheduler
+        .pick(&exact(tokens(410, 50)), &f.pods)
+        .expect("pick");
+    assert!(pick.prefill.is_none());
+    assert_eq!(
+        (decisions("prefill-decode"), decisions("decode-only")),
+        (3.0, 1.0)
+    );
     // A single-profile config explains no disaggregation.
     let single = f.scheduler(SchedulerConfig::gie_default(), 0);
     let json = serde_json::to_value(single.explain(&exact(tokens(24, 50)), &f.pods)).expect("json");

@@ -74,6 +74,7 @@ pub struct ConfiguredScheduler {
     plugin_seconds: Option<prometheus::HistogramVec>,
     emit_scores: bool,
     disaggregation: Option<Disaggregation>,
+    pd_decisions: Option<prometheus::IntCounterVec>,
 }
 
 /// The prefill side of `pd-profile-handler`: the handler's spec and the prefill profile built
@@ -220,6 +221,7 @@ impl ConfiguredScheduler {
             plugin_seconds: None,
             emit_scores: false,
             disaggregation,
+            pd_decisions: None,
             config,
         }
     }
@@ -258,7 +260,10 @@ impl ConfiguredScheduler {
     /// Times every filter, the prefix lookup, every scorer and the picker into
     /// `inference_extension_plugin_duration_seconds{extension_point, plugin_type,
     /// plugin_name}` (GIE's metric and labels: `plugin_type` is the config `type`,
-    /// `plugin_name` the instance name).
+    /// `plugin_name` the instance name). Under `pd-profile-handler` it also counts the
+    /// decisions in llm-d's `llm_d_inference_scheduler_pd_decision_total{decision_type}`
+    /// (`prefill-decode` when a prefill pod was named, else `decode-only`), so llm-d
+    /// dashboards keep working.
     pub fn with_plugin_metrics(
         mut self,
         registry: &prometheus::Registry,
@@ -273,6 +278,17 @@ impl ConfiguredScheduler {
         )?;
         registry.register(Box::new(histogram.clone()))?;
         self.set_plugin_histogram(&histogram);
+        if self.disaggregation.is_some() {
+            let decisions = prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "llm_d_inference_scheduler_pd_decision_total",
+                    "Prefill/decode disaggregation decisions (llm-d's metric).",
+                ),
+                &["decision_type"],
+            )?;
+            registry.register(Box::new(decisions.clone()))?;
+            self.pd_decisions = Some(decisions);
+        }
         Ok(self)
     }
 
@@ -590,6 +606,14 @@ impl Scheduler for ConfiguredScheduler {
             if pd.spec.needs_prefill(uncached_tokens(&cycle, &order)) {
                 // No prefill pod (e.g. none with the role): the decode pod prefills itself.
                 pick.prefill = pd.prefill.pick(request, candidates).ok().map(|p| p.primary);
+            }
+            if let Some(decisions) = &self.pd_decisions {
+                let decision = if pick.prefill.is_some() {
+                    "prefill-decode"
+                } else {
+                    "decode-only"
+                };
+                decisions.with_label_values(&[decision]).inc();
             }
         }
         self.record(&cycle, primary);
