@@ -8,7 +8,7 @@ use kvpick::config::picker_config::{
     EndpointPickerConfig, GIE_DEFAULT_YAML, KVPICK_RECOMMENDED_YAML, PickerConfigError, load,
 };
 use kvpick::scheduling::{
-    CostModel, FilterKind, PickerSpec, PrefixMode, SchedulerConfig, ScorerSpec,
+    CostModel, FilterKind, PickerSpec, PrefixMode, ProfileHandlerSpec, SchedulerConfig, ScorerSpec,
 };
 
 /// GIE-style configs as users write them (GIE docs/llm-d guides shapes).
@@ -298,5 +298,176 @@ fn profile_without_picker_gets_max_score_and_sections_kvpick_ignores_warn() {
         v.warnings.iter().any(|w| w.starts_with("dataLayer")),
         "{:?}",
         v.warnings
+    );
+}
+
+const PD_YAML: &str = include_str!("../deploy/config/pd-disaggregation.yaml");
+
+fn role(roles: &[&str], allows_no_label: bool) -> FilterKind {
+    FilterKind::ByLabel {
+        label: "llm-d.ai/role".into(),
+        valid_values: roles.iter().map(|r| (*r).to_owned()).collect(),
+        allows_no_label,
+    }
+}
+
+#[test]
+fn pd_profile_handler_resolves_decode_and_prefill_profiles() {
+    let config = EndpointPickerConfig::from_yaml(PD_YAML).expect("yaml");
+    let again = EndpointPickerConfig::from_yaml(&config.to_yaml().expect("to yaml")).expect("rt");
+    assert_eq!(config, again, "round trip");
+    let v = load(Some(PD_YAML)).expect("valid P/D config");
+    assert!(v.warnings.is_empty(), "{:?}", v.warnings);
+    let decode = &v.scheduler;
+    assert_eq!(
+        decode.profile_name, "decode",
+        "decode picks the destination"
+    );
+    assert_eq!(
+        decode.filters[0].filter,
+        role(
+            &["decode", "prefill-decode", "both", "encode-prefill-decode"],
+            true
+        )
+    );
+    assert_eq!(decode.filters[0].plugin_type, "decode-filter");
+    assert_eq!(decode.scorers.len(), 3);
+    let ProfileHandlerSpec::PrefillDecode(pd) = &decode.handler else {
+        panic!("not P/D: {:?}", decode.handler);
+    };
+    assert_eq!(pd.name, "pd-profile-handler");
+    assert_eq!(pd.threshold_tokens, 256);
+    assert_eq!(pd.prefill.profile_name, "prefill");
+    assert_eq!(pd.prefill.handler, ProfileHandlerSpec::Single);
+    assert_eq!(
+        pd.prefill.filters[0].filter,
+        role(
+            &[
+                "prefill",
+                "encode-prefill",
+                "prefill-decode",
+                "both",
+                "encode-prefill-decode"
+            ],
+            false
+        )
+    );
+    assert_eq!(
+        pd.prefill
+            .scorers
+            .iter()
+            .map(|s| (s.name.as_str(), s.weight))
+            .collect::<Vec<_>>(),
+        [("queue-scorer", 2.0), ("prefix-cache-scorer", 1.0)]
+    );
+    assert!(pd.needs_prefill(256.0) && !pd.needs_prefill(255.0));
+
+    // Newer llm-d: the threshold from a prefix-based-pd-decider; llm-d's char-block
+    // parameters are accepted with a warning; profiles named by default.
+    let decider = format!(
+        "{HEAD}plugins:\n- type: prefix-based-pd-decider\n  name: decider\n  parameters: {{nonCachedTokens: 32}}\n- type: pd-profile-handler\n  parameters: {{deciderPluginName: decider, hashBlockSize: 64}}\n- type: queue-scorer\nschedulingProfiles:\n- name: decode\n  plugins:\n  - pluginRef: queue-scorer\n- name: prefill\n  plugins:\n  - pluginRef: queue-scorer\n"
+    );
+    let v = load(Some(&decider)).expect("decider config");
+    let ProfileHandlerSpec::PrefillDecode(pd) = &v.scheduler.handler else {
+        panic!("not P/D");
+    };
+    assert_eq!(pd.threshold_tokens, 32);
+    assert!(
+        v.warnings.iter().any(|w| w.contains("hashBlockSize")),
+        "{:?}",
+        v.warnings
+    );
+    let always = format!(
+        "{HEAD}plugins:\n- type: pd-profile-handler\nschedulingProfiles:\n- name: prefill\n- name: decode\n"
+    );
+    let v = load(Some(&always)).expect("defaults");
+    let ProfileHandlerSpec::PrefillDecode(pd) = &v.scheduler.handler else {
+        panic!("not P/D");
+    };
+    assert_eq!(pd.threshold_tokens, 0);
+    assert!(pd.needs_prefill(0.0), "threshold 0: always");
+}
+
+#[test]
+fn pd_config_errors_name_the_bad_field() {
+    let pd = |params: &str, profiles: &[&str]| {
+        let mut text = format!(
+            "{HEAD}plugins:\n- type: queue-scorer\n- type: pd-profile-handler\n  parameters: {{{params}}}\nschedulingProfiles:\n"
+        );
+        for p in profiles {
+            text.push_str(&format!(
+                "- name: {p}\n  plugins:\n  - pluginRef: queue-scorer\n"
+            ));
+        }
+        error_of(&text)
+    };
+    let e = pd("decodeProfile: dec", &["decode", "prefill"]);
+    assert!(
+        e.contains("plugins[1].parameters.decodeProfile") && e.contains("`dec`"),
+        "{e}"
+    );
+    let e = pd("", &["decode"]);
+    assert!(
+        e.contains("plugins[1].parameters.prefillProfile") && e.contains("`prefill`"),
+        "missing prefill profile: {e}"
+    );
+    let e = pd("", &[]);
+    assert!(e.contains("plugins[1].parameters.decodeProfile"), "{e}");
+    let e = pd("", &["decode", "prefill", "extra"]);
+    assert!(
+        e.contains("schedulingProfiles[2].name") && e.contains("never run"),
+        "{e}"
+    );
+    let e = pd("", &["decode", "prefill", "decode"]);
+    assert!(
+        e.contains("schedulingProfiles[2].name") && e.contains("duplicate"),
+        "{e}"
+    );
+    let e = pd("prefillProfile: decode", &["decode"]);
+    assert!(e.contains("plugins[1].parameters.prefillProfile"), "{e}");
+    let e = pd("threshold: -1", &["decode", "prefill"]);
+    assert!(
+        e.contains("plugins[1].parameters") && e.contains("threshold"),
+        "{e}"
+    );
+    let e = pd("primaryPort: 8000", &["decode", "prefill"]);
+    assert!(e.contains("primaryPort"), "{e}");
+    let e = pd("treshold: 5", &["decode", "prefill"]);
+    assert!(
+        e.contains("plugins[1].parameters") && e.contains("treshold"),
+        "{e}"
+    );
+    let e = pd("deciderPluginName: nope", &["decode", "prefill"]);
+    assert!(
+        e.contains("plugins[1].parameters.deciderPluginName") && e.contains("`nope`"),
+        "{e}"
+    );
+    let e = pd("deciderPluginName: queue-scorer", &["decode", "prefill"]);
+    assert!(e.contains("not a prefix-based-pd-decider"), "{e}");
+
+    // The single-profile handler keeps the exactly-one rule and its error.
+    let single = format!(
+        "{HEAD}plugins:\n- type: single-profile-handler\nschedulingProfiles:\n- name: decode\n- name: prefill\n"
+    );
+    let e = error_of(&single);
+    assert!(
+        e.contains("schedulingProfiles: kvpick runs exactly one profile"),
+        "{e}"
+    );
+    let two_handlers = format!(
+        "{HEAD}plugins:\n- type: single-profile-handler\n- type: pd-profile-handler\nschedulingProfiles:\n- name: decode\n- name: prefill\n"
+    );
+    let e = error_of(&two_handlers);
+    assert!(
+        e.contains("plugins[1].type") && e.contains("one profile handler"),
+        "{e}"
+    );
+    let header = format!(
+        "{HEAD}plugins:\n- type: prefill-header-handler\n  parameters: {{prefillProfile: pre}}\n- type: pd-profile-handler\nschedulingProfiles:\n- name: decode\n- name: prefill\n"
+    );
+    let e = error_of(&header);
+    assert!(
+        e.contains("plugins[0].parameters.prefillProfile") && e.contains("`pre`"),
+        "{e}"
     );
 }

@@ -192,10 +192,10 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
         .expect("metrics")
         .text();
     for plugin in [
-        "extension_point=\"Filter\",plugin_name=\"saturation-filter\"",
-        "extension_point=\"Scorer\",plugin_name=\"ttft-cost-scorer\"",
-        "extension_point=\"DataProducer\",plugin_name=\"prefix-cache-match\"",
-        "extension_point=\"Picker\",plugin_name=\"picker\"",
+        "extension_point=\"Filter\",plugin_name=\"saturation-filter\",plugin_type=\"saturation-filter\"",
+        "extension_point=\"Scorer\",plugin_name=\"ttft-cost-scorer\",plugin_type=\"ttft-cost-scorer\"",
+        "extension_point=\"DataProducer\",plugin_name=\"prefix-cache-match\",plugin_type=\"prefix-cache-match\"",
+        "extension_point=\"Picker\",plugin_name=\"max-score-picker\",plugin_type=\"max-score-picker\"",
     ] {
         assert!(
             metrics.contains(&format!(

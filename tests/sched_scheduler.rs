@@ -424,6 +424,7 @@ fn explain_does_not_record() {
     let mut config = SchedulerConfig::gie_default();
     config.scorers.push(kvpick::scheduling::WeightedScorer {
         name: "session".into(),
+        plugin_type: "session-affinity-scorer",
         scorer: kvpick::scheduling::ScorerSpec::SessionAffinity { max_sessions: 16 },
         weight: 1.0,
     });
@@ -525,4 +526,184 @@ fn background_recording_lands_shortly_after_the_pick() {
         first
     );
     assert_eq!(scheduler.recording_drops(), 0);
+}
+
+/// llm-d's P/D config with `threshold` uncached tokens.
+fn pd_config(threshold: u64) -> SchedulerConfig {
+    load(Some(&format!(
+        "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefill-filter
+- type: decode-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: max-score-picker
+- type: pd-profile-handler
+  parameters: {{threshold: {threshold}}}
+schedulingProfiles:
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: queue-scorer
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: queue-scorer
+"
+    )))
+    .expect("P/D config")
+    .scheduler
+}
+
+/// Pods 0, 1 decode; 2, 3 prefill; 4 both; 5 unlabelled (decode-filter admits it).
+fn pd_fixture() -> Fixture {
+    Fixture::with_labels(6, |i| match i {
+        0 | 1 => vec![("llm-d.ai/role", "decode")],
+        2 | 3 => vec![("llm-d.ai/role", "prefill")],
+        4 => vec![("llm-d.ai/role", "both")],
+        _ => Vec::new(),
+    })
+}
+
+#[test]
+fn pd_handler_adds_a_prefill_pod_only_when_the_uncached_part_reaches_the_threshold() {
+    let f = pd_fixture();
+    let decode_side: HashSet<PodId> = [0, 1, 4, 5].map(|i| f.id(i)).into();
+    let prefill_side: HashSet<PodId> = [2, 3, 4].map(|i| f.id(i)).into();
+    let scheduler = f.scheduler(pd_config(100), 0);
+
+    // Cold 400-token prompts: 400 uncached ≥ 100 → prefill elsewhere.
+    for q in 0..20 {
+        let pick = scheduler
+            .pick(&exact(tokens(100 + q, 400)), &f.pods)
+            .expect("pick");
+        assert!(decode_side.contains(&pick.primary), "{pick:?}");
+        let prefill = pick.prefill.expect("a prefill pod");
+        assert!(prefill_side.contains(&prefill), "{pick:?}");
+    }
+    // Routed once, the prompt is expected cached on its decode pod (routing record): the
+    // repeat prefills there.
+    let repeat = tokens(11, 400);
+    let first = scheduler
+        .pick(&exact(repeat.clone()), &f.pods)
+        .expect("pick");
+    assert!(first.prefill.is_some());
+    let again = scheduler.pick(&exact(repeat), &f.pods).expect("pick");
+    assert_eq!(again.primary, first.primary);
+    assert_eq!(again.prefill, None);
+
+    // Decode pod 1 holds 384 of a 400-token prompt (24 full blocks): 16 uncached < 100 → it
+    // serves, and prefills by itself.
+    let warm = tokens(12, 400);
+    f.holds(1, &warm[..384]);
+    let pick = scheduler.pick(&exact(warm.clone()), &f.pods).expect("pick");
+    assert_eq!(pick.primary, f.id(1));
+    assert_eq!(pick.prefill, None, "below the threshold: no prefill header");
+
+    // The same state with a lower threshold (10): 16 ≥ 10 → prefill runs; threshold 0:
+    // always, even for a fully cached prompt. (Fresh fixtures: the pick above recorded
+    // `warm` as routed to pod 1.)
+    for (threshold, prompt) in [(10, &warm[..]), (0, &warm[..384])] {
+        let g = pd_fixture();
+        g.holds(1, &warm[..384]);
+        let pick = g
+            .scheduler(pd_config(threshold), 0)
+            .pick(&exact(prompt.to_vec()), &g.pods)
+            .expect("pick");
+        assert_eq!(pick.primary, g.id(1), "threshold {threshold}");
+        let prefill = pick.prefill.expect("prefill");
+        assert!(prefill_side.contains(&prefill), "threshold {threshold}");
+    }
+
+    // The prefill profile prefers the idle prefill pod (queue-scorer).
+    f.metrics.set(f.id(2), 9.0, 0.0, 0.1);
+    f.metrics.set(f.id(4), 9.0, 0.0, 0.1);
+    for q in 0..10 {
+        let pick = scheduler
+            .pick(&exact(tokens(300 + q, 400)), &f.pods)
+            .expect("pick");
+        assert_eq!(pick.prefill, Some(f.id(3)));
+    }
+}
+
+#[test]
+fn pd_without_prefill_pods_decodes_alone_and_explain_shows_both_profiles() {
+    // Only decode-role pods: the prefill profile finds no candidate; decode serves alone.
+    let decode_only = Fixture::with_labels(2, |_| vec![("llm-d.ai/role", "decode")]);
+    let pick = decode_only
+        .scheduler(pd_config(0), 0)
+        .pick(&exact(tokens(21, 200)), &decode_only.pods)
+        .expect("decode still picks");
+    assert_eq!(pick.prefill, None);
+
+    let f = pd_fixture();
+    let registry = prometheus::Registry::new();
+    let scheduler = f
+        .scheduler(pd_config(100), 0)
+        .with_plugin_metrics(&registry)
+        .expect("metrics");
+    let explained = scheduler.explain(&exact(tokens(22, 400)), &f.pods);
+    assert_eq!(explained.profile, "decode");
+    assert_eq!(explained.filters[0].filter, "decode-filter");
+    assert_eq!(
+        explained.filters[0].removed,
+        [f.id(2).to_string(), f.id(3).to_string()]
+    );
+    let pd = explained.disaggregation.as_ref().expect("P/D decision");
+    assert_eq!(pd.handler, "pd-profile-handler");
+    assert_eq!((pd.threshold_tokens, pd.uncached_tokens), (100, 400.0));
+    assert!(pd.prefill_ran);
+    let prefill = pd.prefill.as_ref().expect("prefill explanation");
+    assert_eq!(prefill.profile, "prefill");
+    let mut prefill_candidates: Vec<_> = prefill
+        .candidates
+        .iter()
+        .map(|c| c.address.clone())
+        .collect();
+    prefill_candidates.sort();
+    assert_eq!(
+        prefill_candidates,
+        [f.id(2), f.id(3), f.id(4)].map(|p| p.to_string())
+    );
+    let json = serde_json::to_value(&explained).expect("json");
+    assert_eq!(json["disaggregation"]["prefill"]["profile"], "prefill");
+
+    // Below the threshold the explanation says so and runs no prefill profile.
+    let short = scheduler.explain(&exact(tokens(23, 50)), &f.pods);
+    let pd = short.disaggregation.expect("P/D decision");
+    assert!(!pd.prefill_ran && pd.prefill.is_none());
+    // Decisions are counted under llm-d's metric (explain counts nothing).
+    let decisions = |decision: &str| {
+        registry
+            .gather()
+            .iter()
+            .filter(|family| family.name() == "llm_d_inference_scheduler_pd_decision_total")
+            .flat_map(|family| family.get_metric().to_vec())
+            .filter(|m| m.get_label().iter().any(|l| l.value() == decision))
+            .map(|m| m.get_counter().get_value())
+            .sum::<f64>()
+    };
+    assert_eq!(decisions("prefill-decode") + decisions("decode-only"), 0.0);
+    for q in 0..3 {
+        let pick = scheduler
+            .pick(&exact(tokens(400 + q, 400)), &f.pods)
+            .expect("pick");
+        assert!(pick.prefill.is_some());
+    }
+    let pick = scheduler
+        .pick(&exact(tokens(410, 50)), &f.pods)
+        .expect("pick");
+    assert!(pick.prefill.is_none());
+    assert_eq!(
+        (decisions("prefill-decode"), decisions("decode-only")),
+        (3.0, 1.0)
+    );
+    // A single-profile config explains no disaggregation.
+    let single = f.scheduler(SchedulerConfig::gie_default(), 0);
+    let json = serde_json::to_value(single.explain(&exact(tokens(24, 50)), &f.pods)).expect("json");
+    assert!(json.get("disaggregation").is_none());
 }

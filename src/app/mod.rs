@@ -130,13 +130,20 @@ pub async fn serve(
         )
         // Speculative index entries are written off the request path (bounded queue).
         .with_plugin_metrics(&registry)?
+        .with_score_trace(config.emit_endpoint_scores)
         .with_background_recording(ROUTING_RECORD_QUEUE)
         .map_err(|e| ServeError::Server {
             server: "routing recorder",
             message: e.to_string(),
         })?,
     );
-    tracing::info!(profile = %config.picker.scheduler.profile_name, flow_control = config.picker.scheduler.flow_control, "scheduler ready");
+    let prefill_profile = match &config.picker.scheduler.handler {
+        crate::scheduling::ProfileHandlerSpec::Single => None,
+        crate::scheduling::ProfileHandlerSpec::PrefillDecode(pd) => {
+            Some(pd.prefill.profile_name.as_str())
+        }
+    };
+    tracing::info!(profile = %config.picker.scheduler.profile_name, prefill_profile, flow_control = config.picker.scheduler.flow_control, emit_endpoint_scores = config.emit_endpoint_scores, "scheduler ready");
     let admission = Arc::new(admission(
         &scheduler,
         config.picker.scheduler.flow_control,

@@ -4,6 +4,8 @@
 
 mod duration;
 pub mod picker_config;
+mod plugins;
+mod profiles;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -85,6 +87,11 @@ pub struct ServeArgs {
     /// control on) instead of GIE's default when no config is given.
     #[arg(long, conflicts_with_all = ["config_file", "config_text"])]
     pub recommended_profile: bool,
+    /// Put every candidate's final and per-scorer scores on each routed request
+    /// (`x-kvpick-endpoint-scores`, `x-kvpick-scorer-scores` headers and the `kvpick`
+    /// dynamic-metadata namespace), for tracing. Off: nothing is computed for it.
+    #[arg(long)]
+    pub emit_endpoint_scores: bool,
     /// InferenceModelRewrite-style weighted model rewrite rules (YAML `rules: [{matches,
     /// targets: [{modelRewrite, weight}]}]`). The `x-gateway-model-name-rewrite` header wins.
     #[arg(long)]
@@ -192,6 +199,8 @@ pub struct ServeConfig {
     pub objectives: std::collections::HashMap<String, i32>,
     /// The validated scheduling profile.
     pub picker: picker_config::ValidatedPickerConfig,
+    /// Whether routed requests carry the candidates' scores (`--emit-endpoint-scores`).
+    pub emit_endpoint_scores: bool,
 }
 
 impl ServeArgs {
@@ -278,6 +287,7 @@ impl ServeArgs {
             max_body_bytes: self.max_body_bytes,
             max_buffered_bytes: self.max_buffered_bytes,
             max_fallbacks: self.max_fallbacks,
+            emit_endpoint_scores: self.emit_endpoint_scores,
             drain_timeout: self.drain_timeout,
             tokenizers,
             kv_events_bind: self.kv_events_bind,

@@ -33,28 +33,30 @@
 //!   are warnings);
 //! - every `pluginRef` names a declared plugin; scorer weights are finite and ≥ 0 (default 1);
 //!   a profile has at most one picker (default `max-score-picker`);
-//! - exactly one scheduling profile (kvpick runs the single-profile handler);
+//! - exactly one scheduling profile under `single-profile-handler` (or no handler); a decode
+//!   and a prefill profile under llm-d's `pd-profile-handler` (rules in `super::profiles`);
 //! - unknown feature gates are warnings.
 //!
 //! Plugin types: GIE's names where GIE has one (`queue-scorer`, `kv-cache-utilization-scorer`,
 //! `prefix-cache-scorer`, `lora-affinity-scorer`, `max-score-picker`, `random-picker`,
 //! `weighted-random-picker`, `single-profile-handler`), llm-d's where llm-d has one
 //! (`precise-prefix-cache-scorer`, `session-affinity-scorer`, `no-hit-lru-scorer`,
-//! `active-request-scorer`, `by-label`, `by-label-selector`), and kvpick's own
+//! `active-request-scorer`, `by-label`, `by-label-selector`, `pd-profile-handler`,
+//! `prefill-header-handler`, `prefix-based-pd-decider`, `decode-filter`, `prefill-filter`),
+//! and kvpick's own
 //! (`ttft-cost-scorer`, `in-flight-requests-scorer`, `saturation-filter`,
 //! `lora-capacity-filter`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
 use super::duration::parse_duration;
-use crate::scheduling::{
-    CostModel, FilterKind, FilterSpec, PickerSpec, PrefixCacheParams, PrefixMode, SaturationConfig,
-    SchedulerConfig, ScorerSpec, WeightedScorer,
-};
+pub use super::plugins::ROLE_LABEL;
+use super::plugins::{parse_plugin, static_type};
+use super::profiles::{self, PluginTable};
+use crate::scheduling::{SaturationConfig, SchedulerConfig};
 
 /// The `kind` of the document.
 pub const KIND: &str = "EndpointPickerConfig";
@@ -92,6 +94,11 @@ pub const PLUGIN_TYPES: &[&str] = &[
     "random-picker",
     "weighted-random-picker",
     "single-profile-handler",
+    "pd-profile-handler",
+    "prefill-header-handler",
+    "prefix-based-pd-decider",
+    "decode-filter",
+    "prefill-filter",
 ];
 
 /// The YAML document, as written.
@@ -247,11 +254,45 @@ pub enum PickerConfigError {
         /// The first picker's name.
         first: String,
     },
-    /// Zero or several scheduling profiles.
+    /// Zero or several scheduling profiles under the single-profile handler.
     #[error(
         "schedulingProfiles: kvpick runs exactly one profile (single-profile-handler); got {0}"
     )]
     ProfileCount(usize),
+    /// A second profile handler.
+    #[error("{field}: a config has one profile handler; `{first}` is already declared")]
+    SecondHandler {
+        /// The second handler's field.
+        field: String,
+        /// The first handler's name.
+        first: String,
+    },
+    /// Two profiles share a name.
+    #[error("{field}: duplicate profile name `{name}`")]
+    DuplicateProfileName {
+        /// e.g. `schedulingProfiles[1].name`.
+        field: String,
+        /// The name.
+        name: String,
+    },
+    /// A handler parameter names no declared profile.
+    #[error("{field}: no scheduling profile named `{name}` is declared")]
+    UnknownProfile {
+        /// e.g. `plugins[0].parameters.prefillProfile`.
+        field: String,
+        /// The profile name referenced.
+        name: String,
+    },
+    /// A profile the handler never runs.
+    #[error("{field}: profile `{name}` is never run by profile handler `{handler}`")]
+    UnusedProfile {
+        /// e.g. `schedulingProfiles[2].name`.
+        field: String,
+        /// The profile.
+        name: String,
+        /// The handler.
+        handler: String,
+    },
     /// A bad saturation detector value.
     #[error("saturationDetector.{field}: {message}")]
     BadSaturation {
@@ -308,13 +349,6 @@ pub fn load(text: Option<&str>) -> Result<ValidatedPickerConfig, PickerConfigErr
     }
 }
 
-enum Plugin {
-    Filter(FilterKind),
-    Scorer(ScorerSpec),
-    Picker(PickerSpec),
-    ProfileHandler,
-}
-
 impl EndpointPickerConfig {
     /// Parses the YAML (shape only; see [`Self::validate`]).
     pub fn from_yaml(text: &str) -> Result<Self, PickerConfigError> {
@@ -349,70 +383,18 @@ impl EndpointPickerConfig {
                 warnings.push(format!("{section}: not used by kvpick; ignored"));
             }
         }
-        let mut plugins: HashMap<&str, (usize, Plugin)> = HashMap::new();
+        let mut plugins: PluginTable<'_> = HashMap::new();
         for (i, spec) in self.plugins.iter().enumerate() {
             let name = spec.instance_name();
             let plugin = parse_plugin(spec, i, &mut warnings)?;
-            if plugins.insert(name, (i, plugin)).is_some() {
+            if plugins
+                .insert(name, (i, static_type(&spec.plugin_type), plugin))
+                .is_some()
+            {
                 return Err(PickerConfigError::DuplicatePluginName {
                     field: format!("plugins[{i}].name"),
                     name: name.to_owned(),
                 });
-            }
-        }
-        let [profile] = self.scheduling_profiles.as_slice() else {
-            return Err(PickerConfigError::ProfileCount(
-                self.scheduling_profiles.len(),
-            ));
-        };
-        let mut filters = Vec::new();
-        let mut scorers = Vec::new();
-        let mut picker: Option<(String, PickerSpec)> = None;
-        for (j, used) in profile.plugins.iter().enumerate() {
-            let field = format!("schedulingProfiles[0].plugins[{j}]");
-            let Some((_, plugin)) = plugins.get(used.plugin_ref.as_str()) else {
-                return Err(PickerConfigError::DanglingPluginRef {
-                    field: format!("{field}.pluginRef"),
-                    name: used.plugin_ref.clone(),
-                });
-            };
-            let name = used.plugin_ref.clone();
-            if used.weight.is_some() && !matches!(plugin, Plugin::Scorer(_)) {
-                warnings.push(format!(
-                    "{field}.weight: `{name}` is not a scorer; weight ignored"
-                ));
-            }
-            match plugin {
-                Plugin::Filter(kind) => filters.push(FilterSpec {
-                    name,
-                    filter: kind.clone(),
-                }),
-                Plugin::Scorer(scorer) => {
-                    let weight = used.weight.unwrap_or(1.0);
-                    if !weight.is_finite() || weight < 0.0 {
-                        return Err(PickerConfigError::BadWeight {
-                            field: format!("{field}.weight"),
-                            weight,
-                        });
-                    }
-                    scorers.push(WeightedScorer {
-                        name,
-                        scorer: scorer.clone(),
-                        weight,
-                    });
-                }
-                Plugin::Picker(spec) => {
-                    if let Some((first, _)) = &picker {
-                        return Err(PickerConfigError::SecondPicker {
-                            field: format!("{field}.pluginRef"),
-                            first: first.clone(),
-                        });
-                    }
-                    picker = Some((name, *spec));
-                }
-                Plugin::ProfileHandler => warnings.push(format!(
-                    "{field}.pluginRef: `{name}` is a profile handler, not a profile step; ignored"
-                )),
             }
         }
         let mut feature_flow_control = false;
@@ -423,20 +405,15 @@ impl EndpointPickerConfig {
                 warnings.push(format!("featureGates[{i}]: unknown gate `{gate}`; ignored"));
             }
         }
+        let scheduler = profiles::resolve(
+            &self.scheduling_profiles,
+            &plugins,
+            saturation(self.saturation_detector.as_ref())?,
+            feature_flow_control,
+            &mut warnings,
+        )?;
         Ok(ValidatedPickerConfig {
-            scheduler: SchedulerConfig {
-                profile_name: profile.name.clone(),
-                filters,
-                scorers,
-                picker: picker.map_or(
-                    PickerSpec::MaxScore {
-                        max_endpoints: None,
-                    },
-                    |(_, p)| p,
-                ),
-                saturation: saturation(self.saturation_detector.as_ref())?,
-                flow_control: feature_flow_control,
-            },
+            scheduler,
             warnings,
         })
     }
@@ -473,313 +450,6 @@ fn saturation(
             })?;
     }
     Ok(config)
-}
-
-fn params<T: DeserializeOwned + Default>(
-    spec: &PluginSpec,
-    index: usize,
-) -> Result<T, PickerConfigError> {
-    match &spec.parameters {
-        None | Some(Value::Null) => Ok(T::default()),
-        Some(value) => {
-            serde_yaml::from_value(value.clone()).map_err(|e| PickerConfigError::BadParameter {
-                field: format!("plugins[{index}].parameters"),
-                message: format!("{} ({}): {e}", spec.instance_name(), spec.plugin_type),
-            })
-        }
-    }
-}
-
-fn no_params(spec: &PluginSpec, index: usize) -> Result<(), PickerConfigError> {
-    params::<NoParams>(spec, index).map(|_| ())
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct NoParams {}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct PrefixParams {
-    block_size: Option<usize>,
-    max_prefix_blocks_to_match: Option<usize>,
-    lru_capacity_per_server: Option<usize>,
-    mode: Option<String>,
-    auto_tune: Option<Value>,
-    block_size_tokens: Option<Value>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-struct PrecisePrefixParams {}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct PickerParams {
-    max_num_of_endpoints: Option<usize>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SessionParams {
-    max_sessions: Option<usize>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct NoHitParams {
-    lru_size: Option<usize>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct CostParams {
-    prefill_ms_per_token: Option<f64>,
-    queued_request_ms: Option<f64>,
-    decode_slowdown_per_running: Option<f64>,
-    chars_per_token: Option<f64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SaturationFilterParams {
-    queue_depth_threshold: Option<f64>,
-    kv_cache_util_threshold: Option<f64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SelectorParams {
-    match_labels: BTreeMap<String, String>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct ByLabelParams {
-    label: String,
-    valid_values: Vec<String>,
-    allows_no_label: bool,
-}
-
-fn bad(index: usize, message: String) -> PickerConfigError {
-    PickerConfigError::BadParameter {
-        field: format!("plugins[{index}].parameters"),
-        message,
-    }
-}
-
-fn non_negative(
-    index: usize,
-    name: &str,
-    value: Option<f64>,
-    default: f64,
-) -> Result<f64, PickerConfigError> {
-    match value {
-        None => Ok(default),
-        Some(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        Some(v) => Err(bad(
-            index,
-            format!("{name} must be a finite number ≥ 0 (got {v})"),
-        )),
-    }
-}
-
-fn at_least_one(
-    index: usize,
-    name: &str,
-    value: Option<usize>,
-    default: usize,
-) -> Result<usize, PickerConfigError> {
-    match value {
-        None => Ok(default),
-        Some(0) => Err(bad(index, format!("{name} must be at least 1"))),
-        Some(v) => Ok(v),
-    }
-}
-
-fn parse_plugin(
-    spec: &PluginSpec,
-    i: usize,
-    warnings: &mut Vec<String>,
-) -> Result<Plugin, PickerConfigError> {
-    let picker_limit = |spec: &PluginSpec| -> Result<Option<usize>, PickerConfigError> {
-        let p: PickerParams = params(spec, i)?;
-        p.max_num_of_endpoints
-            .map(|n| at_least_one(i, "maxNumOfEndpoints", Some(n), 1))
-            .transpose()
-    };
-    Ok(match spec.plugin_type.as_str() {
-        "queue-scorer" => {
-            no_params(spec, i)?;
-            Plugin::Scorer(ScorerSpec::Queue)
-        }
-        "kv-cache-utilization-scorer" => {
-            no_params(spec, i)?;
-            Plugin::Scorer(ScorerSpec::KvCacheUtilization)
-        }
-        "lora-affinity-scorer" => {
-            no_params(spec, i)?;
-            Plugin::Scorer(ScorerSpec::LoraAffinity)
-        }
-        "in-flight-requests-scorer" | "active-request-scorer" => {
-            if spec.plugin_type == "active-request-scorer" && spec.parameters.is_some() {
-                warnings.push(format!("plugins[{i}].parameters: active-request-scorer parameters are not used (kvpick counts requests exactly)"));
-            } else {
-                no_params(spec, i)?;
-            }
-            Plugin::Scorer(ScorerSpec::InFlight)
-        }
-        "prefix-cache-scorer" => {
-            let p: PrefixParams = params(spec, i)?;
-            let defaults = PrefixCacheParams::default();
-            if p.auto_tune.is_some() || p.block_size_tokens.is_some() {
-                warnings.push(format!("plugins[{i}].parameters: autoTune/blockSizeTokens are not used (kvpick learns block sizes from KV events)"));
-            }
-            let mode = match p.mode.as_deref() {
-                None | Some("auto") => PrefixMode::Auto,
-                Some("precise") => PrefixMode::Precise,
-                Some(other) => {
-                    return Err(bad(
-                        i,
-                        format!("mode must be `auto` or `precise` (got `{other}`)"),
-                    ));
-                }
-            };
-            Plugin::Scorer(ScorerSpec::PrefixCache(PrefixCacheParams {
-                mode,
-                approx_chunk_chars: at_least_one(
-                    i,
-                    "blockSize",
-                    p.block_size,
-                    defaults.approx_chunk_chars,
-                )?,
-                approx_max_chunks: at_least_one(
-                    i,
-                    "maxPrefixBlocksToMatch",
-                    p.max_prefix_blocks_to_match,
-                    defaults.approx_max_chunks,
-                )?,
-                approx_capacity_per_endpoint: at_least_one(
-                    i,
-                    "lruCapacityPerServer",
-                    p.lru_capacity_per_server,
-                    defaults.approx_capacity_per_endpoint,
-                )?,
-            }))
-        }
-        "precise-prefix-cache-scorer" => {
-            let _: PrecisePrefixParams = params(spec, i)?;
-            if spec.parameters.is_some() {
-                warnings.push(format!("plugins[{i}].parameters: precise-prefix-cache-scorer parameters are not used (kvpick's index is configured by its own flags)"));
-            }
-            Plugin::Scorer(ScorerSpec::PrefixCache(PrefixCacheParams {
-                mode: PrefixMode::Precise,
-                ..PrefixCacheParams::default()
-            }))
-        }
-        "session-affinity-scorer" => {
-            let p: SessionParams = params(spec, i)?;
-            Plugin::Scorer(ScorerSpec::SessionAffinity {
-                max_sessions: at_least_one(i, "maxSessions", p.max_sessions, 100_000)?,
-            })
-        }
-        "no-hit-lru-scorer" => {
-            let p: NoHitParams = params(spec, i)?;
-            Plugin::Scorer(ScorerSpec::NoHitLru {
-                max_endpoints: at_least_one(i, "lruSize", p.lru_size, 4096)?,
-            })
-        }
-        "ttft-cost-scorer" => {
-            let p: CostParams = params(spec, i)?;
-            let d = CostModel::default();
-            Plugin::Scorer(ScorerSpec::Cost(CostModel {
-                prefill_ms_per_token: non_negative(
-                    i,
-                    "prefillMsPerToken",
-                    p.prefill_ms_per_token,
-                    d.prefill_ms_per_token,
-                )?,
-                queued_request_ms: non_negative(
-                    i,
-                    "queuedRequestMs",
-                    p.queued_request_ms,
-                    d.queued_request_ms,
-                )?,
-                decode_slowdown_per_running: non_negative(
-                    i,
-                    "decodeSlowdownPerRunning",
-                    p.decode_slowdown_per_running,
-                    d.decode_slowdown_per_running,
-                )?,
-                chars_per_token: match p.chars_per_token {
-                    None => d.chars_per_token,
-                    Some(v) if v.is_finite() && v > 0.0 => v,
-                    Some(v) => return Err(bad(i, format!("charsPerToken must be > 0 (got {v})"))),
-                },
-            }))
-        }
-        "saturation-filter" => {
-            let p: SaturationFilterParams = params(spec, i)?;
-            for (name, v) in [
-                ("queueDepthThreshold", p.queue_depth_threshold),
-                ("kvCacheUtilThreshold", p.kv_cache_util_threshold),
-            ] {
-                if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
-                    return Err(bad(i, format!("{name} must be a number > 0")));
-                }
-            }
-            Plugin::Filter(FilterKind::Saturation {
-                queue_threshold: p.queue_depth_threshold,
-                kv_threshold: p.kv_cache_util_threshold,
-            })
-        }
-        "lora-capacity-filter" => {
-            no_params(spec, i)?;
-            Plugin::Filter(FilterKind::LoraCapacity)
-        }
-        "by-label-selector" => {
-            let p: SelectorParams = params(spec, i)?;
-            if p.match_labels.is_empty() {
-                return Err(bad(
-                    i,
-                    "matchLabels must name at least one label".to_owned(),
-                ));
-            }
-            Plugin::Filter(FilterKind::LabelSelector {
-                match_labels: p.match_labels,
-            })
-        }
-        "by-label" => {
-            let p: ByLabelParams = params(spec, i)?;
-            if p.label.is_empty() {
-                return Err(bad(i, "label is required".to_owned()));
-            }
-            Plugin::Filter(FilterKind::ByLabel {
-                label: p.label,
-                valid_values: p.valid_values,
-                allows_no_label: p.allows_no_label,
-            })
-        }
-        "max-score-picker" => Plugin::Picker(PickerSpec::MaxScore {
-            max_endpoints: picker_limit(spec)?,
-        }),
-        "random-picker" => Plugin::Picker(PickerSpec::Random {
-            max_endpoints: picker_limit(spec)?,
-        }),
-        "weighted-random-picker" => Plugin::Picker(PickerSpec::WeightedRandom {
-            max_endpoints: picker_limit(spec)?,
-        }),
-        "single-profile-handler" => {
-            no_params(spec, i)?;
-            Plugin::ProfileHandler
-        }
-        other => {
-            return Err(PickerConfigError::UnknownPluginType {
-                field: format!("plugins[{i}].type"),
-                plugin_type: other.to_owned(),
-            });
-        }
-    })
 }
 
 #[cfg(test)]

@@ -26,7 +26,8 @@ pub struct RequestMeta {
     pub model_rewrite: Option<String>,
     /// The session id.
     pub session_id: Option<String>,
-    /// Control headers present (removed before forwarding), lower-case.
+    /// Control headers present (removed before forwarding), lower-case; also any client
+    /// copy of a header only kvpick sets (`super::scores::KVPICK_SET_HEADERS`).
     pub control_headers: Vec<String>,
 }
 
@@ -47,6 +48,13 @@ impl RequestMeta {
                 .map(str::trim)
                 .filter(|v| !v.is_empty() && v.len() <= MAX_VALUE_BYTES)
                 .map(str::to_owned);
+            if super::scores::KVPICK_SET_HEADERS.contains(&key.as_str()) {
+                // Never trusted from a client: removed, or overwritten by kvpick's own value.
+                if !meta.control_headers.contains(&key) {
+                    meta.control_headers.push(key);
+                }
+                continue;
+            }
             match key.as_str() {
                 ":path" => meta.path = String::from_utf8_lossy(raw).into_owned(),
                 OBJECTIVE_HEADER => meta.objective = value,
@@ -88,6 +96,9 @@ mod tests {
                 header(FAIRNESS_HEADER, "tenant-a"),
                 header(MODEL_REWRITE_HEADER, &"m".repeat(300)),
                 header(SESSION_HEADER, "s1"),
+                header("X-Kvpick-Endpoint-Scores", "10.0.0.9:1=9"),
+                header("x-prefiller-host-port", "10.0.0.9:1"),
+                header("x-prefiller-host-port", "10.0.0.8:1"),
                 HeaderValue {
                     key: "other".into(),
                     value: "v".into(),
@@ -103,7 +114,13 @@ mod tests {
         assert_eq!(meta.session_id.as_deref(), Some("s1"));
         assert_eq!(
             meta.control_headers,
-            [OBJECTIVE_HEADER, FAIRNESS_HEADER, MODEL_REWRITE_HEADER]
+            [
+                OBJECTIVE_HEADER,
+                FAIRNESS_HEADER,
+                MODEL_REWRITE_HEADER,
+                "x-kvpick-endpoint-scores",
+                "x-prefiller-host-port"
+            ]
         );
     }
 }

@@ -6,6 +6,7 @@
 //! - [`meta`]: the request headers kvpick reads (path, control headers);
 //! - `prepare`: body parsing, model rewrite and tokenization (on the blocking pool);
 //! - `response`: the response path, restoring a rewritten model name;
+//! - [`scores`]: the score-tracing and prefill headers (and their `kvpick` metadata);
 //! - [`subset`]: the gateway's subset hint;
 //! - [`admission`]: shedding and flow control before the pick;
 //! - [`error`]: request and protocol errors, mapped to statuses in one place.
@@ -16,6 +17,7 @@ pub mod meta;
 pub mod mutations;
 pub mod prepare;
 mod response;
+pub mod scores;
 pub mod service;
 pub mod stream;
 pub mod subset;

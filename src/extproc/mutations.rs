@@ -45,16 +45,21 @@ fn string_value(s: &str) -> Value {
 
 /// The answer to the request headers once the pick is made: destination header, route cache
 /// cleared, content-length matching the body sent, control headers removed, and the same
-/// destination in `envoy.lb` dynamic metadata.
+/// destination in `envoy.lb` dynamic metadata. `extra` headers (prefill endpoint, score
+/// tracing) are set too and mirrored, under the same keys, into the `kvpick` namespace; a
+/// header set here is overwritten rather than also removed.
 pub fn request_headers_response(
     destination: &str,
     body_len: Option<usize>,
-    present_control_headers: Vec<String>,
+    mut present_control_headers: Vec<String>,
+    extra: &[(&'static str, String)],
 ) -> ProcessingResponse {
     let mut set_headers = vec![set_header(DESTINATION_HEADER, destination)];
     if let Some(len) = body_len {
         set_headers.push(set_header("content-length", &len.to_string()));
     }
+    present_control_headers.retain(|h| !extra.iter().any(|(key, _)| key == h));
+    set_headers.extend(extra.iter().map(|(key, value)| set_header(key, value)));
     let mut lb = HashMap::new();
     lb.insert(DESTINATION_HEADER.to_owned(), string_value(destination));
     let mut namespaces = HashMap::new();
@@ -64,6 +69,18 @@ pub fn request_headers_response(
             kind: Some(Kind::StructValue(Struct { fields: lb })),
         },
     );
+    if !extra.is_empty() {
+        let fields = extra
+            .iter()
+            .map(|(key, value)| ((*key).to_owned(), string_value(value)))
+            .collect();
+        namespaces.insert(
+            super::scores::KVPICK_NAMESPACE.to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(Struct { fields })),
+            },
+        );
+    }
     ProcessingResponse {
         response: Some(Response::RequestHeaders(HeadersResponse {
             response: Some(CommonResponse {

@@ -26,6 +26,7 @@ use super::meta::RequestMeta;
 use super::mutations;
 use super::prepare::{Prepared, prepare};
 use super::response::ResponseBody;
+use super::scores;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId};
@@ -429,6 +430,7 @@ impl RequestStream {
             &destination,
             has_body.then_some(forwarded.len()),
             std::mem::take(&mut self.meta.control_headers),
+            &scores::pick_headers(&pick),
         )];
         if has_body {
             out.extend(mutations::request_body_chunks(

@@ -163,8 +163,7 @@ impl Shard {
             let Some(rest) = self.more.get_mut(&key) else {
                 return;
             };
-            let Some(position) = rest.iter().position(|h| h.slot == slot && h.tier == tier)
-            else {
+            let Some(position) = rest.iter().position(|h| h.slot == slot && h.tier == tier) else {
                 return;
             };
             if let Some(holder) = rest.get_mut(position) {
@@ -191,8 +190,7 @@ impl Shard {
             }
         }
         let main = buckets(self.blocks.capacity()) * (std::mem::size_of::<Entry>() + 1);
-        let more = buckets(self.more.capacity())
-            * (std::mem::size_of::<(u64, Vec<Holder>)>() + 1)
+        let more = buckets(self.more.capacity()) * (std::mem::size_of::<(u64, Vec<Holder>)>() + 1)
             + self
                 .more
                 .values()

@@ -8,6 +8,11 @@
 //! prefix index's routing record (`PrefixIndex::record_routed`: speculative holders for pods
 //! with KV events, the LRU model for pods without).
 //!
+//! Under `pd-profile-handler` this profile is the decode profile; the prefill profile is a
+//! second `ConfiguredScheduler` (same index and metrics) run after the decode pick when the
+//! prompt tokens not cached on the decode pod reach the threshold — before the decode pick is
+//! recorded, so its speculative entries cannot attract the prefill.
+//!
 //! Concurrency rules: `pick` takes `&self` and is called concurrently; all shared state is
 //! behind the index's own locks, the approximate store's mutex and the scorers' mutexes, each
 //! held for one short step. No lock is held across the whole pick.
@@ -28,9 +33,10 @@ use super::pickers;
 use super::saturation::{SaturationDetector, endpoint_saturation};
 use super::scorers::{Scorer, estimate_ttft_ms};
 use super::spec::{
-    CostModel, FilterSpec, PrefixCacheParams, PrefixMode, SchedulerConfig, ScorerSpec,
+    CostModel, FilterSpec, PrefillDecodeSpec, PrefixCacheParams, PrefixMode, ProfileHandlerSpec,
+    SchedulerConfig, ScorerSpec,
 };
-use super::{Pick, ScheduleError, Scheduler, SchedulingRequest};
+use super::{Pick, ScheduleError, Scheduler, SchedulingRequest, ScoreTrace};
 
 /// What the scheduler reads besides the request.
 #[derive(Clone)]
@@ -41,6 +47,14 @@ pub struct SchedulerDeps {
     pub metrics: Arc<dyn MetricsSource>,
 }
 
+/// One built scorer of the profile.
+struct ProfileScorer {
+    name: String,
+    plugin_type: &'static str,
+    weight: f64,
+    scorer: Scorer,
+}
+
 /// Endpoints remembered by the approximate text-prefix store.
 const APPROX_MAX_ENDPOINTS: usize = 4096;
 
@@ -48,7 +62,7 @@ const APPROX_MAX_ENDPOINTS: usize = 4096;
 pub struct ConfiguredScheduler {
     config: SchedulerConfig,
     filters: Vec<FilterSpec>,
-    scorers: Vec<(String, f64, Scorer)>,
+    scorers: Vec<ProfileScorer>,
     prefix: Option<PrefixCacheParams>,
     chars_per_token: f64,
     cost_model: Option<CostModel>,
@@ -58,6 +72,16 @@ pub struct ConfiguredScheduler {
     detector: SaturationDetector,
     recorder: Option<Recorder>,
     plugin_seconds: Option<prometheus::HistogramVec>,
+    emit_scores: bool,
+    disaggregation: Option<Disaggregation>,
+    pd_decisions: Option<prometheus::IntCounterVec>,
+}
+
+/// The prefill side of `pd-profile-handler`: the handler's spec and the prefill profile built
+/// as its own scheduler (same index and metrics).
+struct Disaggregation {
+    spec: PrefillDecodeSpec,
+    prefill: Box<ConfiguredScheduler>,
 }
 
 /// Prompts up to this many tokens are recorded on the request path even with a background
@@ -75,6 +99,7 @@ struct RouteRecord {
 }
 
 /// The background recorder's sending side.
+#[derive(Clone)]
 struct Recorder {
     queue: std::sync::mpsc::SyncSender<RouteRecord>,
     drops: Arc<AtomicU64>,
@@ -123,6 +148,26 @@ pub struct Explanation {
     pub prompt_tokens: f64,
     /// The pick (`primary` first), or `None` when nothing was eligible.
     pub pick: Option<Vec<String>>,
+    /// Prefill/decode disaggregation (`pd-profile-handler`): this explanation is the decode
+    /// profile's; this says whether and where the prefill would run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<DisaggregationExplain>,
+}
+
+/// What `pd-profile-handler` decided for an explained request.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DisaggregationExplain {
+    /// The handler's plugin name.
+    pub handler: String,
+    /// Uncached tokens at or above which prefill runs separately (0: always).
+    pub threshold_tokens: u64,
+    /// Prompt tokens not cached on the decode pick.
+    pub uncached_tokens: f64,
+    /// Whether the prefill profile runs.
+    pub prefill_ran: bool,
+    /// The prefill profile's explanation, when it runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<Box<Explanation>>,
 }
 
 impl ConfiguredScheduler {
@@ -132,13 +177,20 @@ impl ConfiguredScheduler {
         let scorers = config
             .scorers
             .iter()
-            .map(|s| (s.name.clone(), s.weight, Scorer::from_spec(&s.scorer)))
+            .map(|s| ProfileScorer {
+                name: s.name.clone(),
+                plugin_type: s.plugin_type,
+                weight: s.weight,
+                scorer: Scorer::from_spec(&s.scorer),
+            })
             .collect();
         let prefix = config.scorers.iter().find_map(|s| match &s.scorer {
             ScorerSpec::PrefixCache(p) => Some(p.clone()),
             _ => None,
         });
-        let needs_prefix = config.scorers.iter().any(|s| s.scorer.needs_prefix());
+        // P/D decides on the decode pick's cached tokens: it needs the prefix matches too.
+        let needs_prefix = config.scorers.iter().any(|s| s.scorer.needs_prefix())
+            || matches!(config.handler, ProfileHandlerSpec::PrefillDecode(_));
         let cost_model = config.scorers.iter().find_map(|s| match &s.scorer {
             ScorerSpec::Cost(m) => Some(*m),
             _ => None,
@@ -155,6 +207,13 @@ impl ConfiguredScheduler {
             .min(max_fallbacks.saturating_add(1))
             .max(1);
         let detector = SaturationDetector::new(config.saturation, Arc::clone(&deps.metrics));
+        let disaggregation = match &config.handler {
+            ProfileHandlerSpec::Single => None,
+            ProfileHandlerSpec::PrefillDecode(spec) => Some(Disaggregation {
+                prefill: Box::new(Self::new((*spec.prefill).clone(), deps.clone(), 0)),
+                spec: spec.clone(),
+            }),
+        };
         Self {
             filters: config.filters.clone(),
             scorers,
@@ -167,6 +226,9 @@ impl ConfiguredScheduler {
             detector,
             recorder: None,
             plugin_seconds: None,
+            emit_scores: false,
+            disaggregation,
+            pd_decisions: None,
             config,
         }
     }
@@ -195,12 +257,20 @@ impl ConfiguredScheduler {
             queue: tx,
             drops: Arc::new(AtomicU64::new(0)),
         });
+        // The prefill profile (P/D) shares the thread, its queue and its drop count.
+        if let Some(pd) = self.disaggregation.as_mut() {
+            pd.prefill.recorder = self.recorder.clone();
+        }
         Ok(self)
     }
 
     /// Times every filter, the prefix lookup, every scorer and the picker into
-    /// `inference_extension_plugin_duration_seconds{extension_point, plugin_name}` (GIE's
-    /// metric; kvpick labels plugins by their configured name).
+    /// `inference_extension_plugin_duration_seconds{extension_point, plugin_type,
+    /// plugin_name}` (GIE's metric and labels: `plugin_type` is the config `type`,
+    /// `plugin_name` the instance name). Under `pd-profile-handler` it also counts the
+    /// decisions in llm-d's `llm_d_inference_scheduler_pd_decision_total{decision_type}`
+    /// (`prefill-decode` when a prefill pod was named, else `decode-only`), so llm-d
+    /// dashboards keep working.
     pub fn with_plugin_metrics(
         mut self,
         registry: &prometheus::Registry,
@@ -211,17 +281,43 @@ impl ConfiguredScheduler {
                 "Time spent in each scheduling plugin.",
             )
             .buckets(prometheus::exponential_buckets(1e-7, 2.0, 24)?),
-            &["extension_point", "plugin_name"],
+            &["extension_point", "plugin_type", "plugin_name"],
         )?;
         registry.register(Box::new(histogram.clone()))?;
-        self.plugin_seconds = Some(histogram);
+        self.set_plugin_histogram(&histogram);
+        if self.disaggregation.is_some() {
+            let decisions = prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "llm_d_inference_scheduler_pd_decision_total",
+                    "Prefill/decode disaggregation decisions (llm-d's metric).",
+                ),
+                &["decision_type"],
+            )?;
+            registry.register(Box::new(decisions.clone()))?;
+            self.pd_decisions = Some(decisions);
+        }
         Ok(self)
     }
 
-    fn observe(&self, point: &str, plugin: &str, started: Instant) {
+    fn set_plugin_histogram(&mut self, histogram: &prometheus::HistogramVec) {
+        self.plugin_seconds = Some(histogram.clone());
+        if let Some(pd) = self.disaggregation.as_mut() {
+            pd.prefill.set_plugin_histogram(histogram);
+        }
+    }
+
+    /// With `on`, every pick carries its [`ScoreTrace`] (`--emit-endpoint-scores`): the
+    /// pick keeps its per-scorer columns and reports them as `/debug/explain` does. Off (the
+    /// default), a pick keeps no columns and builds no trace.
+    pub fn with_score_trace(mut self, on: bool) -> Self {
+        self.emit_scores = on;
+        self
+    }
+
+    fn observe(&self, point: &str, plugin_type: &str, plugin: &str, started: Instant) {
         if let Some(histogram) = &self.plugin_seconds {
             histogram
-                .with_label_values(&[point, plugin])
+                .with_label_values(&[point, plugin_type, plugin])
                 .observe(started.elapsed().as_secs_f64());
         }
     }
@@ -251,19 +347,48 @@ impl ConfiguredScheduler {
         candidates: &[Arc<EndpointState>],
     ) -> Explanation {
         let mut reports = Vec::new();
-        let run = self.run(request, candidates, Some(&mut reports));
+        let run = self.run(request, candidates, Some(&mut reports), true);
         let mut explanation = Explanation {
             profile: self.config.profile_name.clone(),
             filters: reports,
             candidates: Vec::new(),
             prompt_tokens: 0.0,
             pick: None,
+            disaggregation: None,
         };
         let Some((cycle, columns, totals, order)) = run else {
             return explanation;
         };
         explanation.prompt_tokens = cycle.prompt_tokens;
-        explanation.candidates = cycle
+        explanation.candidates = self.candidate_explains(&cycle, &columns, &totals);
+        explanation.pick = Some(
+            order
+                .iter()
+                .filter_map(|i| cycle.pods.get(*i).map(|p| p.id.to_string()))
+                .collect(),
+        );
+        if let Some(pd) = &self.disaggregation {
+            let uncached = uncached_tokens(&cycle, &order);
+            let prefill_ran = pd.spec.needs_prefill(uncached);
+            explanation.disaggregation = Some(DisaggregationExplain {
+                handler: pd.spec.name.clone(),
+                threshold_tokens: pd.spec.threshold_tokens,
+                uncached_tokens: uncached,
+                prefill_ran,
+                prefill: prefill_ran.then(|| Box::new(pd.prefill.explain(request, candidates))),
+            });
+        }
+        explanation
+    }
+
+    /// Every scored candidate's view (what explain and the score trace report).
+    fn candidate_explains(
+        &self,
+        cycle: &Cycle<'_>,
+        columns: &[Vec<f64>],
+        totals: &[f64],
+    ) -> Vec<CandidateExplain> {
+        cycle
             .pods
             .iter()
             .enumerate()
@@ -272,14 +397,14 @@ impl ConfiguredScheduler {
                 scores: self
                     .scorers
                     .iter()
-                    .zip(&columns)
-                    .map(|((name, _, _), col)| (name.clone(), col.get(i).copied().unwrap_or(0.0)))
+                    .zip(columns)
+                    .map(|(s, col)| (s.name.clone(), col.get(i).copied().unwrap_or(0.0)))
                     .collect(),
                 total: totals.get(i).copied().unwrap_or(0.0),
                 cached_tokens: cycle.prefix_hit(i).cached_tokens,
-                estimated_ttft_ms: self.cost_model.map(|m| {
+                estimated_ttft_ms: self.cost_model.map(|model| {
                     estimate_ttft_ms(
-                        &m,
+                        &model,
                         pod,
                         cycle.prompt_tokens,
                         cycle.prefix_hit(i).cached_tokens,
@@ -289,14 +414,7 @@ impl ConfiguredScheduler {
                 in_flight: pod.in_flight,
                 fresh_metrics: pod.fresh,
             })
-            .collect();
-        explanation.pick = Some(
-            order
-                .iter()
-                .filter_map(|i| cycle.pods.get(*i).map(|p| p.id.to_string()))
-                .collect(),
-        );
-        explanation
+            .collect()
     }
 
     /// Filters, scores and orders; `None` when no candidate survives the filters.
@@ -306,6 +424,7 @@ impl ConfiguredScheduler {
         request: &'r SchedulingRequest,
         candidates: &[Arc<EndpointState>],
         mut reports: Option<&mut Vec<FilterReport>>,
+        keep_columns: bool,
     ) -> Option<(Cycle<'r>, Vec<Vec<f64>>, Vec<f64>, Vec<usize>)> {
         let now = Instant::now();
         let staleness = self.config.saturation.metrics_staleness;
@@ -317,7 +436,7 @@ impl ConfiguredScheduler {
             let started = Instant::now();
             let (removed, kept_all) =
                 filters::apply(&filter.filter, request, &self.config.saturation, &mut pods);
-            self.observe("Filter", &filter.name, started);
+            self.observe("Filter", filter.plugin_type, &filter.name, started);
             if let Some(reports) = reports.as_deref_mut() {
                 reports.push(FilterReport {
                     filter: filter.name.clone(),
@@ -338,19 +457,23 @@ impl ConfiguredScheduler {
         };
         let started = Instant::now();
         self.prefix_hits(&mut cycle);
-        self.observe("DataProducer", "prefix-cache-match", started);
+        self.observe(
+            "DataProducer",
+            "prefix-cache-match",
+            "prefix-cache-match",
+            started,
+        );
         let n = cycle.pods.len();
         let mut totals = vec![0.0; n];
-        let keep_columns = reports.is_some();
         let mut columns = Vec::new();
         let mut column = vec![0.0; n];
-        for (name, weight, scorer) in &self.scorers {
+        for scorer in &self.scorers {
             let started = Instant::now();
             column.iter_mut().for_each(|s| *s = 0.0);
-            scorer.score(&cycle, &mut column);
-            self.observe("Scorer", name, started);
+            scorer.scorer.score(&cycle, &mut column);
+            self.observe("Scorer", scorer.plugin_type, &scorer.name, started);
             for (total, score) in totals.iter_mut().zip(&column) {
-                *total += weight * score;
+                *total += scorer.weight * score;
             }
             if keep_columns {
                 columns.push(column.clone());
@@ -358,7 +481,12 @@ impl ConfiguredScheduler {
         }
         let started = Instant::now();
         let order = pickers::order(&self.config.picker, &totals, self.limit);
-        self.observe("Picker", "picker", started);
+        self.observe(
+            "Picker",
+            self.config.picker_type,
+            &self.config.picker_name,
+            started,
+        );
         Some((cycle, columns, totals, order))
     }
 
@@ -428,8 +556,8 @@ impl ConfiguredScheduler {
     }
 
     fn record(&self, cycle: &mut Cycle<'_>, primary: PodId) {
-        for (_, _, scorer) in &self.scorers {
-            scorer.after_pick(cycle, primary);
+        for scorer in &self.scorers {
+            scorer.scorer.after_pick(cycle, primary);
         }
         let Some(params) = self.prefix.as_ref() else {
             return;
@@ -475,21 +603,60 @@ impl ConfiguredScheduler {
     }
 }
 
+/// Prompt tokens not cached on the pick (`order[0]`), per the cycle's prefix matches.
+fn uncached_tokens(cycle: &Cycle<'_>, order: &[usize]) -> f64 {
+    let cached = order
+        .first()
+        .map_or(0.0, |i| cycle.prefix_hit(*i).cached_tokens);
+    (cycle.prompt_tokens - cached).max(0.0)
+}
+
 impl Scheduler for ConfiguredScheduler {
     fn pick(
         &self,
         request: &SchedulingRequest,
         candidates: &[Arc<EndpointState>],
     ) -> Result<Pick, ScheduleError> {
-        let (mut cycle, _, _, order) = self
-            .run(request, candidates, None)
+        let (mut cycle, columns, totals, order) = self
+            .run(request, candidates, None, self.emit_scores)
             .ok_or(ScheduleError::NoCandidates)?;
         let mut ids = order
             .iter()
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
-        let fallbacks = ids.collect();
+        let mut pick = Pick::new(primary, ids.collect());
+        if let Some(pd) = &self.disaggregation {
+            // Before this pick is recorded, so the decode pod's speculative entries do not
+            // attract the prefill.
+            if pd.spec.needs_prefill(uncached_tokens(&cycle, &order)) {
+                // No prefill pod (e.g. none with the role): the decode pod prefills itself.
+                pick.prefill = pd.prefill.pick(request, candidates).ok().map(|p| p.primary);
+            }
+            if let Some(decisions) = &self.pd_decisions {
+                let decision = if pick.prefill.is_some() {
+                    "prefill-decode"
+                } else {
+                    "decode-only"
+                };
+                decisions.with_label_values(&[decision]).inc();
+            }
+        }
         self.record(&mut cycle, primary);
-        Ok(Pick { primary, fallbacks })
+        if self.emit_scores {
+            let mut candidates = self.candidate_explains(&cycle, &columns, &totals);
+            // The pick first (a tie or a random picker may have passed over a higher
+            // total), then best total first.
+            let primary = primary.to_string();
+            candidates.sort_by(|a, b| {
+                (b.address == primary)
+                    .cmp(&(a.address == primary))
+                    .then(b.total.total_cmp(&a.total))
+            });
+            pick.trace = Some(Box::new(ScoreTrace {
+                profile: self.config.profile_name.clone(),
+                candidates,
+            }));
+        }
+        Ok(pick)
     }
 }

@@ -32,10 +32,7 @@ impl Scheduler for LeastInFlight {
         ranked.sort_unstable_by_key(|(load, tie, _)| (*load, *tie));
         let mut ids = ranked.into_iter().map(|(_, _, endpoint)| endpoint.id());
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
-        Ok(Pick {
-            primary,
-            fallbacks: ids.take(self.max_fallbacks).collect(),
-        })
+        Ok(Pick::new(primary, ids.take(self.max_fallbacks).collect()))
     }
 }
 

@@ -4,7 +4,9 @@
 //! candidate endpoints (the pool, narrowed by the gateway's subset hint) and gets back a
 //! [`Pick`]: the primary first, then ordered fallbacks.
 //!
-//! The configurable scheduler ([`ConfiguredScheduler`]) runs one GIE-style profile: filters
+//! The configurable scheduler ([`ConfiguredScheduler`]) runs one GIE-style profile (two
+//! under llm-d's prefill/decode `pd-profile-handler`: decode picks the destination, prefill
+//! the pod named in [`Pick::prefill`]): filters
 //! ([`filters`]) → weighted scorers ([`scorers`], [`affinity`]) → picker ([`pickers`]), built
 //! once from a typed [`SchedulerConfig`] ([`spec`]; parsed from EndpointPickerConfig YAML by
 //! `crate::config::picker_config`). [`saturation`] says when the pool is full (shedding, flow
@@ -28,14 +30,16 @@ use crate::endpoints::{EndpointState, PodId};
 use crate::kvcache::KeyContext;
 use crate::tokenize::PromptTokens;
 
-pub use configured::{CandidateExplain, ConfiguredScheduler, Explanation, SchedulerDeps};
+pub use configured::{
+    CandidateExplain, ConfiguredScheduler, DisaggregationExplain, Explanation, SchedulerDeps,
+};
 pub use cycle::MetricsSource;
 pub use flow_control::{FlowControlConfig, FlowController, FlowError, FlowRequest, Permit};
 pub use least_in_flight::LeastInFlight;
 pub use saturation::{PoolSaturation, SaturationDetector};
 pub use spec::{
-    CostModel, FilterKind, FilterSpec, PickerSpec, PrefixCacheParams, PrefixMode, SaturationConfig,
-    SchedulerConfig, ScorerSpec, WeightedScorer,
+    CostModel, FilterKind, FilterSpec, PickerSpec, PrefillDecodeSpec, PrefixCacheParams,
+    PrefixMode, ProfileHandlerSpec, SaturationConfig, SchedulerConfig, ScorerSpec, WeightedScorer,
 };
 
 /// What the scheduler knows of a request.
@@ -78,15 +82,41 @@ impl Default for SchedulingRequest {
 }
 
 /// The scheduler's answer: the primary endpoint, then ordered fallbacks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pick {
     /// The primary.
     pub primary: PodId,
     /// Fallbacks, best first.
     pub fallbacks: Vec<PodId>,
+    /// Prefill/decode disaggregation: the endpoint that runs the prefill
+    /// (`x-prefiller-host-port`), when the profile handler ran the prefill profile.
+    pub prefill: Option<PodId>,
+    /// The scores behind the pick, when the scheduler was asked to emit them
+    /// (`--emit-endpoint-scores`); `None` otherwise (nothing is computed for it).
+    pub trace: Option<Box<ScoreTrace>>,
+}
+
+/// The scores behind one pick: the same per-candidate view `POST /debug/explain` reports,
+/// taken from the pick's own scoring pass.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreTrace {
+    /// The profile that picked the destination.
+    pub profile: String,
+    /// Candidates that reached scoring: the picked one first, then best total first.
+    pub candidates: Vec<CandidateExplain>,
 }
 
 impl Pick {
+    /// A pick of `primary` then `fallbacks`, without prefill or trace.
+    pub fn new(primary: PodId, fallbacks: Vec<PodId>) -> Self {
+        Self {
+            primary,
+            fallbacks,
+            prefill: None,
+            trace: None,
+        }
+    }
+
     /// The destination header value: `primary[,fallback…]`.
     pub fn header_value(&self) -> String {
         let mut value = self.primary.to_string();

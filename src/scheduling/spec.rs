@@ -19,10 +19,49 @@ pub struct SchedulerConfig {
     pub scorers: Vec<WeightedScorer>,
     /// How the ranked endpoints become a pick.
     pub picker: PickerSpec,
+    /// The picker's plugin instance name (metrics).
+    pub picker_name: String,
+    /// The picker's config `type` (metrics).
+    pub picker_type: &'static str,
     /// Saturation thresholds (shedding, flow control, the saturation filter's defaults).
     pub saturation: SaturationConfig,
     /// Whether the `flowControl` feature gate is on.
     pub flow_control: bool,
+    /// How profiles combine: one profile, or prefill/decode disaggregation (then the fields
+    /// above describe the decode profile, which picks the destination).
+    pub handler: ProfileHandlerSpec,
+}
+
+/// The profile handler: which profiles run for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProfileHandlerSpec {
+    /// `single-profile-handler`: the one profile picks the destination.
+    Single,
+    /// `pd-profile-handler` (llm-d): prefill/decode disaggregation.
+    PrefillDecode(PrefillDecodeSpec),
+}
+
+/// llm-d's `pd-profile-handler`: the decode profile picks the destination; when the prompt's
+/// part not cached on that decode pod reaches the threshold, the prefill profile picks a
+/// prefill pod too, named to the decode pod's sidecar in `x-prefiller-host-port`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillDecodeSpec {
+    /// The handler's plugin instance name.
+    pub name: String,
+    /// Uncached prompt tokens (prompt − tokens the decode pod holds) at or above which the
+    /// prefill profile runs; 0: always.
+    pub threshold_tokens: u64,
+    /// The prefill profile (its own handler is [`ProfileHandlerSpec::Single`]).
+    pub prefill: Box<SchedulerConfig>,
+}
+
+impl PrefillDecodeSpec {
+    /// Whether a request with `uncached_tokens` not cached on the decode pod gets a
+    /// separate prefill (llm-d: only when the uncached part is *below* the threshold does
+    /// decode run alone).
+    pub fn needs_prefill(&self, uncached_tokens: f64) -> bool {
+        self.threshold_tokens == 0 || uncached_tokens >= self.threshold_tokens as f64
+    }
 }
 
 /// A scorer and its weight in the profile.
@@ -30,6 +69,8 @@ pub struct SchedulerConfig {
 pub struct WeightedScorer {
     /// The plugin instance name (for explain).
     pub name: String,
+    /// The config `type` it was declared with (metrics' `plugin_type`).
+    pub plugin_type: &'static str,
     /// What it scores.
     pub scorer: ScorerSpec,
     /// Its weight (≥ 0).
@@ -41,6 +82,8 @@ pub struct WeightedScorer {
 pub struct FilterSpec {
     /// The plugin instance name (for explain).
     pub name: String,
+    /// The config `type` it was declared with (metrics' `plugin_type`).
+    pub plugin_type: &'static str,
     /// What it filters.
     pub filter: FilterKind,
 }
@@ -212,9 +255,10 @@ impl Default for SaturationConfig {
     }
 }
 
-fn weighted(name: &str, scorer: ScorerSpec, weight: f64) -> WeightedScorer {
+fn weighted(name: &'static str, scorer: ScorerSpec, weight: f64) -> WeightedScorer {
     WeightedScorer {
         name: name.to_owned(),
+        plugin_type: name,
         scorer,
         weight,
     }
@@ -243,8 +287,11 @@ impl SchedulerConfig {
             picker: PickerSpec::MaxScore {
                 max_endpoints: None,
             },
+            picker_name: "max-score-picker".to_owned(),
+            picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
             flow_control: false,
+            handler: ProfileHandlerSpec::Single,
         }
     }
 
@@ -257,6 +304,7 @@ impl SchedulerConfig {
             profile_name: "default".to_owned(),
             filters: vec![FilterSpec {
                 name: "saturation-filter".to_owned(),
+                plugin_type: "saturation-filter",
                 filter: FilterKind::Saturation {
                     queue_threshold: None,
                     kv_threshold: None,
@@ -278,8 +326,11 @@ impl SchedulerConfig {
             picker: PickerSpec::MaxScore {
                 max_endpoints: None,
             },
+            picker_name: "max-score-picker".to_owned(),
+            picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
             flow_control: true,
+            handler: ProfileHandlerSpec::Single,
         }
     }
 }
