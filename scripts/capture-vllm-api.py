@@ -146,6 +146,45 @@ CASES = [
         tools=TOOLS_RESPONSES,
         tool_choice="none",
     ),
+    responses(
+        "resp-reasoning-then-function-call",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+        ],
+        tools=TOOLS_RESPONSES,
+        tool_choice="none",
+    ),
+    responses(
+        "resp-reasoning-then-message",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "What is 2+2?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Add them."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4", "annotations": []}]},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+    ),
+    responses(
+        "resp-function-call-output-parts",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "18 C"}, {"type": "input_text", "text": "sunny"}]},
+        ],
+        tools=TOOLS_RESPONSES,
+        tool_choice="none",
+    ),
+    responses(
+        "resp-tools-strict",
+        input="Weather in Paris?",
+        tools=[{**TOOLS_RESPONSES[0], "strict": True}],
+        tool_choice="none",
+    ),
     # ---- /v1/messages (Anthropic) ----
     messages("msg-no-system", messages=[{"role": "user", "content": "What is the capital of France?"}]),
     messages("msg-system-string", system=SYS, messages=[{"role": "user", "content": "What is the capital of France?"}]),
@@ -260,6 +299,23 @@ CASES = [
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": "12 C"}]},
         ],
         tools=TOOLS_ANTHROPIC,
+        tool_choice={"type": "none"},
+    ),
+    messages(
+        "msg-tools-strict",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{**TOOLS_ANTHROPIC[0], "strict": True}],
+        tool_choice={"type": "none"},
+    ),
+    messages(
+        "msg-tool-result-empty",
+        system=SYS,
+        messages=[
+            {"role": "user", "content": "Ping the server."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01", "name": "ping", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01"}]},
+        ],
+        tools=[{"name": "ping", "description": "Ping.", "input_schema": {"type": "object", "properties": {}}}],
         tool_choice={"type": "none"},
     ),
     # ---- /v1/chat/completions (control) ----

@@ -36,6 +36,9 @@ const KNOWN_MISMATCHES: &[&str] = &[
     // its text to the leading system prompt (joined with ""); kvpick renders it in place and
     // the template raises.
     "msg-inline-system",
+    // Anthropic tool `strict: true`: vLLM keeps it (`"strict": true` after `parameters`, as in
+    // chat and responses tools); kvpick drops it for Anthropic tools.
+    "msg-tools-strict",
 ];
 
 fn repo() -> PathBuf {
