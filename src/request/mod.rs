@@ -15,13 +15,14 @@
 
 mod error;
 mod parse;
+mod pyrepr;
 mod rewrite;
 mod rules;
 mod scan;
 mod types;
 
 pub use error::RequestError;
-pub use parse::{api_kind_for_path, parse, parse_with_limits};
+pub use parse::{BILLING_HEADER, api_kind_for_path, parse, parse_with_limits};
 pub use rewrite::{MAX_SSE_LINE_BYTES, ResponseModelRewriter, rewrite_model};
 pub use rules::{
     ExactModel, MatchType, ModelMatch, ModelRewriteRule, ModelRewriteRules, RewriteTarget,

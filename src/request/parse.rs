@@ -221,6 +221,7 @@ fn chat_prompt(
             Some(Value::Object(kw)) => kw.clone(),
             _ => Map::new(),
         },
+        merge_inline_system: false,
     })
 }
 
@@ -376,10 +377,17 @@ fn message(role: &str, content: MessageContent) -> ChatMessage {
     }
 }
 
-/// OpenAI `/v1/responses`: `instructions` become a system message, `input` the conversation.
+/// OpenAI `/v1/responses`, converted as vLLM 0.32's `construct_input_messages` and
+/// `_construct_message_from_response_item` (`entrypoints/openai/responses/utils.py`) do.
 fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError> {
     let mut messages = Vec::new();
-    if let Some(instr) = obj.get("instructions").and_then(Value::as_str) {
+    // `if request_instructions:`: an empty string adds no system message (the template's
+    // default system prompt then appears).
+    if let Some(instr) = obj
+        .get("instructions")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+    {
         messages.push(message("system", MessageContent::Text(instr.to_owned())));
     }
     match obj.get("input") {
@@ -390,33 +398,7 @@ fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
                 let Value::Object(o) = item else {
                     return Err(invalid(field, "expected an object"));
                 };
-                match o.get("type").and_then(Value::as_str).unwrap_or("message") {
-                    "message" => {
-                        let role = o.get("role").and_then(Value::as_str).unwrap_or("user");
-                        let c = content(o.get("content"), &field)?;
-                        messages.push(message(role, c));
-                    }
-                    "function_call" => {
-                        let name = o.get("name").and_then(Value::as_str).unwrap_or_default();
-                        let mut m = message("assistant", MessageContent::Null);
-                        m.tool_calls = Some(vec![ToolCall {
-                            id: opt_string(o, "call_id"),
-                            name: name.to_owned(),
-                            arguments: parse_arguments(o.get("arguments")),
-                        }]);
-                        messages.push(m);
-                    }
-                    "function_call_output" => {
-                        let out = match o.get("output") {
-                            Some(Value::String(s)) => MessageContent::Text(s.clone()),
-                            other => content(other, &field)?,
-                        };
-                        let mut m = message("tool", out);
-                        m.tool_call_id = opt_string(o, "call_id");
-                        messages.push(m);
-                    }
-                    _ => {}
-                }
+                responses_item(o, &field, &mut messages)?;
             }
         }
         None | Some(Value::Null) => {}
@@ -441,90 +423,149 @@ fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
         add_generation_prompt: true,
         continue_final_message: false,
         chat_template_kwargs: Map::new(),
+        merge_inline_system: false,
     })
 }
 
-/// Anthropic `/v1/messages`, converted to the OpenAI chat shape vLLM renders.
+/// The assistant message a responses item may be merged into: the last message, if it is an
+/// assistant one (vLLM's `prev_assistant_msg`).
+fn last_assistant(messages: &mut [ChatMessage]) -> Option<&mut ChatMessage> {
+    messages.last_mut().filter(|m| m.role == "assistant")
+}
+
+/// The text of the first element of a list field (`content[0].text`), if any.
+fn first_text<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a str> {
+    match o.get(key) {
+        Some(Value::Array(parts)) => parts.first()?.get("text")?.as_str(),
+        _ => None,
+    }
+}
+
+/// One `/v1/responses` input item: appended as a new message, or merged into the previous
+/// assistant message the way vLLM merges it (a `function_call` joins the previous assistant
+/// message's `tool_calls`; `reasoning` and assistant text fill its empty slots).
+fn responses_item(
+    o: &Map<String, Value>,
+    field: &str,
+    messages: &mut Vec<ChatMessage>,
+) -> Result<(), RequestError> {
+    match o.get("type").and_then(Value::as_str) {
+        Some("function_call") => {
+            let call = ToolCall {
+                id: opt_string(o, "call_id"),
+                name: o
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned(),
+                arguments: parse_arguments(o.get("arguments")),
+            };
+            match last_assistant(messages) {
+                Some(prev) => prev.tool_calls.get_or_insert_with(Vec::new).push(call),
+                None => {
+                    let mut m = message("assistant", MessageContent::Null);
+                    m.tool_calls = Some(vec![call]);
+                    messages.push(m);
+                }
+            }
+        }
+        Some("reasoning") => {
+            let text = first_text(o, "content")
+                .or_else(|| first_text(o, "summary"))
+                .unwrap_or_default()
+                .to_owned();
+            match last_assistant(messages).filter(|m| m.reasoning_content.is_none()) {
+                Some(prev) => prev.reasoning_content = Some(text),
+                None => {
+                    let mut m = message("assistant", MessageContent::Null);
+                    m.reasoning_content = Some(text);
+                    messages.push(m);
+                }
+            }
+        }
+        Some("function_call_output" | "custom_tool_call_output") => {
+            let out = match o.get("output") {
+                Some(Value::String(s)) => MessageContent::Text(s.clone()),
+                other => content(other, field)?,
+            };
+            let mut m = message("tool", out);
+            m.tool_call_id = opt_string(o, "call_id");
+            messages.push(m);
+        }
+        // Messages (`type: "message"` or no type). Other item types are answered with 400 by
+        // vLLM; they add nothing here.
+        None | Some("message") => {
+            let Some(role) = o.get("role").and_then(Value::as_str) else {
+                return Ok(());
+            };
+            // An assistant message keeps only its first part's text (`content[0].text`).
+            let assistant_text = match o.get("content") {
+                Some(Value::String(s)) if role == "assistant" => Some(s.as_str()),
+                _ if role == "assistant" => first_text(o, "content"),
+                _ => None,
+            };
+            if let Some(text) = assistant_text {
+                let text = MessageContent::Text(text.to_owned());
+                match last_assistant(messages).filter(|m| m.content == MessageContent::Null) {
+                    Some(prev) => prev.content = text,
+                    None => messages.push(message("assistant", text)),
+                }
+            } else {
+                messages.push(message(role, content(o.get("content"), field)?));
+            }
+        }
+        Some(_) => {}
+    }
+    Ok(())
+}
+
+/// Claude Code's attribution header: its per-request hash would defeat prefix caching, so vLLM
+/// drops system blocks starting with it (`_CLAUDE_CODE_BILLING_HEADER`).
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+fn block_type(b: &Value) -> Option<&str> {
+    b.get("type").and_then(Value::as_str)
+}
+
+/// The non-empty text blocks of a system block list that are not billing headers, joined with
+/// `""` (vLLM joins system parts with no separator).
+fn system_blocks_text(blocks: &[Value]) -> String {
+    blocks
+        .iter()
+        .filter(|b| block_type(b) == Some("text"))
+        .filter_map(|b| b.get("text").and_then(Value::as_str))
+        .filter(|t| !t.is_empty() && !t.starts_with(BILLING_HEADER))
+        .collect()
+}
+
+/// Anthropic `/v1/messages`, converted as vLLM 0.32's
+/// `AnthropicServingMessages.to_chat_completion_request` (`entrypoints/anthropic/serving.py`)
+/// converts it. Inline `system` messages stay in place here; [`ChatPrompt::merge_inline_system`]
+/// lets the renderer merge them when the template requires it, as vLLM decides per template.
 fn anthropic_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError> {
     let mut messages = Vec::new();
-    match obj.get("system") {
-        Some(Value::String(s)) => messages.push(message("system", MessageContent::Text(s.clone()))),
-        Some(Value::Array(blocks)) => {
-            let text: Vec<&str> = blocks
-                .iter()
-                .filter_map(|b| b.get("text").and_then(Value::as_str))
-                .collect();
-            messages.push(message("system", MessageContent::Text(text.join("\n"))));
-        }
-        _ => {}
+    // `_convert_system_message`: a string is kept whole (the chat stage strips a leading billing
+    // header line); blocks are filtered and joined with "". Empty → no system message.
+    let system = match obj.get("system") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(blocks)) => system_blocks_text(blocks),
+        _ => String::new(),
+    };
+    if !system.is_empty() {
+        messages.push(message("system", MessageContent::Text(system)));
     }
     let Some(Value::Array(raw)) = obj.get("messages") else {
         return Err(invalid("messages", "expected an array"));
     };
     for (i, m) in raw.iter().enumerate() {
-        let field = format!("messages[{i}]");
-        let Some(role) = m.get("role").and_then(Value::as_str) else {
-            return Err(invalid(field, "role must be a string"));
-        };
-        match m.get("content") {
-            Some(Value::Array(blocks)) => {
-                let mut parts = Vec::new();
-                let mut calls = Vec::new();
-                for b in blocks {
-                    match b.get("type").and_then(Value::as_str) {
-                        Some("tool_use") => calls.push(ToolCall {
-                            id: b.get("id").and_then(Value::as_str).map(str::to_owned),
-                            name: b
-                                .get("name")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default()
-                                .to_owned(),
-                            arguments: b
-                                .get("input")
-                                .filter(|v| v.is_object())
-                                .cloned()
-                                .unwrap_or_else(|| Value::Object(Map::new())),
-                        }),
-                        Some("tool_result") => {
-                            let c = match b.get("content") {
-                                Some(Value::String(s)) => MessageContent::Text(s.clone()),
-                                other => content(other, &field)?,
-                            };
-                            let mut t = message("tool", c);
-                            t.tool_call_id = b
-                                .get("tool_use_id")
-                                .and_then(Value::as_str)
-                                .map(str::to_owned);
-                            messages.push(t);
-                        }
-                        _ => parts.extend(content_part(b)),
-                    }
-                }
-                if !parts.is_empty() || !calls.is_empty() {
-                    let mut msg = message(role, MessageContent::Parts(parts));
-                    if !calls.is_empty() {
-                        msg.tool_calls = Some(calls);
-                    }
-                    messages.push(msg);
-                }
-            }
-            other => messages.push(message(role, content(other, &field)?)),
-        }
+        anthropic_message(m, &format!("messages[{i}]"), &mut messages)?;
     }
     let tools = match obj.get("tools") {
         Some(Value::Array(tools)) => Some(
             tools
                 .iter()
                 .enumerate()
-                .map(|(i, t)| match t.get("name").and_then(Value::as_str) {
-                    Some(name) => Ok(normalised_tool(
-                        name,
-                        t.get("description"),
-                        t.get("input_schema"),
-                        None,
-                    )),
-                    None => Err(invalid(format!("tools[{i}].name"), "expected a string")),
-                })
+                .map(|(i, t)| anthropic_tool(t, i))
                 .collect::<Result<_, _>>()?,
         ),
         _ => None,
@@ -535,5 +576,179 @@ fn anthropic_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
         add_generation_prompt: true,
         continue_final_message: false,
         chat_template_kwargs: Map::new(),
+        merge_inline_system: true,
     })
+}
+
+/// One Anthropic message (`_convert_messages`): a system message's text, or the message with
+/// its blocks converted; `tool_result` blocks of a user message become `tool` messages placed
+/// before it.
+fn anthropic_message(
+    m: &Value,
+    field: &str,
+    messages: &mut Vec<ChatMessage>,
+) -> Result<(), RequestError> {
+    let Some(role) = m.get("role").and_then(Value::as_str) else {
+        return Err(invalid(field, "role must be a string"));
+    };
+    if role == "system" {
+        // `_extract_system_text`: billing headers dropped, blocks joined with "", empty → none.
+        let text = match m.get("content") {
+            Some(Value::String(s)) if !s.starts_with(BILLING_HEADER) => s.clone(),
+            Some(Value::Array(blocks)) => system_blocks_text(blocks),
+            _ => String::new(),
+        };
+        if !text.is_empty() {
+            messages.push(message("system", MessageContent::Text(text)));
+        }
+        return Ok(());
+    }
+    let blocks = match m.get("content") {
+        Some(Value::Array(blocks)) => blocks,
+        other => {
+            messages.push(message(role, content(other, field)?));
+            return Ok(());
+        }
+    };
+    let mut parts = Vec::new();
+    let mut calls = Vec::new();
+    let mut reasoning: Option<String> = None;
+    for b in blocks {
+        match block_type(b) {
+            Some("text") => {
+                if let Some(t) = b
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .filter(|t| !t.is_empty())
+                {
+                    parts.push(ContentPart::Text(t.to_owned()));
+                }
+            }
+            Some("image") if b.get("source").is_some_and(truthy) => {
+                parts.push(ContentPart::Media("image"));
+            }
+            Some("thinking") => {
+                if let Some(t) = b.get("thinking").and_then(Value::as_str) {
+                    reasoning.get_or_insert_with(String::new).push_str(t);
+                }
+            }
+            Some("tool_use") => calls.push(ToolCall {
+                id: opt_string_of(b, "id"),
+                name: opt_string_of(b, "name").unwrap_or_default(),
+                // `json.dumps(block.input or {})`, parsed back by the chat stage.
+                arguments: b
+                    .get("input")
+                    .filter(|v| v.is_object())
+                    .cloned()
+                    .unwrap_or_else(|| Value::Object(Map::new())),
+            }),
+            Some("tool_result") if role == "user" => user_tool_result(b, messages),
+            Some("tool_result") => {
+                // vLLM formats it with Python's `str()`.
+                let text = match b.get("content") {
+                    Some(c) if truthy(c) => super::pyrepr::py_str(c),
+                    _ => String::new(),
+                };
+                parts.push(ContentPart::Text(format!("Tool result: {text}")));
+            }
+            _ => {}
+        }
+    }
+    // A user message left without content is dropped; an assistant one is kept (its tool
+    // calls or reasoning, or an empty turn).
+    if role == "user" && parts.is_empty() {
+        return Ok(());
+    }
+    let content = if parts.is_empty() {
+        MessageContent::Null
+    } else {
+        MessageContent::Parts(parts)
+    };
+    let mut msg = message(role, content);
+    msg.reasoning_content = reasoning;
+    if !calls.is_empty() {
+        msg.tool_calls = Some(calls);
+    }
+    messages.push(msg);
+    Ok(())
+}
+
+/// Python truthiness of a JSON value (`if x:`).
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+fn opt_string_of(v: &Value, key: &str) -> Option<String> {
+    v.get(key).and_then(Value::as_str).map(str::to_owned)
+}
+
+/// `_convert_user_tool_result`: a `tool` message with the result's text (text items joined
+/// with `\n`), then a user message with the result's images, if any.
+/// NOTE: `tool_reference` items (a third, structured `tool` message in vLLM) are not rendered.
+fn user_tool_result(b: &Value, messages: &mut Vec<ChatMessage>) {
+    let mut images = 0usize;
+    let text = match b.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) => {
+            let mut texts = Vec::new();
+            for item in items.iter().filter(|i| i.is_object()) {
+                match block_type(item) {
+                    Some("text") => {
+                        texts.push(item.get("text").and_then(Value::as_str).unwrap_or_default());
+                    }
+                    Some("image") => {
+                        let source = item.get("source");
+                        let is_url = source.and_then(|s| s.get("type")).and_then(Value::as_str)
+                            == Some("url");
+                        let url = source.and_then(|s| s.get("url")).and_then(Value::as_str);
+                        // A base64 (or untyped) source always yields a data URL.
+                        if !is_url || url.is_some_and(|u| !u.is_empty()) {
+                            images += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            texts.join("\n")
+        }
+        _ => String::new(),
+    };
+    let mut tool = message("tool", MessageContent::Text(text));
+    tool.tool_call_id = Some(opt_string_of(b, "tool_use_id").unwrap_or_default());
+    messages.push(tool);
+    if images > 0 {
+        messages.push(message(
+            "user",
+            MessageContent::Parts(vec![ContentPart::Media("image"); images]),
+        ));
+    }
+}
+
+/// `_convert_tools`: an OpenAI function tool; `input_schema` gains `"type": "object"` (at its
+/// end) when it has no `type`; `strict` is kept when set.
+fn anthropic_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
+    let Some(name) = t.get("name").and_then(Value::as_str) else {
+        return Err(invalid(format!("tools[{i}].name"), "expected a string"));
+    };
+    let schema = match t.get("input_schema") {
+        Some(Value::Object(schema)) if !schema.contains_key("type") => {
+            let mut schema = schema.clone();
+            schema.insert("type".into(), Value::String("object".into()));
+            Some(Value::Object(schema))
+        }
+        other => other.cloned(),
+    };
+    Ok(normalised_tool(
+        name,
+        t.get("description"),
+        schema.as_ref(),
+        t.get("strict"),
+    ))
 }
