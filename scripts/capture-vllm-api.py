@@ -318,6 +318,115 @@ CASES = [
         tools=[{"name": "ping", "description": "Ping.", "input_schema": {"type": "object", "properties": {}}}],
         tool_choice={"type": "none"},
     ),
+    # ---- second round: rules read in vLLM 0.32's source, captured to confirm ----
+    responses(
+        "resp-assistant-two-output-text-parts",
+        input=[
+            {"role": "user", "content": "Say hello twice."},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Hello!", "annotations": []},
+                {"type": "output_text", "text": "Hello again!", "annotations": []},
+            ]},
+            {"role": "user", "content": "Thanks."},
+        ],
+    ),
+    responses(
+        "resp-reasoning-alone",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "What is 2+2?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Add them."}]},
+            {"role": "user", "content": "Well?"},
+        ],
+    ),
+    responses(
+        "resp-function-call-then-message",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check.", "annotations": []}]},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+        ],
+        tools=TOOLS_RESPONSES,
+        tool_choice="none",
+    ),
+    responses(
+        "resp-incomplete-assistant-continued",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "What is the capital of France?"},
+            {"type": "message", "role": "assistant", "status": "incomplete",
+             "content": [{"type": "output_text", "text": "The capital is", "annotations": []}]},
+        ],
+    ),
+    messages(
+        "msg-system-string-billing-header",
+        system="x-anthropic-billing-header: cc_version=1.0; cch=abc123;\n" + SYS,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    ),
+    messages(
+        "msg-inline-system-variants",
+        messages=[
+            {"role": "system", "content": "Be kind. "},
+            {"role": "user", "content": "Hi."},
+            {"role": "system", "content": "x-anthropic-billing-header: cch=1;"},
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}, {"type": "text", "text": " Use French."}]},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
+    ),
+    messages(
+        "msg-assistant-thinking-only",
+        system=SYS,
+        messages=[
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Add them.", "signature": "sig"}]},
+            {"role": "user", "content": "Well?"},
+        ],
+    ),
+    messages(
+        "msg-user-empty-text-only",
+        system=SYS,
+        messages=[
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": [{"type": "text", "text": ""}]},
+        ],
+    ),
+    messages(
+        "msg-assistant-tool-result",
+        system=SYS,
+        messages=[
+            {"role": "user", "content": "Run it."},
+            {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": [{"type": "text", "text": "it's done"}]}]},
+            {"role": "user", "content": "Thanks?"},
+        ],
+    ),
+    messages(
+        "msg-tool-schema-no-type",
+        messages=[{"role": "user", "content": "Time?"}],
+        tools=[{"name": "now", "description": "Time.", "input_schema": {"properties": {"tz": {"type": "string"}}}}],
+        tool_choice={"type": "none"},
+    ),
+    messages(
+        "msg-tools-defer-loading",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{**TOOLS_ANTHROPIC[0], "strict": True, "defer_loading": True}],
+        tool_choice={"type": "none"},
+    ),
+    chat(
+        "chat-system-billing-header",
+        messages=[
+            {"role": "system", "content": "x-anthropic-billing-header: cc_version=1.0; cch=abc123;\n" + SYS},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+    ),
+    chat(
+        "chat-tools-defer-loading",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOLS_RESPONSES[0].items() if k != "type"}, "defer_loading": True}],
+        tool_choice="none",
+    ),
     # ---- /v1/chat/completions (control) ----
     chat(
         "chat-control",

@@ -324,13 +324,28 @@ fn openai_tool_call(c: &Value, i: usize) -> Result<ToolCall, RequestError> {
     })
 }
 
-/// vLLM's normalised tool: `{"type":"function","function":{name,description,parameters[,strict]}}`.
+/// The optional fields of a normalised tool that vLLM renders only when set.
+#[derive(Default)]
+struct ToolFlags<'a> {
+    /// `function.strict`.
+    strict: Option<&'a Value>,
+    /// `function.defer_loading`.
+    defer_loading: Option<&'a Value>,
+    /// The chat tool's top-level `defer_loading` (also copied into the function when that has
+    /// none: `ChatCompletionToolsParam._propagate_defer_loading`).
+    top_defer_loading: Option<&'a Value>,
+}
+
+/// vLLM's normalised tool (`ChatCompletionToolsParam.model_dump()`):
+/// `{"type":"function","function":{name,description,parameters[,strict][,defer_loading]}
+/// [,"defer_loading"]}`; unset optional fields are left out.
 fn normalised_tool(
     name: &str,
     description: Option<&Value>,
     parameters: Option<&Value>,
-    strict: Option<&Value>,
+    flags: ToolFlags<'_>,
 ) -> Value {
+    let set = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
     let mut f = Map::new();
     f.insert("name".into(), Value::String(name.to_owned()));
     f.insert(
@@ -341,17 +356,26 @@ fn normalised_tool(
         "parameters".into(),
         parameters.cloned().unwrap_or(Value::Null),
     );
-    if let Some(s) = strict.filter(|s| !s.is_null()) {
-        f.insert("strict".into(), s.clone());
+    if let Some(s) = set(flags.strict) {
+        f.insert("strict".into(), s);
+    }
+    let top_defer = set(flags.top_defer_loading);
+    if let Some(d) = set(flags.defer_loading).or_else(|| top_defer.clone()) {
+        f.insert("defer_loading".into(), d);
     }
     let mut t = Map::new();
     t.insert("type".into(), Value::String("function".into()));
     t.insert("function".into(), Value::Object(f));
+    if let Some(d) = top_defer {
+        t.insert("defer_loading".into(), d);
+    }
     Value::Object(t)
 }
 
+/// A chat tool (`{"type":"function","function":{…}}`) or a flat `/v1/responses` function tool.
 fn openai_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
-    let f = t.get("function").unwrap_or(t);
+    let nested = t.get("function");
+    let f = nested.unwrap_or(t);
     let Some(name) = f.get("name").and_then(Value::as_str) else {
         return Err(invalid(
             format!("tools[{i}].function.name"),
@@ -362,7 +386,11 @@ fn openai_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
         name,
         f.get("description"),
         f.get("parameters"),
-        f.get("strict"),
+        ToolFlags {
+            strict: f.get("strict"),
+            defer_loading: f.get("defer_loading"),
+            top_defer_loading: nested.and_then(|_| t.get("defer_loading")),
+        },
     ))
 }
 
@@ -404,6 +432,7 @@ fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
         None | Some(Value::Null) => {}
         Some(_) => return Err(invalid("input", "expected a string or an array")),
     }
+    let continue_final = should_continue_final_message(obj.get("input"));
     let tools = match obj.get("tools") {
         Some(Value::Array(tools)) => Some(
             tools
@@ -420,11 +449,28 @@ fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
     Ok(ChatPrompt {
         messages,
         tools,
-        add_generation_prompt: true,
-        continue_final_message: false,
+        add_generation_prompt: !continue_final,
+        continue_final_message: continue_final,
         chat_template_kwargs: Map::new(),
         merge_inline_system: false,
     })
+}
+
+/// vLLM's `should_continue_final_message`: a last input item that is a message or reasoning
+/// item with `status` `in_progress`/`incomplete` is continued (no generation prompt).
+fn should_continue_final_message(input: Option<&Value>) -> bool {
+    let Some(Value::Array(items)) = input else {
+        return false;
+    };
+    let Some(Value::Object(last)) = items.last() else {
+        return false;
+    };
+    let kind = last
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("message");
+    let status = last.get("status").and_then(Value::as_str);
+    matches!(kind, "message" | "reasoning") && matches!(status, Some("in_progress" | "incomplete"))
 }
 
 /// The assistant message a responses item may be merged into: the last message, if it is an
@@ -732,7 +778,7 @@ fn user_tool_result(b: &Value, messages: &mut Vec<ChatMessage>) {
 }
 
 /// `_convert_tools`: an OpenAI function tool; `input_schema` gains `"type": "object"` (at its
-/// end) when it has no `type`; `strict` is kept when set.
+/// end) when it has no `type`; `strict` and `defer_loading` are kept when set.
 fn anthropic_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
     let Some(name) = t.get("name").and_then(Value::as_str) else {
         return Err(invalid(format!("tools[{i}].name"), "expected a string"));
@@ -749,6 +795,10 @@ fn anthropic_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
         name,
         t.get("description"),
         schema.as_ref(),
-        t.get("strict"),
+        ToolFlags {
+            strict: t.get("strict"),
+            defer_loading: t.get("defer_loading"),
+            top_defer_loading: None,
+        },
     ))
 }
