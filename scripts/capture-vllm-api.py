@@ -427,6 +427,45 @@ CASES = [
         tools=[{"type": "function", "function": {k: v for k, v in TOOLS_RESPONSES[0].items() if k != "type"}, "defer_loading": True}],
         tool_choice="none",
     ),
+    responses(
+        "resp-custom-tool-call",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "List the files."},
+            {"type": "custom_tool_call", "call_id": "call_1", "name": "shell", "input": "ls -la"},
+            {"type": "custom_tool_call_output", "call_id": "call_1", "output": "a.txt"},
+        ],
+    ),
+    responses(
+        "resp-function-call-namespace",
+        instructions=SYS,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "namespace": "weather", "name": "get", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+        ],
+    ),
+    chat(
+        "chat-thinking-part",
+        messages=[
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Add them."}, {"type": "text", "text": "4"}]},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+    ),
+    responses(
+        "resp-namespace-and-custom-tools",
+        input="Weather in Paris?",
+        tools=[
+            {"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [
+                {**TOOLS_RESPONSES[0], "name": "get"},
+                {"type": "custom", "name": "raw", "description": "Raw query."},
+            ]},
+            {"type": "custom", "name": "shell", "description": "Run a shell command."},
+            {"type": "custom", "name": "noop"},
+        ],
+        tool_choice="none",
+    ),
     # ---- /v1/chat/completions (control) ----
     chat(
         "chat-control",

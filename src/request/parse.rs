@@ -276,6 +276,11 @@ fn content_part(p: &Value) -> Option<ContentPart> {
                     .get("text")
                     .and_then(Value::as_str)
                     .map(|t| ContentPart::Text(t.to_owned())),
+                // vLLM's chat stage renders a `thinking` part as a text part (`TEXT_PART_TYPES`).
+                "thinking" => o
+                    .get("thinking")
+                    .and_then(Value::as_str)
+                    .map(|t| ContentPart::Text(t.to_owned())),
                 "refusal" => o
                     .get("refusal")
                     .and_then(Value::as_str)
@@ -434,16 +439,7 @@ fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
     }
     let continue_final = should_continue_final_message(obj.get("input"));
     let tools = match obj.get("tools") {
-        Some(Value::Array(tools)) => Some(
-            tools
-                .iter()
-                .filter(|t| {
-                    t.get("type").and_then(Value::as_str).unwrap_or("function") == "function"
-                })
-                .enumerate()
-                .map(|(i, t)| openai_tool(t, i))
-                .collect::<Result<_, _>>()?,
-        ),
+        Some(Value::Array(tools)) => Some(responses_tools(tools)?),
         _ => None,
     };
     Ok(ChatPrompt {
@@ -453,6 +449,74 @@ fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError
         continue_final_message: continue_final,
         chat_template_kwargs: Map::new(),
         merge_inline_system: false,
+    })
+}
+
+/// The function tools a `/v1/responses` request shows the model, in order (vLLM's
+/// `get_function_tools`): function tools; a namespace's function tools named
+/// `<namespace>__<name>`; custom tools as a one-string-argument function shim. Other tool types
+/// (web search, MCP, custom tools inside a namespace…) are not rendered.
+fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, RequestError> {
+    let mut out = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        match t.get("type").and_then(Value::as_str).unwrap_or("function") {
+            "function" => out.push(openai_tool(t, i)?),
+            "namespace" => {
+                let ns = t.get("name").and_then(Value::as_str).unwrap_or_default();
+                let Some(Value::Array(inner)) = t.get("tools") else {
+                    continue;
+                };
+                for f in inner
+                    .iter()
+                    .filter(|f| f.get("type").and_then(Value::as_str) == Some("function"))
+                {
+                    let Some(name) = f.get("name").and_then(Value::as_str) else {
+                        return Err(invalid(
+                            format!("tools[{i}].tools"),
+                            "name must be a string",
+                        ));
+                    };
+                    out.push(normalised_tool(
+                        &format!("{ns}__{name}"),
+                        f.get("description"),
+                        f.get("parameters"),
+                        ToolFlags {
+                            strict: f.get("strict"),
+                            defer_loading: f.get("defer_loading"),
+                            top_defer_loading: None,
+                        },
+                    ));
+                }
+            }
+            "custom" => {
+                let Some(name) = t.get("name").and_then(Value::as_str) else {
+                    return Err(invalid(format!("tools[{i}].name"), "expected a string"));
+                };
+                out.push(normalised_tool(
+                    name,
+                    t.get("description"),
+                    Some(&custom_tool_parameters()),
+                    ToolFlags::default(),
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// vLLM's `custom_tool_parameters`: the schema of the function shim a custom tool is shown as.
+fn custom_tool_parameters() -> Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "input": {
+                "type": "string",
+                "description": "The freeform text payload for this tool.",
+            }
+        },
+        "required": ["input"],
+        "additionalProperties": false,
     })
 }
 
@@ -496,15 +560,29 @@ fn responses_item(
     messages: &mut Vec<ChatMessage>,
 ) -> Result<(), RequestError> {
     match o.get("type").and_then(Value::as_str) {
-        Some("function_call") => {
-            let call = ToolCall {
-                id: opt_string(o, "call_id"),
-                name: o
-                    .get("name")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned(),
-                arguments: parse_arguments(o.get("arguments")),
+        Some(kind @ ("function_call" | "custom_tool_call")) => {
+            let name = o.get("name").and_then(Value::as_str).unwrap_or_default();
+            let call = if kind == "custom_tool_call" {
+                // `encode_custom_tool_input`: the free-form input as `{"input": …}`.
+                let input = o.get("input").and_then(Value::as_str).unwrap_or_default();
+                let mut args = Map::new();
+                args.insert("input".into(), Value::String(input.to_owned()));
+                ToolCall {
+                    id: opt_string(o, "call_id"),
+                    name: name.to_owned(),
+                    arguments: Value::Object(args),
+                }
+            } else {
+                // `flat_namespace_tool_name`: `<namespace>__<name>`.
+                let name = match o.get("namespace").and_then(Value::as_str) {
+                    Some(ns) if !ns.is_empty() => format!("{ns}__{name}"),
+                    _ => name.to_owned(),
+                };
+                ToolCall {
+                    id: opt_string(o, "call_id"),
+                    name,
+                    arguments: parse_arguments(o.get("arguments")),
+                }
             };
             match last_assistant(messages) {
                 Some(prev) => prev.tool_calls.get_or_insert_with(Vec::new).push(call),
