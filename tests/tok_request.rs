@@ -219,3 +219,60 @@ fn model_rewrite_keeps_every_other_byte_on_fixture_bodies() {
         }
     }
 }
+
+#[test]
+fn odd_responses_and_messages_shapes_parse_without_panicking() {
+    // Shapes vLLM answers with 400 or treats specially: kvpick must neither panic nor fail the
+    // request where a prompt can still be read.
+    let responses = [
+        json!({"model": "m", "input": [{"type": "reasoning"}, {"type": "function_call"}]}),
+        json!({"model": "m", "input": [{"type": "custom_tool_call", "input": 5}, {"type": "x"}]}),
+        json!({"model": "m", "input": [{"role": "assistant", "content": [7, {"text": 1}]}]}),
+        json!({"model": "m", "input": [{"type": "message", "status": "incomplete"}]}),
+        json!({"model": "m", "input": "x", "tools": [{"type": "namespace", "tools": 3},
+            {"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "f"}]},
+            {"type": "custom", "name": "c"}, {"type": "web_search"}]}),
+    ];
+    for body in responses {
+        let r = parse("/v1/responses", body.to_string().as_bytes()).unwrap();
+        assert!(matches!(r.prompt, Prompt::Chat(_)), "{body}");
+    }
+    let messages = [
+        json!({"model": "m", "system": [{"type": "image"}, {"text": 3}], "messages": []}),
+        json!({"model": "m", "messages": [{"role": "system", "content": [{"type": "text"}]},
+            {"role": "assistant", "content": [{"type": "tool_result", "content": {"a": [1.5]}}]},
+            {"role": "user", "content": [{"type": "tool_result", "content": [3, {"type": "image"}]}]},
+            {"role": "user", "content": [{"type": "thinking", "thinking": 1}]}]}),
+        json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "t", "input_schema": 5, "strict": null, "defer_loading": false}]}),
+    ];
+    for body in messages {
+        let r = parse("/v1/messages", body.to_string().as_bytes()).unwrap();
+        assert!(matches!(r.prompt, Prompt::Chat(_)), "{body}");
+    }
+}
+
+#[test]
+fn anthropic_inline_system_is_left_in_place_for_the_template_to_merge() {
+    let body = json!({"model": "m", "system": [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}],
+        "messages": [{"role": "user", "content": "u"}, {"role": "system", "content": "C."},
+                     {"role": "system", "content": "x-anthropic-billing-header: 1"}]});
+    let r = parse("/v1/messages", body.to_string().as_bytes()).unwrap();
+    let Prompt::Chat(chat) = r.prompt else {
+        panic!("not chat")
+    };
+    assert!(chat.merge_inline_system);
+    let roles: Vec<(&str, &MessageContent)> = chat
+        .messages
+        .iter()
+        .map(|m| (m.role.as_str(), &m.content))
+        .collect();
+    assert_eq!(
+        roles,
+        vec![
+            ("system", &MessageContent::Text("A.B.".into())),
+            ("user", &MessageContent::Text("u".into())),
+            ("system", &MessageContent::Text("C.".into())),
+        ]
+    );
+}

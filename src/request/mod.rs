@@ -6,6 +6,9 @@
 //! - [`rewrite_model`] changes only the `model` value of a body; [`ResponseModelRewriter`] puts
 //!   the client's model name back into JSON and SSE responses.
 //! - [`ModelRewriteRules`] are InferenceModelRewrite-style weighted rules.
+//! - `/v1/responses` and Anthropic `/v1/messages` are converted to chat messages exactly as
+//!   vLLM 0.32 converts them (`responses`, `anthropic`; checked against real captures in
+//!   `tests/fixtures/vllm-api-captures/`).
 //!
 //! Hostile input: bodies are bounded in nesting depth and array length before any tree is
 //! built ([`ParseLimits`]); nothing here panics on input-derived values.
@@ -13,13 +16,17 @@
 //! Concurrency: everything is a pure function over its arguments except
 //! [`ResponseModelRewriter`], which holds one response stream's partial line (one per stream).
 
+mod anthropic;
 mod error;
 mod parse;
+mod pyrepr;
+mod responses;
 mod rewrite;
 mod rules;
 mod scan;
 mod types;
 
+pub use anthropic::BILLING_HEADER;
 pub use error::RequestError;
 pub use parse::{api_kind_for_path, parse, parse_with_limits};
 pub use rewrite::{MAX_SSE_LINE_BYTES, ResponseModelRewriter, rewrite_model};

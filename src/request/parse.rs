@@ -6,7 +6,9 @@
 
 use serde_json::{Map, Value};
 
+use super::anthropic::anthropic_prompt;
 use super::error::RequestError;
+use super::responses::responses_prompt;
 use super::scan::{ParseLimits, scan};
 use super::types::{
     ApiKind, ChatMessage, ChatPrompt, ContentPart, InferenceRequest, MessageContent, Prompt,
@@ -129,7 +131,7 @@ fn guess_prompt(obj: &Map<String, Value>) -> Result<(Prompt, bool), RequestError
     Ok((Prompt::None, true))
 }
 
-fn invalid(field: impl Into<String>, detail: &'static str) -> RequestError {
+pub(super) fn invalid(field: impl Into<String>, detail: &'static str) -> RequestError {
     RequestError::InvalidField {
         field: field.into(),
         detail,
@@ -185,7 +187,7 @@ fn bool_field(obj: &Map<String, Value>, key: &str, default: bool) -> bool {
     obj.get(key).and_then(Value::as_bool).unwrap_or(default)
 }
 
-fn opt_string(obj: &Map<String, Value>, key: &str) -> Option<String> {
+pub(super) fn opt_string(obj: &Map<String, Value>, key: &str) -> Option<String> {
     obj.get(key).and_then(Value::as_str).map(str::to_owned)
 }
 
@@ -221,6 +223,7 @@ fn chat_prompt(
             Some(Value::Object(kw)) => kw.clone(),
             _ => Map::new(),
         },
+        merge_inline_system: false,
     })
 }
 
@@ -253,7 +256,7 @@ fn openai_message(m: &Value, i: usize) -> Result<ChatMessage, RequestError> {
 }
 
 /// Message content: null, a string, or a list of parts (strings or typed part objects).
-fn content(v: Option<&Value>, field: &str) -> Result<MessageContent, RequestError> {
+pub(super) fn content(v: Option<&Value>, field: &str) -> Result<MessageContent, RequestError> {
     match v {
         None | Some(Value::Null) => Ok(MessageContent::Null),
         Some(Value::String(s)) => Ok(MessageContent::Text(s.clone())),
@@ -275,6 +278,11 @@ fn content_part(p: &Value) -> Option<ContentPart> {
                     .get("text")
                     .and_then(Value::as_str)
                     .map(|t| ContentPart::Text(t.to_owned())),
+                // vLLM's chat stage renders a `thinking` part as a text part (`TEXT_PART_TYPES`).
+                "thinking" => o
+                    .get("thinking")
+                    .and_then(Value::as_str)
+                    .map(|t| ContentPart::Text(t.to_owned())),
                 "refusal" => o
                     .get("refusal")
                     .and_then(Value::as_str)
@@ -292,7 +300,7 @@ fn content_part(p: &Value) -> Option<ContentPart> {
 }
 
 /// vLLM parses a JSON-string `arguments` into an object; empty/invalid/non-object → `{}`.
-fn parse_arguments(a: Option<&Value>) -> Value {
+pub(super) fn parse_arguments(a: Option<&Value>) -> Value {
     match a {
         Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
             Ok(v @ Value::Object(_)) => v,
@@ -323,13 +331,28 @@ fn openai_tool_call(c: &Value, i: usize) -> Result<ToolCall, RequestError> {
     })
 }
 
-/// vLLM's normalised tool: `{"type":"function","function":{name,description,parameters[,strict]}}`.
-fn normalised_tool(
+/// The optional fields of a normalised tool that vLLM renders only when set.
+#[derive(Default)]
+pub(super) struct ToolFlags<'a> {
+    /// `function.strict`.
+    pub(super) strict: Option<&'a Value>,
+    /// `function.defer_loading`.
+    pub(super) defer_loading: Option<&'a Value>,
+    /// The chat tool's top-level `defer_loading` (also copied into the function when that has
+    /// none: `ChatCompletionToolsParam._propagate_defer_loading`).
+    pub(super) top_defer_loading: Option<&'a Value>,
+}
+
+/// vLLM's normalised tool (`ChatCompletionToolsParam.model_dump()`):
+/// `{"type":"function","function":{name,description,parameters[,strict][,defer_loading]}
+/// [,"defer_loading"]}`; unset optional fields are left out.
+pub(super) fn normalised_tool(
     name: &str,
     description: Option<&Value>,
     parameters: Option<&Value>,
-    strict: Option<&Value>,
+    flags: ToolFlags<'_>,
 ) -> Value {
+    let set = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
     let mut f = Map::new();
     f.insert("name".into(), Value::String(name.to_owned()));
     f.insert(
@@ -340,17 +363,26 @@ fn normalised_tool(
         "parameters".into(),
         parameters.cloned().unwrap_or(Value::Null),
     );
-    if let Some(s) = strict.filter(|s| !s.is_null()) {
-        f.insert("strict".into(), s.clone());
+    if let Some(s) = set(flags.strict) {
+        f.insert("strict".into(), s);
+    }
+    let top_defer = set(flags.top_defer_loading);
+    if let Some(d) = set(flags.defer_loading).or_else(|| top_defer.clone()) {
+        f.insert("defer_loading".into(), d);
     }
     let mut t = Map::new();
     t.insert("type".into(), Value::String("function".into()));
     t.insert("function".into(), Value::Object(f));
+    if let Some(d) = top_defer {
+        t.insert("defer_loading".into(), d);
+    }
     Value::Object(t)
 }
 
-fn openai_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
-    let f = t.get("function").unwrap_or(t);
+/// A chat tool (`{"type":"function","function":{…}}`) or a flat `/v1/responses` function tool.
+pub(super) fn openai_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
+    let nested = t.get("function");
+    let f = nested.unwrap_or(t);
     let Some(name) = f.get("name").and_then(Value::as_str) else {
         return Err(invalid(
             format!("tools[{i}].function.name"),
@@ -361,11 +393,15 @@ fn openai_tool(t: &Value, i: usize) -> Result<Value, RequestError> {
         name,
         f.get("description"),
         f.get("parameters"),
-        f.get("strict"),
+        ToolFlags {
+            strict: f.get("strict"),
+            defer_loading: f.get("defer_loading"),
+            top_defer_loading: nested.and_then(|_| t.get("defer_loading")),
+        },
     ))
 }
 
-fn message(role: &str, content: MessageContent) -> ChatMessage {
+pub(super) fn message(role: &str, content: MessageContent) -> ChatMessage {
     ChatMessage {
         role: role.to_owned(),
         content,
@@ -374,166 +410,4 @@ fn message(role: &str, content: MessageContent) -> ChatMessage {
         tool_calls: None,
         reasoning_content: None,
     }
-}
-
-/// OpenAI `/v1/responses`: `instructions` become a system message, `input` the conversation.
-fn responses_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError> {
-    let mut messages = Vec::new();
-    if let Some(instr) = obj.get("instructions").and_then(Value::as_str) {
-        messages.push(message("system", MessageContent::Text(instr.to_owned())));
-    }
-    match obj.get("input") {
-        Some(Value::String(s)) => messages.push(message("user", MessageContent::Text(s.clone()))),
-        Some(Value::Array(items)) => {
-            for (i, item) in items.iter().enumerate() {
-                let field = format!("input[{i}]");
-                let Value::Object(o) = item else {
-                    return Err(invalid(field, "expected an object"));
-                };
-                match o.get("type").and_then(Value::as_str).unwrap_or("message") {
-                    "message" => {
-                        let role = o.get("role").and_then(Value::as_str).unwrap_or("user");
-                        let c = content(o.get("content"), &field)?;
-                        messages.push(message(role, c));
-                    }
-                    "function_call" => {
-                        let name = o.get("name").and_then(Value::as_str).unwrap_or_default();
-                        let mut m = message("assistant", MessageContent::Null);
-                        m.tool_calls = Some(vec![ToolCall {
-                            id: opt_string(o, "call_id"),
-                            name: name.to_owned(),
-                            arguments: parse_arguments(o.get("arguments")),
-                        }]);
-                        messages.push(m);
-                    }
-                    "function_call_output" => {
-                        let out = match o.get("output") {
-                            Some(Value::String(s)) => MessageContent::Text(s.clone()),
-                            other => content(other, &field)?,
-                        };
-                        let mut m = message("tool", out);
-                        m.tool_call_id = opt_string(o, "call_id");
-                        messages.push(m);
-                    }
-                    _ => {}
-                }
-            }
-        }
-        None | Some(Value::Null) => {}
-        Some(_) => return Err(invalid("input", "expected a string or an array")),
-    }
-    let tools = match obj.get("tools") {
-        Some(Value::Array(tools)) => Some(
-            tools
-                .iter()
-                .filter(|t| {
-                    t.get("type").and_then(Value::as_str).unwrap_or("function") == "function"
-                })
-                .enumerate()
-                .map(|(i, t)| openai_tool(t, i))
-                .collect::<Result<_, _>>()?,
-        ),
-        _ => None,
-    };
-    Ok(ChatPrompt {
-        messages,
-        tools,
-        add_generation_prompt: true,
-        continue_final_message: false,
-        chat_template_kwargs: Map::new(),
-    })
-}
-
-/// Anthropic `/v1/messages`, converted to the OpenAI chat shape vLLM renders.
-fn anthropic_prompt(obj: &Map<String, Value>) -> Result<ChatPrompt, RequestError> {
-    let mut messages = Vec::new();
-    match obj.get("system") {
-        Some(Value::String(s)) => messages.push(message("system", MessageContent::Text(s.clone()))),
-        Some(Value::Array(blocks)) => {
-            let text: Vec<&str> = blocks
-                .iter()
-                .filter_map(|b| b.get("text").and_then(Value::as_str))
-                .collect();
-            messages.push(message("system", MessageContent::Text(text.join("\n"))));
-        }
-        _ => {}
-    }
-    let Some(Value::Array(raw)) = obj.get("messages") else {
-        return Err(invalid("messages", "expected an array"));
-    };
-    for (i, m) in raw.iter().enumerate() {
-        let field = format!("messages[{i}]");
-        let Some(role) = m.get("role").and_then(Value::as_str) else {
-            return Err(invalid(field, "role must be a string"));
-        };
-        match m.get("content") {
-            Some(Value::Array(blocks)) => {
-                let mut parts = Vec::new();
-                let mut calls = Vec::new();
-                for b in blocks {
-                    match b.get("type").and_then(Value::as_str) {
-                        Some("tool_use") => calls.push(ToolCall {
-                            id: b.get("id").and_then(Value::as_str).map(str::to_owned),
-                            name: b
-                                .get("name")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default()
-                                .to_owned(),
-                            arguments: b
-                                .get("input")
-                                .filter(|v| v.is_object())
-                                .cloned()
-                                .unwrap_or_else(|| Value::Object(Map::new())),
-                        }),
-                        Some("tool_result") => {
-                            let c = match b.get("content") {
-                                Some(Value::String(s)) => MessageContent::Text(s.clone()),
-                                other => content(other, &field)?,
-                            };
-                            let mut t = message("tool", c);
-                            t.tool_call_id = b
-                                .get("tool_use_id")
-                                .and_then(Value::as_str)
-                                .map(str::to_owned);
-                            messages.push(t);
-                        }
-                        _ => parts.extend(content_part(b)),
-                    }
-                }
-                if !parts.is_empty() || !calls.is_empty() {
-                    let mut msg = message(role, MessageContent::Parts(parts));
-                    if !calls.is_empty() {
-                        msg.tool_calls = Some(calls);
-                    }
-                    messages.push(msg);
-                }
-            }
-            other => messages.push(message(role, content(other, &field)?)),
-        }
-    }
-    let tools = match obj.get("tools") {
-        Some(Value::Array(tools)) => Some(
-            tools
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match t.get("name").and_then(Value::as_str) {
-                    Some(name) => Ok(normalised_tool(
-                        name,
-                        t.get("description"),
-                        t.get("input_schema"),
-                        None,
-                    )),
-                    None => Err(invalid(format!("tools[{i}].name"), "expected a string")),
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-        _ => None,
-    };
-    Ok(ChatPrompt {
-        messages,
-        tools,
-        add_generation_prompt: true,
-        continue_final_message: false,
-        chat_template_kwargs: Map::new(),
-    })
 }

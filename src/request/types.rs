@@ -67,6 +67,12 @@ pub struct ChatPrompt {
     pub continue_final_message: bool,
     /// Extra template variables (`chat_template_kwargs`).
     pub chat_template_kwargs: Map<String, Value>,
+    /// Anthropic `/v1/messages` only: when the template requires system-first ordering (it
+    /// raises on a non-leading system message, vLLM's `_detect_merge_inline_system`), every
+    /// `system` message is merged, joined with `""`, into one leading system message, as vLLM's
+    /// `AnthropicServingMessages._convert_system_message` does. The template decides, so the
+    /// merge happens at render time.
+    pub merge_inline_system: bool,
 }
 
 /// One chat message.

@@ -16,7 +16,7 @@ use serde_json::{Map, Value as Json, json};
 
 use super::error::TokenizeError;
 use super::pyjson;
-use crate::request::{ChatMessage, ChatPrompt, ContentPart, MessageContent};
+use crate::request::{BILLING_HEADER, ChatMessage, ChatPrompt, ContentPart, MessageContent};
 
 /// How message content reaches the template (vLLM's `--chat-template-content-format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +32,7 @@ pub enum ContentFormat {
 pub struct ChatTemplate {
     env: Environment<'static>,
     format: ContentFormat,
+    system_first: bool,
     special_tokens: Map<String, Json>,
 }
 
@@ -46,6 +47,7 @@ impl ChatTemplate {
         format: Option<ContentFormat>,
     ) -> Result<Self, TokenizeError> {
         let format = format.unwrap_or_else(|| detect_content_format(&source));
+        let system_first = requires_system_first(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -59,6 +61,7 @@ impl ChatTemplate {
         Ok(Self {
             env,
             format,
+            system_first,
             special_tokens,
         })
     }
@@ -68,9 +71,22 @@ impl ChatTemplate {
         self.format
     }
 
+    /// Whether the template rejects a non-leading system message (vLLM's
+    /// `_detect_merge_inline_system`, see [`requires_system_first`]).
+    pub fn requires_system_first(&self) -> bool {
+        self.system_first
+    }
+
     /// Renders `chat` to the prompt text the server will tokenize.
     pub fn render(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
-        let messages = vllm_messages(&chat.messages, self.format);
+        let merged;
+        let source_messages = if chat.merge_inline_system && self.system_first {
+            merged = merge_system_messages(&chat.messages);
+            &merged
+        } else {
+            &chat.messages
+        };
+        let messages = vllm_messages(source_messages, self.format);
         let mut ctx: Map<String, Json> = chat.chat_template_kwargs.clone();
         for (k, v) in &self.special_tokens {
             ctx.insert(k.clone(), v.clone());
@@ -104,6 +120,83 @@ impl ChatTemplate {
         match final_text {
             Some(text) => cut_after_final_message(rendered, &text),
             None => Ok(rendered),
+        }
+    }
+}
+
+/// vLLM's `AnthropicServingMessages._detect_merge_inline_system`: renders a
+/// `[system, user, system, user]` conversation (string contents `"t"`, no generation prompt)
+/// in a bare sandboxed Jinja environment and reports whether that fails. The environment has
+/// jinja2's syntax settings but none of HF's globals (`raise_exception`, `strftime_now`) nor
+/// the `{% generation %}` extension, so a template using them also counts as system-first,
+/// exactly as in vLLM.
+pub fn requires_system_first(source: &str) -> bool {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(py_methods);
+    env.add_filter("tojson", tojson);
+    env.add_filter("trim", py_trim_filter);
+    let ctx = json!({
+        "messages": [
+            {"role": "system", "content": "t"},
+            {"role": "user", "content": "t"},
+            {"role": "system", "content": "t"},
+            {"role": "user", "content": "t"},
+        ],
+        "add_generation_prompt": false,
+    });
+    env.render_str(source, Value::from_serialize(&ctx)).is_err()
+}
+
+/// The Anthropic merge (vLLM's `_convert_system_message` with `merge_inline_system`): the text
+/// of every system message, in order and joined with `""`, becomes one leading system message;
+/// the other messages keep their order.
+fn merge_system_messages(messages: &[ChatMessage]) -> Vec<ChatMessage> {
+    let (system, rest): (Vec<&ChatMessage>, Vec<&ChatMessage>) =
+        messages.iter().partition(|m| m.role == "system");
+    let mut out = Vec::with_capacity(rest.len() + 1);
+    if let Some(first) = system.first() {
+        let text: String = system.iter().flat_map(|m| text_parts(&m.content)).collect();
+        let mut leading = (*first).clone();
+        leading.content = MessageContent::Text(text);
+        out.push(leading);
+    }
+    out.extend(rest.into_iter().cloned());
+    out
+}
+
+/// vLLM's `_strip_claude_code_billing_header`, applied to every `system` message by its chat
+/// stage: a text part starting with [`crate::request::BILLING_HEADER`] loses its first line,
+/// and is dropped when nothing follows it.
+fn strip_billing_header(content: &MessageContent) -> Option<MessageContent> {
+    let strip = |t: &str| -> Option<Option<String>> {
+        if !t.starts_with(BILLING_HEADER) {
+            return None;
+        }
+        let rest = t.split_once('\n').map_or("", |(_, rest)| rest);
+        Some((!rest.is_empty()).then(|| rest.to_owned()))
+    };
+    match content {
+        MessageContent::Null => None,
+        MessageContent::Text(t) => strip(t)
+            .map(|rest| MessageContent::Parts(rest.map(ContentPart::Text).into_iter().collect())),
+        MessageContent::Parts(parts) => {
+            let mut changed = false;
+            let mut out = Vec::with_capacity(parts.len());
+            for p in parts {
+                match p {
+                    ContentPart::Text(t) => match strip(t) {
+                        None => out.push(p.clone()),
+                        Some(rest) => {
+                            changed = true;
+                            out.extend(rest.map(ContentPart::Text));
+                        }
+                    },
+                    ContentPart::Media(_) => out.push(p.clone()),
+                }
+            }
+            changed.then_some(MessageContent::Parts(out))
         }
     }
 }
@@ -197,10 +290,16 @@ pub fn vllm_messages(messages: &[ChatMessage], format: ContentFormat) -> Vec<Jso
         .map(|m| {
             let mut out = Map::new();
             out.insert("role".into(), Json::String(m.role.clone()));
-            let content = if m.role == "tool" || format == ContentFormat::String {
-                Json::String(text_parts(&m.content).join("\n"))
+            let stripped = if m.role == "system" {
+                strip_billing_header(&m.content)
             } else {
-                let parts: Vec<Json> = match &m.content {
+                None
+            };
+            let m_content = stripped.as_ref().unwrap_or(&m.content);
+            let content = if m.role == "tool" || format == ContentFormat::String {
+                Json::String(text_parts(m_content).join("\n"))
+            } else {
+                let parts: Vec<Json> = match m_content {
                     MessageContent::Null => Vec::new(),
                     MessageContent::Text(s) => vec![json!({"type": "text", "text": s})],
                     MessageContent::Parts(parts) => parts
@@ -467,8 +566,102 @@ mod tests {
             add_generation_prompt: false,
             continue_final_message: false,
             chat_template_kwargs: Map::new(),
+            merge_inline_system: false,
         };
         assert_eq!(t.render(&chat).unwrap(), "abc");
+    }
+
+    #[test]
+    fn system_first_probe_follows_vllm() {
+        // The shipped Qwen2-style template raises on a non-leading system message.
+        let qwen = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/assets/tokenizer/chat_template.jinja"
+        ))
+        .unwrap();
+        assert!(requires_system_first(&qwen));
+        // A template that renders any order does not.
+        let loose = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+        assert!(!requires_system_first(loose));
+        // vLLM's probe environment has no HF globals and no `generation` tag: both count.
+        assert!(requires_system_first(
+            "{% for m in messages %}{{ strftime_now('%Y') }}{% endfor %}"
+        ));
+        assert!(requires_system_first(
+            "{% for m in messages %}{% generation %}x{% endgeneration %}{% endfor %}"
+        ));
+        let t = ChatTemplate::new(loose.into(), Map::new(), None).unwrap();
+        assert!(!t.requires_system_first());
+    }
+
+    fn msg(role: &str, text: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: MessageContent::Text(text.into()),
+            name: None,
+            tool_call_id: None,
+            tool_calls: None,
+            reasoning_content: None,
+        }
+    }
+
+    #[test]
+    fn inline_system_merges_only_when_asked_and_required() {
+        let strict = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+            {{ raise_exception('system first') }}{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+        let loose = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+        let mut chat = ChatPrompt {
+            messages: vec![
+                msg("system", "A."),
+                msg("user", "u1"),
+                msg("system", "B."),
+                msg("user", "u2"),
+            ],
+            tools: None,
+            add_generation_prompt: false,
+            continue_final_message: false,
+            chat_template_kwargs: Map::new(),
+            merge_inline_system: true,
+        };
+        let strict =
+            ChatTemplate::new(strict.into(), Map::new(), Some(ContentFormat::String)).unwrap();
+        let loose =
+            ChatTemplate::new(loose.into(), Map::new(), Some(ContentFormat::String)).unwrap();
+        assert_eq!(
+            strict.render(&chat).unwrap(),
+            "<system>A.B.<user>u1<user>u2"
+        );
+        assert_eq!(
+            loose.render(&chat).unwrap(),
+            "<system>A.<user>u1<system>B.<user>u2"
+        );
+        chat.merge_inline_system = false;
+        assert!(strict.render(&chat).is_err());
+    }
+
+    #[test]
+    fn billing_header_line_is_stripped_from_system_messages_only() {
+        let header = "x-anthropic-billing-header: cch=1;";
+        let only = strip_billing_header(&MessageContent::Text(header.into()));
+        assert_eq!(only, Some(MessageContent::Parts(Vec::new())));
+        let with_rest =
+            strip_billing_header(&MessageContent::Text(format!("{header}\nBe brief.\nOk.")));
+        assert_eq!(
+            with_rest,
+            Some(MessageContent::Parts(vec![ContentPart::Text(
+                "Be brief.\nOk.".into()
+            )]))
+        );
+        assert_eq!(
+            strip_billing_header(&MessageContent::Text("Be brief.".into())),
+            None
+        );
+        let messages = vllm_messages(
+            &[msg("system", header), msg("user", header)],
+            ContentFormat::String,
+        );
+        assert_eq!(messages[0]["content"], "");
+        assert_eq!(messages[1]["content"], header);
     }
 
     #[test]
