@@ -98,7 +98,8 @@ impl Shard {
         held
     }
 
-    fn add(&mut self, key: u64, slot: u32, tier: u8) {
+    /// Adds one reference; returns the holder's references after it (1 = a new holder).
+    fn add(&mut self, key: u64, slot: u32, tier: u8) -> u16 {
         let hash = table_hash(key);
         let Some(entry) = self.blocks.find_mut(hash, |e| e.key == key) else {
             self.blocks.insert_unique(
@@ -112,34 +113,53 @@ impl Shard {
                 },
                 |e| table_hash(e.key),
             );
-            return;
+            return 1;
         };
         if entry.slot == slot && entry.tier == tier {
             entry.refs = entry.refs.saturating_add(1);
-            return;
+            return entry.refs;
         }
         entry.more = true;
         let rest = self.more.entry(key).or_default();
         match rest.iter_mut().find(|h| h.slot == slot && h.tier == tier) {
-            Some(holder) => holder.refs = holder.refs.saturating_add(1),
-            None => rest.push(Holder {
-                slot,
-                refs: 1,
-                tier,
-            }),
+            Some(holder) => {
+                holder.refs = holder.refs.saturating_add(1);
+                holder.refs
+            }
+            None => {
+                rest.push(Holder {
+                    slot,
+                    refs: 1,
+                    tier,
+                });
+                1
+            }
         }
     }
 
-    fn remove(&mut self, key: u64, slot: u32, tier: u8) {
+    /// References of (slot, tier) on `key` (0 when not a holder).
+    fn tier_refs(&self, key: u64, slot: u32, tier: u8) -> u16 {
+        let mut refs = 0;
+        self.visit(key, |h| {
+            if h.slot == slot && h.tier == tier {
+                refs = h.refs;
+            }
+        });
+        refs
+    }
+
+    /// Drops one reference (or all of them with `all`); returns the references left, or
+    /// `None` when (slot, tier) did not hold `key`.
+    fn remove(&mut self, key: u64, slot: u32, tier: u8, all: bool) -> Option<u16> {
         let hash = table_hash(key);
         let Ok(mut occupied) = self.blocks.find_entry(hash, |e| e.key == key) else {
-            return;
+            return None;
         };
         let entry = occupied.get_mut();
         if entry.slot == slot && entry.tier == tier {
-            entry.refs = entry.refs.saturating_sub(1);
+            entry.refs = if all { 0 } else { entry.refs.saturating_sub(1) };
             if entry.refs > 0 {
-                return;
+                return Some(entry.refs);
             }
             // The inline holder is gone: another one moves inline, or the block leaves.
             let next = if entry.more {
@@ -156,20 +176,20 @@ impl Shard {
                 None => {
                     occupied.remove();
                     self.more.remove(&key);
-                    return;
+                    return Some(0);
                 }
             }
         } else {
-            let Some(rest) = self.more.get_mut(&key) else {
-                return;
-            };
-            let Some(position) = rest.iter().position(|h| h.slot == slot && h.tier == tier) else {
-                return;
-            };
+            let rest = self.more.get_mut(&key)?;
+            let position = rest.iter().position(|h| h.slot == slot && h.tier == tier)?;
             if let Some(holder) = rest.get_mut(position) {
-                holder.refs = holder.refs.saturating_sub(1);
+                holder.refs = if all {
+                    0
+                } else {
+                    holder.refs.saturating_sub(1)
+                };
                 if holder.refs > 0 {
-                    return;
+                    return Some(holder.refs);
                 }
             }
             rest.swap_remove(position);
@@ -178,6 +198,7 @@ impl Shard {
             self.more.remove(&key);
             occupied.get_mut().more = false;
         }
+        Some(0)
     }
 
     fn memory_bytes(&self) -> usize {
@@ -233,18 +254,31 @@ impl BlockMap {
         Some(lock.write().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Adds one reference of (slot, tier) to `key`.
-    pub(crate) fn add(&self, key: BlockKey, slot: u32, tier: Tier) {
-        if let Some(mut shard) = self.write(key.0) {
-            shard.add(key.0, slot, tier.index() as u8);
-        }
+    /// Adds one reference of (slot, tier) to `key`; returns its references after it (1 = a
+    /// new holder).
+    pub(crate) fn add(&self, key: BlockKey, slot: u32, tier: Tier) -> u16 {
+        self.write(key.0)
+            .map_or(0, |mut shard| shard.add(key.0, slot, tier.index() as u8))
     }
 
-    /// Drops one reference of (slot, tier) from `key`; the block leaves with its last holder.
-    pub(crate) fn remove(&self, key: BlockKey, slot: u32, tier: Tier) {
-        if let Some(mut shard) = self.write(key.0) {
-            shard.remove(key.0, slot, tier.index() as u8);
-        }
+    /// Drops one reference of (slot, tier) from `key` (the block leaves with its last holder);
+    /// returns the references left, `None` when (slot, tier) did not hold it.
+    pub(crate) fn remove(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<u16> {
+        self.write(key.0)?
+            .remove(key.0, slot, tier.index() as u8, false)
+    }
+
+    /// Drops (slot, tier) from `key` whatever its references; false when it was no holder.
+    pub(crate) fn remove_all(&self, key: BlockKey, slot: u32, tier: Tier) -> bool {
+        self.write(key.0)
+            .and_then(|mut shard| shard.remove(key.0, slot, tier.index() as u8, true))
+            .is_some()
+    }
+
+    /// References of (slot, tier) on `key` (0 when not a holder).
+    pub(crate) fn tier_refs(&self, key: BlockKey, slot: u32, tier: Tier) -> u16 {
+        self.read(shard_of(key.0))
+            .map_or(0, |shard| shard.tier_refs(key.0, slot, tier.index() as u8))
     }
 
     /// Whether `slot` holds `key` in any tier.
@@ -327,20 +361,24 @@ mod tests {
         assert_eq!(std::mem::size_of::<Entry>(), 16);
         let map = BlockMap::default();
         let key = BlockKey(0xfeed_beef_1234_5678);
-        map.add(key, 1, Tier::Gpu);
-        map.add(key, 2, Tier::Gpu);
-        map.add(key, 1, Tier::Cpu);
-        map.add(key, 1, Tier::Gpu);
-        assert_eq!(holders(&map, key), vec![(1, 1, 1), (1, 2, 0), (2, 1, 0)]);
-        map.remove(key, 1, Tier::Gpu); // 2 refs → 1
-        map.remove(key, 1, Tier::Gpu); // gone; another holder moves inline
-        assert_eq!(holders(&map, key), vec![(1, 1, 1), (2, 1, 0)]);
-        map.remove(key, 9, Tier::Gpu); // not a holder: no change
-        map.remove(key, 2, Tier::Gpu);
+        assert_eq!(map.add(key, 1, Tier::Gpu), 1);
+        assert_eq!(map.add(key, 2, Tier::Gpu), 1);
+        assert_eq!(map.add(key, 1, Tier::Cpu), 1);
+        assert_eq!(map.add(key, 1, Tier::Gpu), 2);
+        assert_eq!(map.add(key, 2, Tier::Gpu), 2);
+        assert_eq!(holders(&map, key), vec![(1, 1, 1), (1, 2, 0), (2, 2, 0)]);
+        assert_eq!(map.tier_refs(key, 2, Tier::Gpu), 2);
+        assert_eq!(map.remove(key, 1, Tier::Gpu), Some(1));
+        assert_eq!(map.remove(key, 1, Tier::Gpu), Some(0)); // another holder moves inline
+        assert_eq!(holders(&map, key), vec![(1, 1, 1), (2, 2, 0)]);
+        assert_eq!(map.remove(key, 9, Tier::Gpu), None);
+        assert!(map.remove_all(key, 2, Tier::Gpu), "both references at once");
+        assert!(!map.remove_all(key, 2, Tier::Gpu));
+        assert_eq!(map.tier_refs(key, 2, Tier::Gpu), 0);
         assert!(map.holds(key, 1));
         assert!(!map.holds(key, 2));
         assert_eq!(map.len(), 1);
-        map.remove(key, 1, Tier::Cpu);
+        assert_eq!(map.remove(key, 1, Tier::Cpu), Some(0));
         assert_eq!(map.len(), 0);
         assert!(holders(&map, key).is_empty());
         // The further-holder table is emptied with its block.

@@ -2,10 +2,10 @@
 //!
 //! Two structures, kept consistent by one writer per pod:
 //! - the global block map `BlockKey → holders (pod slot, tier, refs)`, read by matching;
-//! - per pod, `engine hash → (BlockKey, refs per tier)`, used to key `BlockRemoved` events
-//!   (which carry only engine hashes), to chain `BlockStored` events that start at a parent,
-//!   and to count references: vLLM can store the same hash twice and remove it twice (DESIGN
-//!   §3), so a block leaves the index at its last removal.
+//! - per pod, `engine hash → BlockKey`, used to key `BlockRemoved` events (which carry only
+//!   engine hashes) and to chain `BlockStored` events that start at a parent. References are
+//!   counted on the holders of the block map, per (pod, tier): vLLM can store the same hash
+//!   twice and remove it twice (DESIGN §3), so a block leaves the index at its last removal.
 //!
 //! # Concurrency rules
 //! - Matching never blocks on a whole pod: it takes one shard read lock of the block map per
@@ -125,17 +125,13 @@ impl ApplyStats {
     }
 }
 
-/// References of one engine hash on one pod.
-#[derive(Clone, Copy, Debug)]
-struct HashEntry {
-    key: BlockKey,
-    refs: [u16; 3],
-}
-
 /// Per pod state guarded by the pod's mutex.
 #[derive(Default)]
 struct PodBlocks {
-    by_hash: HashMap<EngineHash, HashEntry, PrehashedState>,
+    /// Engine hash → kvpick's key. References live in the block map's holders: a store of a
+    /// hash adds one to (key, pod, tier), a removal drops one, and the hash leaves this map
+    /// when the pod holds its key in no tier.
+    by_hash: HashMap<EngineHash, BlockKey, PrehashedState>,
     /// (block, tier) entries held: the quantity bounded by `limit`.
     entries: usize,
     limit: usize,
@@ -326,7 +322,7 @@ impl PrefixIndex {
         if stored.token_ids.is_empty() {
             // Offload tiers may omit tokens: the same hash is already keyed in another tier.
             for hash in &stored.block_hashes {
-                match state.by_hash.get(hash).map(|e| e.key) {
+                match state.by_hash.get(hash).copied() {
                     Some(key) => {
                         self.insert(entry, state, *hash, key, tier, false, stats);
                     }
@@ -358,7 +354,7 @@ impl PrefixIndex {
             }
             .seed(),
             Some(parent) => match state.by_hash.get(&parent) {
-                Some(parent) => parent.key.0,
+                Some(parent) => parent.0,
                 None => {
                     stats.orphan_blocks += blocks as u64;
                     return;
@@ -397,48 +393,53 @@ impl PrefixIndex {
         reannounce: bool,
         stats: &mut ApplyStats,
     ) -> bool {
-        use std::collections::hash_map::Entry;
-        let t = tier.index();
-        let at_limit = state.entries >= state.limit;
-        let added_key = match state.by_hash.entry(hash) {
-            Entry::Occupied(mut occupied) => {
-                let existing_key = occupied.get().key;
-                let Some(refs) = occupied.get_mut().refs.get_mut(t) else {
-                    return false;
-                };
-                if *refs > 0 {
-                    if reannounce {
-                        stats.reannounced += 1;
-                        return true;
-                    }
-                    *refs = refs.saturating_add(1);
-                    stats.duplicate_stores += 1;
-                    return false;
-                }
+        // NOTE: the map of hashes is bounded too: several hashes of one key share one entry.
+        let at_limit = state.entries >= state.limit || state.by_hash.len() >= state.limit;
+        let key = match state.by_hash.get(&hash) {
+            Some(existing) => *existing,
+            None => {
                 if at_limit {
                     stats.capacity_drops += 1;
                     return false;
                 }
-                *refs = 1;
-                existing_key
-            }
-            Entry::Vacant(vacant) => {
-                if at_limit {
-                    stats.capacity_drops += 1;
-                    return false;
-                }
-                let mut refs = [0u16; 3];
-                if let Some(r) = refs.get_mut(t) {
-                    *r = 1;
-                }
-                vacant.insert(HashEntry { key, refs });
+                state.by_hash.insert(hash, key);
                 key
             }
         };
-        self.add_holder(added_key, entry.slot, tier);
+        if reannounce || at_limit {
+            // Only a read first: a held block is either re-announced or, at the limit, the
+            // only kind of store still accepted.
+            let refs = self.blocks.tier_refs(key, entry.slot, tier);
+            if refs > 0 && reannounce {
+                stats.reannounced += 1;
+                return true;
+            }
+            if refs == 0 && at_limit {
+                stats.capacity_drops += 1;
+                self.forget_hash_if_unheld(entry, state, hash, key);
+                return false;
+            }
+        }
+        if self.add_holder(key, entry.slot, tier) > 1 {
+            stats.duplicate_stores += 1;
+            return false;
+        }
         state.entries += 1;
         stats.blocks_added += 1;
         false
+    }
+
+    /// Drops `hash` from the pod's map when the pod holds its key in no tier.
+    fn forget_hash_if_unheld(
+        &self,
+        entry: &PodEntry,
+        state: &mut PodBlocks,
+        hash: EngineHash,
+        key: BlockKey,
+    ) {
+        if !self.blocks.holds(key, entry.slot) {
+            state.by_hash.remove(&hash);
+        }
     }
 
     fn apply_removed(
@@ -448,33 +449,28 @@ impl PrefixIndex {
         removed: &BlockRemoved,
         stats: &mut ApplyStats,
     ) {
-        let t = removed.tier.index();
         for hash in &removed.block_hashes {
-            let Some(e) = state.by_hash.get_mut(hash) else {
+            let Some(key) = state.by_hash.get(hash).copied() else {
                 stats.unknown_removals += 1;
                 continue;
             };
-            let Some(r) = e.refs.get_mut(t).filter(|r| **r > 0) else {
-                stats.unknown_removals += 1;
-                continue;
-            };
-            *r -= 1;
-            if *r > 0 {
-                continue;
+            match self.blocks.remove(key, entry.slot, removed.tier) {
+                None => stats.unknown_removals += 1,
+                Some(0) => {
+                    state.entries = state.entries.saturating_sub(1);
+                    stats.blocks_removed += 1;
+                    self.forget_hash_if_unheld(entry, state, *hash, key);
+                }
+                Some(_) => {}
             }
-            let key = e.key;
-            if e.refs.iter().all(|r| *r == 0) {
-                state.by_hash.remove(hash);
-            }
-            self.remove_holder(key, entry.slot, removed.tier);
-            state.entries = state.entries.saturating_sub(1);
-            stats.blocks_removed += 1;
         }
     }
 
-    fn add_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
-        self.blocks.add(key, slot, tier);
+    /// Adds a reference of (slot, tier) to `key`; returns the references after it.
+    fn add_holder(&self, key: BlockKey, slot: u32, tier: Tier) -> u16 {
+        let refs = self.blocks.add(key, slot, tier);
         self.speculative.confirm(&key, slot);
+        refs
     }
 
     fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
@@ -579,28 +575,17 @@ impl PrefixIndex {
 
     /// Drops the pod's entries in one tier (or all), keeping the pod registered.
     fn clear_locked(&self, entry: &PodEntry, state: &mut PodBlocks, tier: Option<Tier>) {
-        let mut emptied = Vec::new();
-        for (hash, e) in state.by_hash.iter_mut() {
+        let mut removed = 0usize;
+        state.by_hash.retain(|_, key| {
             for t in Tier::ALL {
-                if tier.is_some_and(|only| only != t) {
-                    continue;
-                }
-                let Some(r) = e.refs.get_mut(t.index()) else {
-                    continue;
-                };
-                if *r > 0 {
-                    *r = 0;
-                    self.remove_holder(e.key, entry.slot, t);
-                    state.entries = state.entries.saturating_sub(1);
+                if tier.is_none_or(|only| only == t) && self.blocks.remove_all(*key, entry.slot, t)
+                {
+                    removed += 1;
                 }
             }
-            if e.refs.iter().all(|r| *r == 0) {
-                emptied.push(*hash);
-            }
-        }
-        for hash in emptied {
-            state.by_hash.remove(&hash);
-        }
+            tier.is_some() && self.blocks.holds(*key, entry.slot)
+        });
+        state.entries = state.entries.saturating_sub(removed);
         if tier.is_none() {
             state.by_hash = HashMap::default();
             self.drop_approx(entry, state);
@@ -670,10 +655,10 @@ impl PrefixIndex {
         let mut out: Vec<(EngineHash, Tier)> = state
             .by_hash
             .iter()
-            .flat_map(|(hash, e)| {
+            .flat_map(|(hash, key)| {
                 Tier::ALL
                     .into_iter()
-                    .filter(|t| e.refs.get(t.index()).is_some_and(|r| *r > 0))
+                    .filter(|t| self.blocks.tier_refs(*key, entry.slot, *t) > 0)
                     .map(|t| (*hash, t))
             })
             .collect();
@@ -698,7 +683,7 @@ impl PrefixIndex {
     /// lists), for the memory-per-entry figure.
     pub fn memory_bytes(&self) -> usize {
         let mut bytes = self.blocks.memory_bytes();
-        let hash_entry = std::mem::size_of::<(EngineHash, HashEntry)>() + 1;
+        let hash_entry = std::mem::size_of::<(EngineHash, BlockKey)>() + 1;
         for entry in self.table_read().by_id.values() {
             bytes += entry.lock().by_hash.capacity() * hash_entry;
         }
