@@ -5,6 +5,9 @@
 //! (the key and its first holder inline) and a second, small table with the further holders of
 //! the blocks that have more than one (`more`, flagged in the inline entry so a single-holder
 //! lookup never touches it). A block held by one pod thus costs 17 bytes of table at full load.
+//! A block held by several pods also carries bitsets over pod slots (any tier, GPU tier), so a
+//! walk over a prefix every pod holds (a shared system prompt) intersects a few words per
+//! block instead of visiting every holder.
 //!
 //! # Concurrency rules
 //! - The map is split in [`SHARDS`] shards, each behind its own `RwLock`.
@@ -62,8 +65,35 @@ impl Entry {
 #[derive(Default)]
 pub(crate) struct Shard {
     blocks: HashTable<Entry>,
-    more: HashMap<u64, Vec<Holder>, PrehashedState>,
+    more: HashMap<u64, More, PrehashedState>,
 }
+
+/// The holders of a block beyond its inline one, and bitsets over every holder's slot.
+#[derive(Default)]
+struct More {
+    rest: Vec<Holder>,
+    /// Interleaved words: `[any₀, gpu₀, any₁, gpu₁, …]`; bit `s % 64` of word pair `s / 64`
+    /// is set when slot `s` holds the block in any tier / in the GPU tier.
+    bits: Vec<u64>,
+}
+
+impl More {
+    fn set_bits(&mut self, slot: u32, any: bool, gpu: bool) {
+        let word = (slot / 64) as usize * 2;
+        let bit = 1u64 << (slot % 64);
+        if self.bits.len() < word + 2 {
+            self.bits.resize(word + 2, 0);
+        }
+        if let Some(w) = self.bits.get_mut(word) {
+            *w = if any { *w | bit } else { *w & !bit };
+        }
+        if let Some(w) = self.bits.get_mut(word + 1) {
+            *w = if gpu { *w | bit } else { *w & !bit };
+        }
+    }
+}
+
+const GPU: u8 = 0;
 
 /// The table hash of a key: keys are already uniform, one multiply spreads them over both
 /// ends of the word (hashbrown uses the low bits for the bucket, the top 7 for its tag).
@@ -85,11 +115,57 @@ impl Shard {
         };
         visit(entry.holder());
         if entry.more
-            && let Some(rest) = self.more.get(&key)
+            && let Some(more) = self.more.get(&key)
         {
-            rest.iter().copied().for_each(visit);
+            more.rest.iter().copied().for_each(visit);
         }
         true
+    }
+
+    /// ORs the slots holding `key` into `any` and (GPU tier) `gpu`; false when none does.
+    /// Slots beyond the slices' words are left out.
+    #[inline]
+    fn holder_bits(&self, key: u64, any: &mut [u64], gpu: &mut [u64]) -> bool {
+        let Some(entry) = self.find(key) else {
+            return false;
+        };
+        if entry.more
+            && let Some(more) = self.more.get(&key)
+        {
+            let pairs = more.bits.chunks_exact(2);
+            for ((a, g), pair) in any.iter_mut().zip(gpu.iter_mut()).zip(pairs) {
+                if let [pair_any, pair_gpu] = pair {
+                    *a |= pair_any;
+                    *g |= pair_gpu;
+                }
+            }
+            return true;
+        }
+        let word = (entry.slot / 64) as usize;
+        let bit = 1u64 << (entry.slot % 64);
+        if let Some(a) = any.get_mut(word) {
+            *a |= bit;
+        }
+        if entry.tier == GPU
+            && let Some(g) = gpu.get_mut(word)
+        {
+            *g |= bit;
+        }
+        true
+    }
+
+    /// Recomputes `slot`'s bits of a multi-holder block from its holders.
+    fn refresh_bits(&mut self, key: u64, slot: u32) {
+        let (mut any, mut gpu) = (false, false);
+        self.visit(key, |h| {
+            if h.slot == slot {
+                any = true;
+                gpu |= h.tier == GPU;
+            }
+        });
+        if let Some(more) = self.more.get_mut(&key) {
+            more.set_bits(slot, any, gpu);
+        }
     }
 
     fn holds(&self, key: u64, slot: u32) -> bool {
@@ -119,19 +195,38 @@ impl Shard {
             entry.refs = entry.refs.saturating_add(1);
             return entry.refs;
         }
+        let first = entry.holder();
+        let was_single = !entry.more;
         entry.more = true;
-        let rest = self.more.entry(key).or_default();
-        match rest.iter_mut().find(|h| h.slot == slot && h.tier == tier) {
+        let more = self.more.entry(key).or_default();
+        if was_single {
+            more.rest.clear();
+            more.bits.clear();
+            more.set_bits(first.slot, true, first.tier == GPU);
+        }
+        match more
+            .rest
+            .iter_mut()
+            .find(|h| h.slot == slot && h.tier == tier)
+        {
             Some(holder) => {
                 holder.refs = holder.refs.saturating_add(1);
                 holder.refs
             }
             None => {
-                rest.push(Holder {
+                more.rest.push(Holder {
                     slot,
                     refs: 1,
                     tier,
                 });
+                // A new holder only ever sets bits (the slot may hold the block in another
+                // tier already).
+                let word = (slot / 64) as usize * 2;
+                let gpu_already = more
+                    .bits
+                    .get(word + 1)
+                    .is_some_and(|w| w & (1u64 << (slot % 64)) != 0);
+                more.set_bits(slot, true, gpu_already || tier == GPU);
                 1
             }
         }
@@ -163,7 +258,7 @@ impl Shard {
             }
             // The inline holder is gone: another one moves inline, or the block leaves.
             let next = if entry.more {
-                self.more.get_mut(&key).and_then(Vec::pop)
+                self.more.get_mut(&key).and_then(|more| more.rest.pop())
             } else {
                 None
             };
@@ -180,7 +275,7 @@ impl Shard {
                 }
             }
         } else {
-            let rest = self.more.get_mut(&key)?;
+            let rest = &mut self.more.get_mut(&key)?.rest;
             let position = rest.iter().position(|h| h.slot == slot && h.tier == tier)?;
             if let Some(holder) = rest.get_mut(position) {
                 holder.refs = if all {
@@ -194,9 +289,11 @@ impl Shard {
             }
             rest.swap_remove(position);
         }
-        if self.more.get(&key).is_some_and(Vec::is_empty) {
+        if self.more.get(&key).is_some_and(|more| more.rest.is_empty()) {
             self.more.remove(&key);
             occupied.get_mut().more = false;
+        } else {
+            self.refresh_bits(key, slot);
         }
         Some(0)
     }
@@ -211,11 +308,14 @@ impl Shard {
             }
         }
         let main = buckets(self.blocks.capacity()) * (std::mem::size_of::<Entry>() + 1);
-        let more = buckets(self.more.capacity()) * (std::mem::size_of::<(u64, Vec<Holder>)>() + 1)
+        let more = buckets(self.more.capacity()) * (std::mem::size_of::<(u64, More)>() + 1)
             + self
                 .more
                 .values()
-                .map(|rest| rest.capacity() * std::mem::size_of::<Holder>())
+                .map(|more| {
+                    more.rest.capacity() * std::mem::size_of::<Holder>()
+                        + more.bits.capacity() * std::mem::size_of::<u64>()
+                })
                 .sum::<usize>();
         main + more
     }
@@ -342,6 +442,36 @@ impl BlockMapReader<'_> {
         self.visit(key, |h| held |= h.slot == slot);
         held
     }
+
+    /// ORs the slots holding `key` into `any` and (GPU tier) `gpu`; false when none does.
+    #[inline]
+    pub(crate) fn holder_bits(&self, key: BlockKey, any: &mut [u64], gpu: &mut [u64]) -> bool {
+        let shard = shard_of(key.0);
+        match self {
+            BlockMapReader::PerKey(map) => map
+                .read(shard)
+                .is_some_and(|guard| guard.holder_bits(key.0, any, gpu)),
+            BlockMapReader::Held(guards) => guards
+                .get(shard)
+                .is_some_and(|guard| guard.holder_bits(key.0, any, gpu)),
+        }
+    }
+
+    /// How many of `keys` are present; with held guards only (a per-key reader returns 0
+    /// without looking). Used to bring a group of entries into cache at once.
+    pub(crate) fn probe(&self, keys: &[BlockKey]) -> usize {
+        match self {
+            BlockMapReader::PerKey(_) => 0,
+            BlockMapReader::Held(guards) => keys
+                .iter()
+                .filter(|key| {
+                    guards
+                        .get(shard_of(key.0))
+                        .is_some_and(|guard| guard.find(key.0).is_some())
+                })
+                .count(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -402,5 +532,43 @@ mod tests {
             assert!(!reader.holds(*key, 7));
         }
         assert!(!reader.visit(BlockKey(42), |_| {}));
+    }
+
+    #[test]
+    fn bitsets_follow_every_add_and_remove() {
+        // Random adds and removes over a few keys and slots spanning three words; after each
+        // step the bits a walk reads equal the holders a visit lists.
+        let map = BlockMap::default();
+        let keys: Vec<BlockKey> = (1..=4u64).map(|i| BlockKey(table_hash(i))).collect();
+        let tiers = [Tier::Gpu, Tier::Cpu, Tier::Other];
+        let mut rng = fastrand::Rng::with_seed(7);
+        for _ in 0..5_000 {
+            let key = keys[rng.usize(..keys.len())];
+            let slot = [0, 1, 2, 63, 64, 65, 129][rng.usize(..7)];
+            let tier = tiers[rng.usize(..3)];
+            match rng.u8(..4) {
+                0 | 1 => {
+                    map.add(key, slot, tier);
+                }
+                2 => {
+                    map.remove(key, slot, tier);
+                }
+                _ => {
+                    map.remove_all(key, slot, tier);
+                }
+            }
+            let reader = map.reader(1);
+            let (mut any, mut gpu) = (vec![0u64; 3], vec![0u64; 3]);
+            let found = reader.holder_bits(key, &mut any, &mut gpu);
+            let (mut want_any, mut want_gpu) = (vec![0u64; 3], vec![0u64; 3]);
+            let listed = reader.visit(key, |h| {
+                want_any[h.slot as usize / 64] |= 1 << (h.slot % 64);
+                if h.tier == GPU {
+                    want_gpu[h.slot as usize / 64] |= 1 << (h.slot % 64);
+                }
+            });
+            assert_eq!(found, listed);
+            assert_eq!((any, gpu), (want_any, want_gpu));
+        }
     }
 }

@@ -90,6 +90,9 @@ impl PrefixLookup {
 /// walk that stops early hashes little beyond its stop.
 const KEY_BATCH: usize = 32;
 
+/// Keys probed ahead of the walk at a time (see [`Walk::steps`]).
+const PROBE_GROUP: usize = 8;
+
 impl PrefixIndex {
     /// For each candidate, the longest run of leading blocks of `tokens` it holds, keyed in
     /// `context` at the pod's block size. Cost O(matched blocks × holders per block) per
@@ -211,11 +214,7 @@ impl PrefixIndex {
     ) -> Vec<PrefixMatch> {
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            if !walk.step(self, &blocks, i, key) {
-                break;
-            }
-        }
+        walk.steps(self, &blocks, 0, keys);
         walk.finish(candidates, keys.len(), block_size).0
     }
 
@@ -230,64 +229,131 @@ impl PrefixIndex {
         let total = chain.total_blocks(tokens);
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(total);
-        let mut i = 0;
-        'walk: while i < total {
-            let keys = chain.extend_to(tokens, i + KEY_BATCH);
-            for key in keys.get(i..).unwrap_or_default() {
-                if !walk.step(self, &blocks, i, key) {
-                    break 'walk;
-                }
-                i += 1;
+        let mut done = 0;
+        while done < total {
+            let keys = chain.extend_to(tokens, done + KEY_BATCH);
+            let batch = keys.get(done..).unwrap_or_default();
+            if batch.is_empty() || !walk.steps(self, &blocks, done, batch) {
+                break;
             }
+            done += batch.len();
         }
         walk.finish(candidates, total, chain.block_size())
     }
 }
 
-/// The state of one walk over a request's blocks: per candidate position, its run so far.
+/// The state of one walk over a request's blocks, in pod-slot space: a bitset of the
+/// candidates still on their run, intersected block by block with the block's holders.
+///
+/// Why bitsets: a prefix every pod holds (a shared system prompt) has as many holders per
+/// block as pods; intersecting a few words per block costs the same for 1 or 256 holders.
+/// Per-candidate work happens only when a candidate leaves its run (once), holds a block in
+/// a slower tier only (a weight correction), or holds it only speculatively (once).
 struct Walk {
     weights: [f64; 3],
-    run: Vec<usize>,
-    weighted: Vec<f64>,
-    last_weight: Vec<f64>,
-    /// First block of each candidate's run credited by speculation alone.
-    speculative_from: Vec<usize>,
-    /// slot → candidate position (slots are small dense integers).
+    gpu_weight: f64,
+    /// slot → candidate position (`u32::MAX`: not a candidate).
     position_of_slot: Vec<u32>,
-    alive: usize,
+    /// Candidate slots still on their run.
+    alive: Vec<u64>,
+    /// Per candidate position: where its run ended (`usize::MAX`: still running).
+    run_end: Vec<usize>,
+    /// Per candidate position: Σ (gpu weight − the block's best tier weight) over its run.
+    weight_loss: Vec<f64>,
+    /// Per candidate position: first block of its run held only speculatively.
+    speculative_from: Vec<usize>,
+    /// Slots already given a `speculative_from`.
+    speculative_seen: Vec<u64>,
+    /// Scratch per block: confirmed holders (any tier), GPU holders (confirmed or
+    /// speculative), speculative holders.
+    confirmed: Vec<u64>,
+    gpu: Vec<u64>,
+    speculative: Vec<u64>,
+    /// Blocks every surviving candidate has run through.
+    walked: usize,
     speculation: Option<Instant>,
+}
+
+/// Calls `f` with the index of each set bit of `word` (bit `b` of word `w` = slot `64w + b`).
+#[inline]
+fn for_each_slot(w: usize, mut word: u64, mut f: impl FnMut(usize)) {
+    while word != 0 {
+        let bit = word.trailing_zeros() as usize;
+        f(w * 64 + bit);
+        word &= word - 1;
+    }
 }
 
 impl Walk {
     fn new(index: &PrefixIndex, candidates: &[PodId]) -> Self {
         let mut position_of_slot: Vec<u32> = Vec::new();
-        let mut alive = 0usize;
+        let words;
+        let mut alive;
         {
             let table = index.table_read();
             position_of_slot.resize(table.slots.len(), u32::MAX);
+            words = table.slots.len().div_ceil(64);
+            alive = vec![0u64; words];
             for (position, pod) in candidates.iter().enumerate() {
                 if let Some(entry) = table.by_id.get(pod)
                     && let Some(cell) = position_of_slot.get_mut(entry.slot as usize)
                 {
                     *cell = position as u32;
-                    alive += 1;
+                    if let Some(w) = alive.get_mut(entry.slot as usize / 64) {
+                        *w |= 1u64 << (entry.slot % 64);
+                    }
                 }
             }
         }
+        let weights = index.config().tier_weights.0;
         Self {
-            weights: index.config().tier_weights.0,
-            run: vec![0; candidates.len()],
-            weighted: vec![0.0; candidates.len()],
-            last_weight: vec![0.0; candidates.len()],
-            speculative_from: vec![usize::MAX; candidates.len()],
+            weights,
+            gpu_weight: weights.first().copied().unwrap_or(1.0),
             position_of_slot,
             alive,
+            run_end: vec![usize::MAX; candidates.len()],
+            weight_loss: vec![0.0; candidates.len()],
+            speculative_from: vec![usize::MAX; candidates.len()],
+            speculative_seen: vec![0; words],
+            confirmed: vec![0; words],
+            gpu: vec![0; words],
+            speculative: vec![0; words],
+            walked: 0,
             speculation: (!index.speculative.is_empty()).then(Instant::now),
         }
     }
 
-    /// Credits block `i` (key `key`) to every candidate on its run; false when the walk ends
-    /// (no candidate holds the block, or none is left on its run).
+    /// Steps through `keys` (blocks `first`, `first + 1`, ...); false when the walk ended.
+    fn steps(
+        &mut self,
+        index: &PrefixIndex,
+        blocks: &BlockMapReader<'_>,
+        first: usize,
+        keys: &[BlockKey],
+    ) -> bool {
+        for (group_start, group) in (first..).step_by(PROBE_GROUP).zip(keys.chunks(PROBE_GROUP)) {
+            // NOTE: probing a group of keys ahead, results unused, lets the CPU overlap their
+            // cache misses (the walk's own probes depend on branches it cannot run ahead of);
+            // the walk then finds them in cache. At most a group is probed past the end.
+            std::hint::black_box(blocks.probe(group));
+            for (i, key) in (group_start..).zip(group) {
+                if !self.step(index, blocks, i, key) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Position of a candidate slot.
+    fn position(&self, slot: usize) -> Option<usize> {
+        self.position_of_slot
+            .get(slot)
+            .filter(|p| **p != u32::MAX)
+            .map(|p| *p as usize)
+    }
+
+    /// Intersects the run with block `i` (key `key`); false when no candidate is left on it.
     fn step(
         &mut self,
         index: &PrefixIndex,
@@ -295,56 +361,92 @@ impl Walk {
         i: usize,
         key: &BlockKey,
     ) -> bool {
-        if self.alive == 0 {
-            return false;
-        }
-        let mut extended = 0;
-        let Walk {
-            weights,
-            run,
-            weighted,
-            last_weight,
-            speculative_from,
-            position_of_slot,
-            ..
-        } = self;
-        let mut visit = |slot: u32, tier_weight: f64, speculative: bool| {
-            let Some(&position) = position_of_slot.get(slot as usize) else {
-                return;
-            };
-            let p = position as usize;
-            let (Some(r), Some(w), Some(last)) =
-                (run.get_mut(p), weighted.get_mut(p), last_weight.get_mut(p))
-            else {
-                return;
-            };
-            if *r == i {
-                *r = i + 1;
-                *w += tier_weight;
-                *last = tier_weight;
-                extended += 1;
-                // Confirmed holders are visited first: credit here from speculation means
-                // no confirmed copy of this block on this pod.
-                if speculative && let Some(from) = speculative_from.get_mut(p) {
-                    *from = (*from).min(i);
-                }
-            } else if *r == i + 1 && tier_weight > *last {
-                *w += tier_weight - *last;
-                *last = tier_weight;
-            }
-        };
-        let mut found = blocks.visit(*key, |holder| {
-            let tier_weight = weights.get(holder.tier as usize).copied().unwrap_or(0.0);
-            visit(holder.slot, tier_weight, false);
-        });
+        self.confirmed.fill(0);
+        self.gpu.fill(0);
+        blocks.holder_bits(*key, &mut self.confirmed, &mut self.gpu);
+        let mut any_speculative = false;
         if let Some(now) = self.speculation {
-            let gpu_weight = weights.first().copied().unwrap_or(1.0);
-            found |= index
-                .speculative
-                .visit(key, now, |slot| visit(slot, gpu_weight, true));
+            self.speculative.fill(0);
+            let (speculative, gpu) = (&mut self.speculative, &mut self.gpu);
+            any_speculative = index.speculative.visit(key, now, |slot| {
+                let (w, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
+                if let (Some(s), Some(g)) = (speculative.get_mut(w), gpu.get_mut(w)) {
+                    *s |= bit;
+                    *g |= bit;
+                }
+            });
         }
-        self.alive = extended;
-        found && extended > 0
+        let mut on_run = false;
+        for w in 0..self.alive.len() {
+            let alive = self.alive.get(w).copied().unwrap_or(0);
+            let confirmed = self.confirmed.get(w).copied().unwrap_or(0);
+            let speculative = if any_speculative {
+                self.speculative.get(w).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            let held = confirmed | speculative;
+            // Candidates whose run ends at this block.
+            for_each_slot(w, alive & !held, |slot| {
+                if let Some(p) = self.position(slot)
+                    && let Some(end) = self.run_end.get_mut(p)
+                {
+                    *end = i;
+                }
+            });
+            let alive = alive & held;
+            if let Some(cell) = self.alive.get_mut(w) {
+                *cell = alive;
+            }
+            on_run |= alive != 0;
+            // Held in a slower tier only: count the weight it loses against GPU.
+            let slower = alive & !self.gpu.get(w).copied().unwrap_or(0);
+            if slower != 0 {
+                for_each_slot(w, slower, |slot| {
+                    let best = self.best_weight(blocks, key, slot as u32);
+                    if let Some(p) = self.position(slot)
+                        && let Some(loss) = self.weight_loss.get_mut(p)
+                    {
+                        *loss += self.gpu_weight - best;
+                    }
+                });
+            }
+            // Held only speculatively, for the first time on this run.
+            let seen = self.speculative_seen.get(w).copied().unwrap_or(0);
+            let first_speculative = alive & speculative & !confirmed & !seen;
+            if first_speculative != 0 {
+                for_each_slot(w, first_speculative, |slot| {
+                    if let Some(p) = self.position(slot)
+                        && let Some(from) = self.speculative_from.get_mut(p)
+                    {
+                        *from = i;
+                    }
+                });
+                if let Some(cell) = self.speculative_seen.get_mut(w) {
+                    *cell |= first_speculative;
+                }
+            }
+        }
+        if on_run {
+            self.walked = i + 1;
+        }
+        on_run
+    }
+
+    /// The best tier weight among `slot`'s confirmed holdings of `key`.
+    fn best_weight(&self, blocks: &BlockMapReader<'_>, key: &BlockKey, slot: u32) -> f64 {
+        let mut best = 0.0f64;
+        blocks.visit(*key, |holder| {
+            if holder.slot == slot {
+                best = best.max(
+                    self.weights
+                        .get(holder.tier as usize)
+                        .copied()
+                        .unwrap_or(0.0),
+                );
+            }
+        });
+        best
     }
 
     fn finish(
@@ -353,15 +455,29 @@ impl Walk {
         total_blocks: usize,
         block_size: u32,
     ) -> (Vec<PrefixMatch>, Vec<usize>) {
+        let mut in_index = vec![false; candidates.len()];
+        for p in self.position_of_slot.iter().filter(|p| **p != u32::MAX) {
+            if let Some(cell) = in_index.get_mut(*p as usize) {
+                *cell = true;
+            }
+        }
         let matches = candidates
             .iter()
             .enumerate()
-            .map(|(p, pod)| PrefixMatch {
-                pod: *pod,
-                block_size,
-                total_blocks,
-                matched_blocks: self.run.get(p).copied().unwrap_or(0),
-                weighted_blocks: self.weighted.get(p).copied().unwrap_or(0.0),
+            .map(|(p, pod)| {
+                let matched = match self.run_end.get(p).copied() {
+                    _ if !in_index.get(p).copied().unwrap_or(false) => 0,
+                    Some(usize::MAX) | None => self.walked,
+                    Some(end) => end,
+                };
+                let loss = self.weight_loss.get(p).copied().unwrap_or(0.0);
+                PrefixMatch {
+                    pod: *pod,
+                    block_size,
+                    total_blocks,
+                    matched_blocks: matched,
+                    weighted_blocks: (matched as f64 * self.gpu_weight - loss).max(0.0),
+                }
             })
             .collect();
         (matches, self.speculative_from)
