@@ -5,7 +5,7 @@
 //! (the key and its first holder inline) and a second, small table with the further holders of
 //! the blocks that have more than one (`more`, flagged in the inline entry so a single-holder
 //! lookup never touches it). A block held by one pod thus costs 17 bytes of table at full load.
-//! A block held by several pods also carries bitsets over pod slots (any tier, GPU tier), so a
+//! A block held by several pods also carries bitsets over pod slots (one per tier), so a
 //! walk over a prefix every pod holds (a shared system prompt) intersects a few words per
 //! block instead of visiting every holder.
 //!
@@ -72,28 +72,37 @@ pub(crate) struct Shard {
 #[derive(Default)]
 struct More {
     rest: Vec<Holder>,
-    /// Interleaved words: `[any₀, gpu₀, any₁, gpu₁, …]`; bit `s % 64` of word pair `s / 64`
-    /// is set when slot `s` holds the block in any tier / in the GPU tier.
+    /// Per tier words, interleaved: `[gpu₀, cpu₀, other₀, gpu₁, …]`; bit `s % 64` of triple
+    /// `s / 64` is set when slot `s` holds the block in that tier.
     bits: Vec<u64>,
 }
 
 impl More {
-    fn set_bits(&mut self, slot: u32, any: bool, gpu: bool) {
-        let word = (slot / 64) as usize * 2;
+    fn set_bit(&mut self, slot: u32, tier: u8, held: bool) {
+        let word = (slot / 64) as usize * TIERS + tier as usize;
         let bit = 1u64 << (slot % 64);
-        if self.bits.len() < word + 2 {
-            self.bits.resize(word + 2, 0);
+        let words = ((slot / 64) as usize + 1) * TIERS;
+        if self.bits.len() < words {
+            self.bits.resize(words, 0);
         }
         if let Some(w) = self.bits.get_mut(word) {
-            *w = if any { *w | bit } else { *w & !bit };
-        }
-        if let Some(w) = self.bits.get_mut(word + 1) {
-            *w = if gpu { *w | bit } else { *w & !bit };
+            *w = if held { *w | bit } else { *w & !bit };
         }
     }
 }
 
-const GPU: u8 = 0;
+/// Tiers kept apart in bitsets (gpu, cpu, anything slower).
+pub(crate) const TIERS: usize = 3;
+
+/// The holders of one block, as a walk reads them.
+pub(crate) enum HeldBy {
+    /// Nobody.
+    Nobody,
+    /// One (slot, tier): the scratch words were not touched.
+    One { slot: u32, tier: u8 },
+    /// Several: the scratch words (per tier, see [`More::bits`]) hold their slots.
+    Many,
+}
 
 /// The table hash of a key: keys are already uniform, one multiply spreads them over both
 /// ends of the word (hashbrown uses the low bits for the bucket, the top 7 for its tag).
@@ -122,49 +131,25 @@ impl Shard {
         true
     }
 
-    /// ORs the slots holding `key` into `any` and (GPU tier) `gpu`; false when none does.
-    /// Slots beyond the slices' words are left out.
+    /// Who holds `key`; for several holders their per-tier bits are copied into `scratch`
+    /// (its words beyond the block's are zeroed; slots beyond `scratch` are left out).
     #[inline]
-    fn holder_bits(&self, key: u64, any: &mut [u64], gpu: &mut [u64]) -> bool {
+    fn held_by(&self, key: u64, scratch: &mut [u64]) -> HeldBy {
         let Some(entry) = self.find(key) else {
-            return false;
+            return HeldBy::Nobody;
         };
         if entry.more
             && let Some(more) = self.more.get(&key)
         {
-            let pairs = more.bits.chunks_exact(2);
-            for ((a, g), pair) in any.iter_mut().zip(gpu.iter_mut()).zip(pairs) {
-                if let [pair_any, pair_gpu] = pair {
-                    *a |= pair_any;
-                    *g |= pair_gpu;
-                }
-            }
-            return true;
+            let stored = more.bits.len().min(scratch.len());
+            let (head, tail) = scratch.split_at_mut(stored);
+            head.copy_from_slice(more.bits.get(..stored).unwrap_or_default());
+            tail.fill(0);
+            return HeldBy::Many;
         }
-        let word = (entry.slot / 64) as usize;
-        let bit = 1u64 << (entry.slot % 64);
-        if let Some(a) = any.get_mut(word) {
-            *a |= bit;
-        }
-        if entry.tier == GPU
-            && let Some(g) = gpu.get_mut(word)
-        {
-            *g |= bit;
-        }
-        true
-    }
-
-    /// Recomputes `slot`'s bits of a multi-holder block from its holders.
-    fn refresh_bits(&mut self, key: u64, slot: u32) {
-        let (mut any, mut gpu) = (false, false);
-        self.visit(key, |h| {
-            if h.slot == slot {
-                any = true;
-                gpu |= h.tier == GPU;
-            }
-        });
-        if let Some(more) = self.more.get_mut(&key) {
-            more.set_bits(slot, any, gpu);
+        HeldBy::One {
+            slot: entry.slot,
+            tier: entry.tier,
         }
     }
 
@@ -202,7 +187,7 @@ impl Shard {
         if was_single {
             more.rest.clear();
             more.bits.clear();
-            more.set_bits(first.slot, true, first.tier == GPU);
+            more.set_bit(first.slot, first.tier, true);
         }
         match more
             .rest
@@ -219,14 +204,7 @@ impl Shard {
                     refs: 1,
                     tier,
                 });
-                // A new holder only ever sets bits (the slot may hold the block in another
-                // tier already).
-                let word = (slot / 64) as usize * 2;
-                let gpu_already = more
-                    .bits
-                    .get(word + 1)
-                    .is_some_and(|w| w & (1u64 << (slot % 64)) != 0);
-                more.set_bits(slot, true, gpu_already || tier == GPU);
+                more.set_bit(slot, tier, true);
                 1
             }
         }
@@ -292,8 +270,8 @@ impl Shard {
         if self.more.get(&key).is_some_and(|more| more.rest.is_empty()) {
             self.more.remove(&key);
             occupied.get_mut().more = false;
-        } else {
-            self.refresh_bits(key, slot);
+        } else if let Some(more) = self.more.get_mut(&key) {
+            more.set_bit(slot, tier, false);
         }
         Some(0)
     }
@@ -443,34 +421,45 @@ impl BlockMapReader<'_> {
         held
     }
 
-    /// ORs the slots holding `key` into `any` and (GPU tier) `gpu`; false when none does.
+    /// Who holds `key` (several holders: per-tier bits in `scratch`, see [`HeldBy`]).
     #[inline]
-    pub(crate) fn holder_bits(&self, key: BlockKey, any: &mut [u64], gpu: &mut [u64]) -> bool {
+    pub(crate) fn held_by(&self, key: BlockKey, scratch: &mut [u64]) -> HeldBy {
         let shard = shard_of(key.0);
-        match self {
-            BlockMapReader::PerKey(map) => map
-                .read(shard)
-                .is_some_and(|guard| guard.holder_bits(key.0, any, gpu)),
-            BlockMapReader::Held(guards) => guards
-                .get(shard)
-                .is_some_and(|guard| guard.holder_bits(key.0, any, gpu)),
-        }
+        let held = match self {
+            BlockMapReader::PerKey(map) => {
+                map.read(shard).map(|guard| guard.held_by(key.0, scratch))
+            }
+            BlockMapReader::Held(guards) => {
+                guards.get(shard).map(|guard| guard.held_by(key.0, scratch))
+            }
+        };
+        held.unwrap_or(HeldBy::Nobody)
     }
 
-    /// How many of `keys` are present; with held guards only (a per-key reader returns 0
-    /// without looking). Used to bring a group of entries into cache at once.
-    pub(crate) fn probe(&self, keys: &[BlockKey]) -> usize {
-        match self {
-            BlockMapReader::PerKey(_) => 0,
-            BlockMapReader::Held(guards) => keys
-                .iter()
-                .filter(|key| {
-                    guards
-                        .get(shard_of(key.0))
-                        .is_some_and(|guard| guard.find(key.0).is_some())
-                })
-                .count(),
+    /// A checksum over what a walk will read for `keys` (entries, further holders' bits);
+    /// with held guards only (a per-key reader returns 0 without looking). Used to bring a
+    /// group of keys' memory into cache at once: the reads are independent, so their cache
+    /// misses overlap.
+    pub(crate) fn probe(&self, keys: &[BlockKey]) -> u64 {
+        let BlockMapReader::Held(guards) = self else {
+            return 0;
+        };
+        let mut sum = 0u64;
+        for key in keys {
+            let Some(shard) = guards.get(shard_of(key.0)) else {
+                continue;
+            };
+            let Some(entry) = shard.find(key.0) else {
+                continue;
+            };
+            sum = sum.wrapping_add(u64::from(entry.slot));
+            if entry.more
+                && let Some(more) = shard.more.get(&key.0)
+            {
+                sum = sum.wrapping_add(more.bits.first().copied().unwrap_or(0));
+            }
         }
+        sum
     }
 }
 
@@ -558,17 +547,24 @@ mod tests {
                 }
             }
             let reader = map.reader(1);
-            let (mut any, mut gpu) = (vec![0u64; 3], vec![0u64; 3]);
-            let found = reader.holder_bits(key, &mut any, &mut gpu);
-            let (mut want_any, mut want_gpu) = (vec![0u64; 3], vec![0u64; 3]);
-            let listed = reader.visit(key, |h| {
-                want_any[h.slot as usize / 64] |= 1 << (h.slot % 64);
-                if h.tier == GPU {
-                    want_gpu[h.slot as usize / 64] |= 1 << (h.slot % 64);
-                }
+            let mut want = vec![0u64; 3 * TIERS];
+            let mut listed = Vec::new();
+            reader.visit(key, |h| {
+                want[h.slot as usize / 64 * TIERS + h.tier as usize] |= 1 << (h.slot % 64);
+                listed.push(h);
             });
-            assert_eq!(found, listed);
-            assert_eq!((any, gpu), (want_any, want_gpu));
+            let mut scratch = vec![u64::MAX; 3 * TIERS];
+            match reader.held_by(key, &mut scratch) {
+                HeldBy::Nobody => assert!(listed.is_empty()),
+                HeldBy::One { slot, tier } => {
+                    assert_eq!(listed.len(), 1);
+                    assert_eq!((listed[0].slot, listed[0].tier), (slot, tier));
+                }
+                HeldBy::Many => {
+                    assert!(listed.len() > 1);
+                    assert_eq!(scratch, want);
+                }
+            }
         }
     }
 }

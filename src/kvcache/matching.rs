@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
-use super::blockmap::BlockMapReader;
+use super::blockmap::{BlockMapReader, HeldBy, TIERS};
 use super::index::PrefixIndex;
 use super::key::{BlockKey, KeyChain, KeyContext};
 use crate::endpoints::PodId;
@@ -247,34 +247,41 @@ impl PrefixIndex {
 ///
 /// Why bitsets: a prefix every pod holds (a shared system prompt) has as many holders per
 /// block as pods; intersecting a few words per block costs the same for 1 or 256 holders.
-/// Per-candidate work happens only when a candidate leaves its run (once), holds a block in
-/// a slower tier only (a weight correction), or holds it only speculatively (once).
+/// Per-candidate work happens only when a candidate leaves its run (once), changes the tier
+/// it holds the run in (tier weights are charged per stretch of blocks, not per block), or
+/// first holds a block only speculatively. A block with a single holder (the common case
+/// for a prefix only one pod has) takes a path without bitsets at all.
 struct Walk {
-    weights: [f64; 3],
+    /// Weight lost per block against GPU, per tier class (gpu 0, cpu, slower).
+    penalty: [f64; TIERS],
     gpu_weight: f64,
     /// slot → candidate position (`u32::MAX`: not a candidate).
     position_of_slot: Vec<u32>,
-    /// Candidate slots still on their run.
+    /// Candidate slots still on their run, and how many.
     alive: Vec<u64>,
+    alive_count: usize,
+    /// Per tier class (cpu, slower), the alive slots whose best tier for the current stretch
+    /// is that class (GPU is the rest).
+    class: [Vec<u64>; 2],
+    /// Per candidate position: where its current tier stretch began.
+    stretch_from: Vec<usize>,
     /// Per candidate position: where its run ended (`usize::MAX`: still running).
     run_end: Vec<usize>,
-    /// Per candidate position: Σ (gpu weight − the block's best tier weight) over its run.
+    /// Per candidate position: Σ (gpu weight − best tier weight) over its run.
     weight_loss: Vec<f64>,
     /// Per candidate position: first block of its run held only speculatively.
     speculative_from: Vec<usize>,
     /// Slots already given a `speculative_from`.
     speculative_seen: Vec<u64>,
-    /// Scratch per block: confirmed holders (any tier), GPU holders (confirmed or
-    /// speculative), speculative holders.
-    confirmed: Vec<u64>,
-    gpu: Vec<u64>,
+    /// Scratch per block: holders per tier (see `blockmap::More::bits`), speculative holders.
+    held: Vec<u64>,
     speculative: Vec<u64>,
-    /// Blocks every surviving candidate has run through.
+    /// Blocks the surviving candidates have run through.
     walked: usize,
     speculation: Option<Instant>,
 }
 
-/// Calls `f` with the index of each set bit of `word` (bit `b` of word `w` = slot `64w + b`).
+/// Calls `f` with each slot whose bit is set in `word` (bit `b` of word `w` = slot `64w + b`).
 #[inline]
 fn for_each_slot(w: usize, mut word: u64, mut f: impl FnMut(usize)) {
     while word != 0 {
@@ -289,6 +296,7 @@ impl Walk {
         let mut position_of_slot: Vec<u32> = Vec::new();
         let words;
         let mut alive;
+        let mut alive_count = 0;
         {
             let table = index.table_read();
             position_of_slot.resize(table.slots.len(), u32::MAX);
@@ -297,26 +305,30 @@ impl Walk {
             for (position, pod) in candidates.iter().enumerate() {
                 if let Some(entry) = table.by_id.get(pod)
                     && let Some(cell) = position_of_slot.get_mut(entry.slot as usize)
+                    && let Some(w) = alive.get_mut(entry.slot as usize / 64)
                 {
                     *cell = position as u32;
-                    if let Some(w) = alive.get_mut(entry.slot as usize / 64) {
-                        *w |= 1u64 << (entry.slot % 64);
-                    }
+                    *w |= 1u64 << (entry.slot % 64);
+                    alive_count += 1;
                 }
             }
         }
         let weights = index.config().tier_weights.0;
+        let gpu_weight = weights.first().copied().unwrap_or(1.0);
+        let weight = |t: usize| weights.get(t).copied().unwrap_or(0.0);
         Self {
-            weights,
-            gpu_weight: weights.first().copied().unwrap_or(1.0),
+            penalty: [0.0, gpu_weight - weight(1), gpu_weight - weight(2)],
+            gpu_weight,
             position_of_slot,
             alive,
+            alive_count,
+            class: [vec![0; words], vec![0; words]],
+            stretch_from: vec![0; candidates.len()],
             run_end: vec![usize::MAX; candidates.len()],
             weight_loss: vec![0.0; candidates.len()],
             speculative_from: vec![usize::MAX; candidates.len()],
             speculative_seen: vec![0; words],
-            confirmed: vec![0; words],
-            gpu: vec![0; words],
+            held: vec![0; words * TIERS],
             speculative: vec![0; words],
             walked: 0,
             speculation: (!index.speculative.is_empty()).then(Instant::now),
@@ -353,6 +365,72 @@ impl Walk {
             .map(|p| *p as usize)
     }
 
+    /// The tier class `slot` is in (0 gpu, 1 cpu, 2 slower).
+    fn class_of(&self, slot: usize) -> usize {
+        let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+        let in_class = |c: &Vec<u64>| c.get(w).is_some_and(|word| word & bit != 0);
+        match &self.class {
+            [cpu, _] if in_class(cpu) => 1,
+            [_, slower] if in_class(slower) => 2,
+            _ => 0,
+        }
+    }
+
+    /// Charges `slot`'s current tier stretch up to block `i` (exclusive) and starts a new one.
+    fn close_stretch(&mut self, slot: usize, i: usize) {
+        let penalty = self
+            .penalty
+            .get(self.class_of(slot))
+            .copied()
+            .unwrap_or(0.0);
+        if let Some(p) = self.position(slot)
+            && let (Some(from), Some(loss)) =
+                (self.stretch_from.get_mut(p), self.weight_loss.get_mut(p))
+        {
+            if penalty != 0.0 {
+                *loss += (i.saturating_sub(*from)) as f64 * penalty;
+            }
+            *from = i;
+        }
+    }
+
+    /// Ends the run of `slot` at block `i`.
+    fn end_run(&mut self, slot: usize, i: usize) {
+        self.close_stretch(slot, i);
+        if let Some(p) = self.position(slot)
+            && let Some(end) = self.run_end.get_mut(p)
+        {
+            *end = i;
+        }
+        let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+        let [cpu, slower] = &mut self.class;
+        for word in [self.alive.get_mut(w), cpu.get_mut(w), slower.get_mut(w)]
+            .into_iter()
+            .flatten()
+        {
+            *word &= !bit;
+        }
+        self.alive_count = self.alive_count.saturating_sub(1);
+    }
+
+    /// Moves `slot` into tier class `class` from block `i` on (no-op when already there).
+    fn set_class(&mut self, slot: usize, class: usize, i: usize) {
+        if self.class_of(slot) == class {
+            return;
+        }
+        self.close_stretch(slot, i);
+        let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+        for (c, words) in self.class.iter_mut().enumerate() {
+            if let Some(word) = words.get_mut(w) {
+                *word = if c + 1 == class {
+                    *word | bit
+                } else {
+                    *word & !bit
+                };
+            }
+        }
+    }
+
     /// Intersects the run with block `i` (key `key`); false when no candidate is left on it.
     fn step(
         &mut self,
@@ -361,56 +439,108 @@ impl Walk {
         i: usize,
         key: &BlockKey,
     ) -> bool {
-        self.confirmed.fill(0);
-        self.gpu.fill(0);
-        blocks.holder_bits(*key, &mut self.confirmed, &mut self.gpu);
+        let mut held_by = blocks.held_by(*key, &mut self.held);
         let mut any_speculative = false;
         if let Some(now) = self.speculation {
             self.speculative.fill(0);
-            let (speculative, gpu) = (&mut self.speculative, &mut self.gpu);
+            let speculative = &mut self.speculative;
             any_speculative = index.speculative.visit(key, now, |slot| {
-                let (w, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
-                if let (Some(s), Some(g)) = (speculative.get_mut(w), gpu.get_mut(w)) {
-                    *s |= bit;
-                    *g |= bit;
+                if let Some(word) = speculative.get_mut(slot as usize / 64) {
+                    *word |= 1u64 << (slot % 64);
                 }
             });
         }
-        let mut on_run = false;
+        if any_speculative {
+            // Mixed with speculation: the general path needs the confirmed holders as bits.
+            match held_by {
+                HeldBy::Nobody => self.held.fill(0),
+                HeldBy::One { slot, tier } => {
+                    self.held.fill(0);
+                    let word = slot as usize / 64 * TIERS + tier as usize;
+                    if let Some(w) = self.held.get_mut(word) {
+                        *w |= 1u64 << (slot % 64);
+                    }
+                }
+                HeldBy::Many => {}
+            }
+            held_by = HeldBy::Many;
+        }
+        let on_run = match held_by {
+            HeldBy::Nobody => {
+                self.end_all(i);
+                false
+            }
+            HeldBy::One { slot, tier } => self.step_one(slot as usize, tier as usize, i),
+            HeldBy::Many => self.step_many(i, any_speculative),
+        };
+        if on_run {
+            self.walked = i + 1;
+        }
+        on_run
+    }
+
+    /// Ends every run at block `i`.
+    fn end_all(&mut self, i: usize) {
         for w in 0..self.alive.len() {
             let alive = self.alive.get(w).copied().unwrap_or(0);
-            let confirmed = self.confirmed.get(w).copied().unwrap_or(0);
+            for_each_slot(w, alive, |slot| self.end_run(slot, i));
+        }
+    }
+
+    /// Block `i` held by one (slot, tier) only.
+    fn step_one(&mut self, slot: usize, tier: usize, i: usize) -> bool {
+        let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+        let slot_alive = self.alive.get(w).is_some_and(|word| word & bit != 0);
+        if !slot_alive {
+            self.end_all(i);
+            return false;
+        }
+        if self.alive_count > 1 {
+            for v in 0..self.alive.len() {
+                let others =
+                    self.alive.get(v).copied().unwrap_or(0) & if v == w { !bit } else { !0 };
+                for_each_slot(v, others, |other| self.end_run(other, i));
+            }
+        }
+        self.set_class(slot, tier.min(TIERS - 1), i);
+        true
+    }
+
+    /// Block `i` held by several slots (per-tier bits in `held`) and/or speculatively.
+    fn step_many(&mut self, i: usize, any_speculative: bool) -> bool {
+        let mut on_run = false;
+        for w in 0..self.alive.len() {
+            let tier_word = |t: usize| self.held.get(w * TIERS + t).copied().unwrap_or(0);
+            let (gpu, cpu, slower) = (tier_word(0), tier_word(1), tier_word(2));
             let speculative = if any_speculative {
                 self.speculative.get(w).copied().unwrap_or(0)
             } else {
                 0
             };
-            let held = confirmed | speculative;
-            // Candidates whose run ends at this block.
-            for_each_slot(w, alive & !held, |slot| {
-                if let Some(p) = self.position(slot)
-                    && let Some(end) = self.run_end.get_mut(p)
-                {
-                    *end = i;
-                }
+            let confirmed = gpu | cpu | slower;
+            let alive = self.alive.get(w).copied().unwrap_or(0);
+            for_each_slot(w, alive & !(confirmed | speculative), |slot| {
+                self.end_run(slot, i)
             });
-            let alive = alive & held;
-            if let Some(cell) = self.alive.get_mut(w) {
-                *cell = alive;
-            }
+            let alive = self.alive.get(w).copied().unwrap_or(0);
             on_run |= alive != 0;
-            // Held in a slower tier only: count the weight it loses against GPU.
-            let slower = alive & !self.gpu.get(w).copied().unwrap_or(0);
-            if slower != 0 {
-                for_each_slot(w, slower, |slot| {
-                    let best = self.best_weight(blocks, key, slot as u32);
-                    if let Some(p) = self.position(slot)
-                        && let Some(loss) = self.weight_loss.get_mut(p)
-                    {
-                        *loss += self.gpu_weight - best;
-                    }
-                });
-            }
+            // The best tier of each surviving slot (speculation counts as GPU).
+            let best_gpu = gpu | speculative;
+            let cpu_class = alive & !best_gpu & cpu;
+            let slower_class = alive & !best_gpu & !cpu;
+            let changed = (cpu_class ^ self.class[0].get(w).copied().unwrap_or(0))
+                | (slower_class ^ self.class[1].get(w).copied().unwrap_or(0));
+            for_each_slot(w, changed, |slot| {
+                let bit = 1u64 << (slot % 64);
+                let class = if cpu_class & bit != 0 {
+                    1
+                } else if slower_class & bit != 0 {
+                    2
+                } else {
+                    0
+                };
+                self.set_class(slot, class, i);
+            });
             // Held only speculatively, for the first time on this run.
             let seen = self.speculative_seen.get(w).copied().unwrap_or(0);
             let first_speculative = alive & speculative & !confirmed & !seen;
@@ -427,34 +557,18 @@ impl Walk {
                 }
             }
         }
-        if on_run {
-            self.walked = i + 1;
-        }
         on_run
     }
 
-    /// The best tier weight among `slot`'s confirmed holdings of `key`.
-    fn best_weight(&self, blocks: &BlockMapReader<'_>, key: &BlockKey, slot: u32) -> f64 {
-        let mut best = 0.0f64;
-        blocks.visit(*key, |holder| {
-            if holder.slot == slot {
-                best = best.max(
-                    self.weights
-                        .get(holder.tier as usize)
-                        .copied()
-                        .unwrap_or(0.0),
-                );
-            }
-        });
-        best
-    }
-
     fn finish(
-        self,
+        mut self,
         candidates: &[PodId],
         total_blocks: usize,
         block_size: u32,
     ) -> (Vec<PrefixMatch>, Vec<usize>) {
+        // Runs still going end where the walk stopped.
+        let walked = self.walked;
+        self.end_all(walked);
         let mut in_index = vec![false; candidates.len()];
         for p in self.position_of_slot.iter().filter(|p| **p != u32::MAX) {
             if let Some(cell) = in_index.get_mut(*p as usize) {
@@ -466,9 +580,8 @@ impl Walk {
             .enumerate()
             .map(|(p, pod)| {
                 let matched = match self.run_end.get(p).copied() {
-                    _ if !in_index.get(p).copied().unwrap_or(false) => 0,
-                    Some(usize::MAX) | None => self.walked,
-                    Some(end) => end,
+                    Some(end) if end != usize::MAX && in_index.get(p).copied() == Some(true) => end,
+                    _ => 0,
                 };
                 let loss = self.weight_loss.get(p).copied().unwrap_or(0.0);
                 PrefixMatch {
