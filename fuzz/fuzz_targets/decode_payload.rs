@@ -1,35 +1,37 @@
-//! Fuzz the KV-event payload decoder (and what it feeds): no input may panic, and a decoded
-//! batch applied to the index must leave it consistent (matching still works, clearing
-//! empties it).
+//! Fuzz the KV-event wire decoder: no input may panic, hang or allocate without bound, in the
+//! payload decoder, the frame splitter or the topic parser (all three read network bytes).
 //!
-//! Seed corpus: the real payloads in ../shared/fixtures/vllm-0.32-kv-events*/NNNN.msgpack.
+//! The index that consumes decoded batches is covered by tests/kv_index_proptest.rs (a
+//! differential property test); it is left out here so this target builds without kvpick.
+//!
+//! Seed corpus: fuzz/seeds/decode_payload/ (real vLLM 0.32 payloads, see its README).
 #![no_main]
 
-use std::net::SocketAddr;
-
-use kvpick::endpoints::PodId;
-use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
-use kvpick::kvevents::{decode_payload, parse_topic, split_frames};
+use kvpick_kvevents_wire::{KvEvent, decode_payload, split_frames, split_topic};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = parse_topic(data);
+    if let Some((_, model)) = split_topic(data) {
+        // The model is a suffix of the topic, never invented.
+        assert!(model.len() < data.len());
+    }
     let frames: Vec<&[u8]> = data.splitn(3, |b| *b == 0).collect();
-    let _ = split_frames(&frames);
+    if let Ok(message) = split_frames(&frames) {
+        assert_eq!(frames.len(), 3);
+        assert_eq!(message.payload.len(), frames[2].len());
+    }
     let Ok(batch) = decode_payload(data) else {
         return;
     };
-    let index = PrefixIndex::new(IndexConfig {
-        max_blocks_per_pod: 4096,
-        ..IndexConfig::default()
-    });
-    let pod = PodId(SocketAddr::from(([127, 0, 0, 1], 1)));
-    index.apply_batch(pod, "m", &batch);
-    index.apply_batch(pod, "m", &batch);
-    assert!(index.pod_entries(pod) <= 4096);
-    let tokens: Vec<u32> = (0..256).collect();
-    let _ = index.match_prefix(&KeyContext::model("m"), &tokens, &[pod]);
-    index.clear_pod(pod);
-    assert_eq!(index.pod_entries(pod), 0);
-    assert_eq!(index.distinct_blocks(), 0);
+    for event in &batch.events {
+        match event {
+            KvEvent::BlockStored(stored) => {
+                // Every decoded item came from at least one input byte.
+                assert!(stored.block_hashes.len() + stored.token_ids.len() <= data.len());
+            }
+            KvEvent::BlockRemoved(removed) => assert!(removed.block_hashes.len() <= data.len()),
+            KvEvent::Unknown(tag) => assert!(tag.chars().count() <= 64),
+            KvEvent::AllBlocksCleared { .. } => {}
+        }
+    }
 });

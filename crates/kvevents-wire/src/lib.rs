@@ -1,0 +1,589 @@
+//! Decoding of vLLM KV-event messages (DESIGN §3) into typed batches.
+//!
+//! This crate is kvpick's KV-event wire format and nothing else: the ZMQ frames (topic, seq,
+//! payload), the msgpack batch and the event types it decodes into. It lives apart from kvpick
+//! so that it can be fuzzed on its own (`fuzz/`) without building kvpick's servers, and it
+//! depends only on rmpv, thiserror and xxhash-rust (serde behind the `serde` feature). kvpick
+//! re-exports everything here as `kvpick::kvevents`.
+//!
+//! Why a hand-written decoder over [`rmpv::Value`]: vLLM has published two layouts (tagged maps
+//! since ~0.24, legacy tagged arrays before), omits fields at their default, and adds fields in
+//! new releases. A schema-bound deserializer would reject one of those; this one accepts both
+//! layouts, ignores unknown keys and trailing fields, and treats a missing key as "none".
+//!
+//! Every input here comes from the network: nothing panics on a payload, sizes are bounded
+//! ([`MAX_PAYLOAD_BYTES`], nesting depth) and every failure is a typed [`DecodeError`].
+
+use rmpv::Value;
+use std::net::SocketAddr;
+
+/// Largest payload accepted (vLLM batches are a few KB; a full-report batch can reach ~1 MB).
+pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
+/// Deepest msgpack nesting accepted (real payloads nest 4 levels).
+const MAX_DEPTH: usize = 16;
+
+/// Why a message or payload could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DecodeError {
+    /// The message did not have exactly the 3 frames topic, seq, payload.
+    #[error("expected 3 frames (topic, seq, payload), got {0}")]
+    FrameCount(usize),
+    /// The seq frame was not 8 bytes.
+    #[error("seq frame must be 8 bytes, got {0}")]
+    SeqLength(usize),
+    /// The payload is larger than [`MAX_PAYLOAD_BYTES`].
+    #[error("payload of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    /// The payload is not valid msgpack (or too deeply nested).
+    #[error("invalid msgpack: {0}")]
+    Msgpack(String),
+    /// The payload has bytes left after the batch.
+    #[error("{0} trailing bytes after the batch")]
+    TrailingBytes(usize),
+    /// The batch is not an array `[ts, events, dp_rank?]`.
+    #[error("batch must be an array [ts, events, dp_rank?]")]
+    BatchShape,
+    /// A field has the wrong msgpack type.
+    #[error("field `{field}` has an unexpected type")]
+    FieldType {
+        /// The field's name.
+        field: &'static str,
+    },
+    /// A required field is missing.
+    #[error("field `{0}` is missing")]
+    MissingField(&'static str),
+    /// An event's tag is not a string.
+    #[error("event without a string type tag")]
+    EventTag,
+    /// A block hash is neither an integer nor bytes.
+    #[error("invalid block hash")]
+    Hash,
+    /// A token id does not fit in u32.
+    #[error("token id out of range")]
+    TokenId,
+}
+
+/// The engine's 64-bit block hash as published (never used as kvpick's own key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineHash(pub u64);
+
+/// Where a block lives on the pod (vLLM's `medium`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub enum Tier {
+    /// Accelerator memory (vLLM reports "GPU" even on CPU builds); the default.
+    #[default]
+    Gpu,
+    /// Host-memory offload tier.
+    Cpu,
+    /// Anything slower (disk, remote stores).
+    Other,
+}
+
+impl Tier {
+    /// Every tier, in order of its index.
+    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Other];
+
+    /// A small index for per-tier tables.
+    pub fn index(self) -> usize {
+        match self {
+            Tier::Gpu => 0,
+            Tier::Cpu => 1,
+            Tier::Other => 2,
+        }
+    }
+
+    /// Maps vLLM's `medium` string (case-insensitive; missing = GPU).
+    pub fn from_medium(medium: Option<&str>) -> Tier {
+        match medium {
+            None => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("cuda") => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("cpu") => Tier::Cpu,
+            Some(_) => Tier::Other,
+        }
+    }
+}
+
+/// Extra hash inputs of one block beyond its tokens (vLLM's `extra_keys[i]`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockExtra {
+    /// The request's `cache_salt` (the last string of block 0's extra keys).
+    pub cache_salt: Option<String>,
+    /// A digest of any other extra keys (multimodal hashes, …) that a text request cannot
+    /// reproduce; blocks carrying one never match a plain token prefix.
+    pub opaque: Option<u64>,
+}
+
+/// `BlockStored`: consecutive full blocks that the pod now holds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BlockStored {
+    /// One engine hash per block, in chain order.
+    pub block_hashes: Vec<EngineHash>,
+    /// The block before the first one; `None` when the chain starts at block 0.
+    pub parent_block_hash: Option<EngineHash>,
+    /// `block_size × block_hashes.len()` token ids (may be empty for offload tiers).
+    pub token_ids: Vec<u32>,
+    /// Tokens per block, when published.
+    pub block_size: Option<u32>,
+    /// The LoRA adapter's numeric id, when any.
+    pub lora_id: Option<i64>,
+    /// The tier the blocks were stored in.
+    pub tier: Tier,
+    /// The LoRA adapter's name, when any.
+    pub lora_name: Option<String>,
+    /// Per block extra keys, aligned with `block_hashes` (empty when not published).
+    pub extra: Vec<BlockExtra>,
+    /// KV-cache group (hybrid models), when published.
+    pub group_idx: Option<i64>,
+}
+
+/// `BlockRemoved`: blocks the pod evicted from one tier.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BlockRemoved {
+    /// The evicted blocks' engine hashes.
+    pub block_hashes: Vec<EngineHash>,
+    /// The tier they were evicted from.
+    pub tier: Tier,
+    /// KV-cache group, when published.
+    pub group_idx: Option<i64>,
+}
+
+/// One KV-cache event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    /// Blocks stored.
+    BlockStored(BlockStored),
+    /// Blocks removed.
+    BlockRemoved(BlockRemoved),
+    /// The pod dropped its whole prefix cache (optionally for one tier).
+    AllBlocksCleared {
+        /// The tier cleared, when the event names one.
+        tier: Option<Tier>,
+    },
+    /// An event type this version does not know; skipped.
+    Unknown(String),
+}
+
+/// One published batch (`EventBatch`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventBatch {
+    /// Engine timestamp (seconds since the epoch).
+    pub ts: f64,
+    /// The events, in order.
+    pub events: Vec<KvEvent>,
+    /// The data-parallel rank, when published.
+    pub dp_rank: Option<i64>,
+}
+
+/// One raw ZMQ message, split into its parts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawMessage<'a> {
+    /// The topic frame.
+    pub topic: &'a [u8],
+    /// The sequence number.
+    pub seq: u64,
+    /// The msgpack payload.
+    pub payload: &'a [u8],
+}
+
+/// Splits the 3 frames of a PUB message (topic, 8-byte BE seq, payload).
+pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<RawMessage<'a>, DecodeError> {
+    let [topic, seq, payload] = frames else {
+        return Err(DecodeError::FrameCount(frames.len()));
+    };
+    Ok(RawMessage {
+        topic,
+        seq: decode_seq(seq)?,
+        payload,
+    })
+}
+
+/// Decodes an 8-byte big-endian sequence number.
+pub fn decode_seq(frame: &[u8]) -> Result<u64, DecodeError> {
+    let bytes: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| DecodeError::SeqLength(frame.len()))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// Splits a topic `kv@<ip:port>@<model>` defensively into the publishing pod's address and
+/// the model: the prefix may be anything without `@`; the pod is the first `@`-separated part
+/// after it that parses as a socket address (IPv6 in brackets); the model is everything after
+/// that part (so it may contain `@`). `None` when no part is an address.
+pub fn split_topic(topic: &[u8]) -> Option<(SocketAddr, &str)> {
+    let text = std::str::from_utf8(topic).ok()?;
+    let mut rest = text.split_once('@')?.1;
+    loop {
+        let (head, tail) = match rest.split_once('@') {
+            Some((h, t)) => (h, Some(t)),
+            None => (rest, None),
+        };
+        if let Ok(addr) = head.trim().parse::<SocketAddr>() {
+            return Some((addr, tail.unwrap_or("")));
+        }
+        rest = tail?;
+    }
+}
+
+/// Decodes one msgpack payload into an [`EventBatch`].
+pub fn decode_payload(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    if payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(DecodeError::TooLarge(payload.len()));
+    }
+    let mut reader = payload;
+    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
+        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    if !reader.is_empty() {
+        return Err(DecodeError::TrailingBytes(reader.len()));
+    }
+    decode_batch(&value)
+}
+
+fn decode_batch(value: &Value) -> Result<EventBatch, DecodeError> {
+    let Value::Array(fields) = value else {
+        return Err(DecodeError::BatchShape);
+    };
+    let ts = match fields.first() {
+        Some(v) => as_f64(v).ok_or(DecodeError::FieldType { field: "ts" })?,
+        None => return Err(DecodeError::BatchShape),
+    };
+    let events = match fields.get(1) {
+        Some(Value::Array(items)) => items.iter().map(decode_event).collect::<Result<_, _>>()?,
+        Some(_) => return Err(DecodeError::FieldType { field: "events" }),
+        None => return Err(DecodeError::BatchShape),
+    };
+    let dp_rank = match fields.get(2) {
+        None | Some(Value::Nil) => None,
+        Some(v) => Some(as_i64(v).ok_or(DecodeError::FieldType {
+            field: "data_parallel_rank",
+        })?),
+    };
+    Ok(EventBatch {
+        ts,
+        events,
+        dp_rank,
+    })
+}
+
+/// Field access over both layouts: a map by key, or a legacy array by position.
+enum Fields<'a> {
+    Map(&'a [(Value, Value)]),
+    Array(&'a [Value]),
+}
+
+impl<'a> Fields<'a> {
+    /// The field named `key` (map) or at `position` (array, after the tag); nil counts as
+    /// missing.
+    fn get(&self, key: &str, position: usize) -> Option<&'a Value> {
+        let found = match self {
+            Fields::Map(pairs) => pairs
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(key))
+                .map(|(_, v)| v),
+            Fields::Array(items) => items.get(position + 1),
+        };
+        found.filter(|v| !v.is_nil())
+    }
+}
+
+fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
+    let (tag, fields) = match value {
+        Value::Map(pairs) => {
+            let tag = pairs
+                .iter()
+                .find(|(k, _)| k.as_str() == Some("type"))
+                .and_then(|(_, v)| v.as_str())
+                .ok_or(DecodeError::EventTag)?;
+            (tag, Fields::Map(pairs))
+        }
+        Value::Array(items) => {
+            let tag = items
+                .first()
+                .and_then(Value::as_str)
+                .ok_or(DecodeError::EventTag)?;
+            (tag, Fields::Array(items))
+        }
+        _ => return Err(DecodeError::EventTag),
+    };
+    match tag {
+        "BlockStored" => decode_stored(&fields).map(KvEvent::BlockStored),
+        "BlockRemoved" => decode_removed(&fields).map(KvEvent::BlockRemoved),
+        "AllBlocksCleared" => {
+            let medium = opt_str(fields.get("medium", 0), "medium")?;
+            Ok(KvEvent::AllBlocksCleared {
+                tier: medium.map(|m| Tier::from_medium(Some(m))),
+            })
+        }
+        other => Ok(KvEvent::Unknown(other.chars().take(64).collect())),
+    }
+}
+
+fn decode_stored(fields: &Fields<'_>) -> Result<BlockStored, DecodeError> {
+    let block_hashes = hash_list(
+        fields
+            .get("block_hashes", 0)
+            .ok_or(DecodeError::MissingField("block_hashes"))?,
+    )?;
+    let parent_block_hash = fields.get("parent_block_hash", 1).map(hash).transpose()?;
+    let token_ids = match fields.get("token_ids", 2) {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or(DecodeError::TokenId)
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(DecodeError::FieldType { field: "token_ids" }),
+    };
+    let block_size = match fields.get("block_size", 3) {
+        None => None,
+        Some(v) => Some(v.as_u64().and_then(|b| u32::try_from(b).ok()).ok_or(
+            DecodeError::FieldType {
+                field: "block_size",
+            },
+        )?),
+    };
+    let lora_id = opt_i64(fields.get("lora_id", 4), "lora_id")?;
+    let tier = Tier::from_medium(opt_str(fields.get("medium", 5), "medium")?);
+    let lora_name = opt_str(fields.get("lora_name", 6), "lora_name")?.map(str::to_string);
+    let extra = match fields.get("extra_keys", 7) {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| block_extra(i, v, lora_name.as_deref()))
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(DecodeError::FieldType {
+                field: "extra_keys",
+            });
+        }
+    };
+    let group_idx = opt_i64(fields.get("group_idx", 8), "group_idx")?;
+    Ok(BlockStored {
+        block_hashes,
+        parent_block_hash,
+        token_ids,
+        block_size,
+        lora_id,
+        tier,
+        lora_name,
+        extra,
+        group_idx,
+    })
+}
+
+fn decode_removed(fields: &Fields<'_>) -> Result<BlockRemoved, DecodeError> {
+    let block_hashes = hash_list(
+        fields
+            .get("block_hashes", 0)
+            .ok_or(DecodeError::MissingField("block_hashes"))?,
+    )?;
+    let tier = Tier::from_medium(opt_str(fields.get("medium", 1), "medium")?);
+    let group_idx = opt_i64(fields.get("group_idx", 2), "group_idx")?;
+    Ok(BlockRemoved {
+        block_hashes,
+        tier,
+        group_idx,
+    })
+}
+
+/// One block's extra keys: vLLM orders them LoRA name, multimodal hashes, cache salt (block 0
+/// only). The LoRA name is already a seed of the key, the salt is taken as the last string of
+/// block 0, and anything else is digested into `opaque`.
+fn block_extra(
+    index: usize,
+    value: &Value,
+    lora_name: Option<&str>,
+) -> Result<BlockExtra, DecodeError> {
+    let items: &[Value] = match value {
+        Value::Nil => return Ok(BlockExtra::default()),
+        Value::Array(items) => items,
+        _ => {
+            return Err(DecodeError::FieldType {
+                field: "extra_keys",
+            });
+        }
+    };
+    let mut rest: Vec<&Value> = items
+        .iter()
+        .filter(|v| lora_name.is_none() || v.as_str() != lora_name)
+        .collect();
+    let mut cache_salt = None;
+    if index == 0
+        && let Some(last) = rest.last().and_then(|v| v.as_str())
+    {
+        cache_salt = Some(last.to_string());
+        rest.pop();
+    }
+    let opaque = if rest.is_empty() {
+        None
+    } else {
+        let mut bytes = Vec::new();
+        for item in rest {
+            // NOTE: writing into a Vec cannot fail; an error would only shorten the digest.
+            let _ = rmpv::encode::write_value(&mut bytes, item);
+        }
+        Some(xxhash_rust::xxh3::xxh3_64(&bytes))
+    };
+    Ok(BlockExtra { cache_salt, opaque })
+}
+
+fn hash_list(value: &Value) -> Result<Vec<EngineHash>, DecodeError> {
+    match value {
+        Value::Array(items) => items.iter().map(hash).collect(),
+        _ => Err(DecodeError::FieldType {
+            field: "block_hashes",
+        }),
+    }
+}
+
+/// A block hash: u64, i64 (reinterpreted), or bytes (the last 8 bytes, big-endian; shorter
+/// byte strings are left-padded with zeros).
+fn hash(value: &Value) -> Result<EngineHash, DecodeError> {
+    match value {
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|s| s as u64))
+            .map(EngineHash)
+            .ok_or(DecodeError::Hash),
+        Value::Binary(bytes) => {
+            if bytes.is_empty() {
+                return Err(DecodeError::Hash);
+            }
+            let tail = &bytes[bytes.len().saturating_sub(8)..];
+            let mut be = [0u8; 8];
+            be[8 - tail.len()..].copy_from_slice(tail);
+            Ok(EngineHash(u64::from_be_bytes(be)))
+        }
+        _ => Err(DecodeError::Hash),
+    }
+}
+
+fn as_f64(value: &Value) -> Option<f64> {
+    match value {
+        Value::F64(f) => Some(*f),
+        Value::F32(f) => Some(f64::from(*f)),
+        Value::Integer(i) => i.as_f64(),
+        _ => None,
+    }
+}
+
+fn as_i64(value: &Value) -> Option<i64> {
+    value.as_i64()
+}
+
+fn opt_i64(value: Option<&Value>, field: &'static str) -> Result<Option<i64>, DecodeError> {
+    value
+        .map(|v| as_i64(v).ok_or(DecodeError::FieldType { field }))
+        .transpose()
+}
+
+fn opt_str<'a>(
+    value: Option<&'a Value>,
+    field: &'static str,
+) -> Result<Option<&'a str>, DecodeError> {
+    value
+        .map(|v| v.as_str().ok_or(DecodeError::FieldType { field }))
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encode(value: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, value).unwrap();
+        out
+    }
+
+    #[test]
+    fn legacy_array_layout_with_trailing_fields() {
+        let event = Value::Array(vec![
+            "BlockStored".into(),
+            Value::Array(vec![Value::from(-1i64), Value::Binary(vec![9; 32])]),
+            Value::Nil,
+            Value::Array((0..4u32).map(Value::from).collect()),
+            Value::from(2u32),
+            Value::Nil,
+            "CPU".into(),
+            Value::Nil,
+            Value::Nil,
+            Value::Nil,
+            "future-field".into(),
+        ]);
+        let payload = encode(&Value::Array(vec![
+            Value::F64(1.5),
+            Value::Array(vec![event]),
+        ]));
+        let batch = decode_payload(&payload).unwrap();
+        assert_eq!(batch.dp_rank, None);
+        let KvEvent::BlockStored(stored) = &batch.events[0] else {
+            panic!("not stored")
+        };
+        assert_eq!(
+            stored.block_hashes,
+            vec![EngineHash(u64::MAX), EngineHash(0x0909_0909_0909_0909)]
+        );
+        assert_eq!(stored.tier, Tier::Cpu);
+        assert_eq!(stored.token_ids, vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn salt_and_lora_extra_keys() {
+        let extra = block_extra(
+            0,
+            &Value::Array(vec!["lora-a".into(), "tenant".into()]),
+            Some("lora-a"),
+        )
+        .unwrap();
+        assert_eq!(extra.cache_salt.as_deref(), Some("tenant"));
+        assert_eq!(extra.opaque, None);
+        let later = block_extra(3, &Value::Array(vec!["mm".into()]), None).unwrap();
+        assert!(later.cache_salt.is_none() && later.opaque.is_some());
+    }
+
+    #[test]
+    fn topics_split_defensively() {
+        let (addr, model) = split_topic(b"kv@127.0.0.1:8101@tiny").unwrap();
+        assert_eq!(addr.to_string(), "127.0.0.1:8101");
+        assert_eq!(model, "tiny");
+        let (addr, model) = split_topic(b"kv@[::1]:80@org@model@v2").unwrap();
+        assert_eq!(addr.to_string(), "[::1]:80");
+        assert_eq!(model, "org@model@v2");
+        let (addr, model) = split_topic(b"kv@junk@10.0.0.1:9@m").unwrap();
+        assert_eq!(addr.to_string(), "10.0.0.1:9");
+        assert_eq!(model, "m");
+        assert_eq!(split_topic(b"kv@10.0.0.1:9").map(|(_, m)| m), Some(""));
+        assert!(split_topic(b"kv@no-address@m").is_none());
+        assert!(split_topic(b"\xff\xfe").is_none());
+        assert!(split_topic(b"").is_none());
+    }
+
+    #[test]
+    fn hostile_payloads_are_errors() {
+        assert!(decode_payload(&[]).is_err());
+        assert!(decode_payload(&[0xdd, 0xff, 0xff, 0xff, 0xff]).is_err());
+        assert_eq!(
+            decode_payload(&encode(&Value::from(3))),
+            Err(DecodeError::BatchShape)
+        );
+        let bad_token = Value::Array(vec![
+            Value::F64(0.0),
+            Value::Array(vec![Value::Map(vec![
+                ("type".into(), "BlockStored".into()),
+                ("block_hashes".into(), Value::Array(vec![Value::from(1)])),
+                ("token_ids".into(), Value::Array(vec![Value::from(-5)])),
+            ])]),
+        ]);
+        assert_eq!(
+            decode_payload(&encode(&bad_token)),
+            Err(DecodeError::TokenId)
+        );
+        assert_eq!(split_frames(&[b"a", b"b"]), Err(DecodeError::FrameCount(2)));
+        assert_eq!(decode_seq(b"123"), Err(DecodeError::SeqLength(3)));
+    }
+}

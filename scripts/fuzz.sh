@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Fuzzes the KV-event wire decoder (crates/kvevents-wire: payloads, frames, topics) for a
+# bounded time with cargo-fuzz (libFuzzer, nightly, AddressSanitizer, overflow checks on).
+# Usage: scripts/fuzz.sh [SECONDS]   (default 60)
+#
+# Exits non-zero when the fuzzer finds a crash (panic, sanitizer report, OOM, slow input); the
+# reproducer is saved under fuzz/artifacts/decode_payload/ and its path printed ("Failing
+# input"); cargo-fuzz prints the exact command that replays it.
+#
+# Cost, measured on the 2-core dev VM shared with other builds (load average 3-6), 60 s:
+#   cold (nothing installed, empty caches): ~3m05s at load ~3 (cargo install cargo-fuzz 70 s,
+#     nightly build of libFuzzer (C++) + the wire crate 52 s, fuzzing 61 s); ~5m10s at load
+#     ~5.5 (install 2m21s incl. downloads, build 1m45s, fuzzing 61 s).
+#   warm (cargo-fuzz installed, target dir below kept): ~62 s, i.e. the fuzzing itself.
+# It builds only crates/kvevents-wire, never kvpick (tonic, tokenizers, … would take 5+ min).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds="${1:-60}"
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/kvpick"
+# Fixed dirs outside the clone: CI works in a fresh clone each run, so a target dir inside it
+# would rebuild libFuzzer and the crate every time; here a warm run rebuilds only what changed.
+# The working corpus lives there too (libFuzzer adds every input that finds new coverage to
+# the first corpus dir), so it keeps growing across runs; the committed seeds stay read-only.
+target_dir="${KVPICK_FUZZ_TARGET_DIR:-$cache/fuzz-target}"
+corpus="$cache/fuzz-corpus/decode_payload"
+
+if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+  echo "fuzz: installing the nightly toolchain" >&2
+  rustup toolchain install nightly --profile minimal
+fi
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  echo "fuzz: installing cargo-fuzz" >&2
+  cargo install --locked cargo-fuzz
+fi
+mkdir -p "$corpus"
+# NOTE: bounded disk: each run adds inputs (about 700-2,000 for 60 s); past 2,000 files the
+# corpus is minimized to the inputs that keep its coverage (~700 files, ~11 s).
+if [ "$(find "$corpus" -type f | wc -l)" -gt 2000 ]; then
+  echo "fuzz: minimizing the working corpus" >&2
+  cargo +nightly fuzz cmin --debug-assertions --target-dir "$target_dir" decode_payload "$corpus"
+fi
+
+echo "fuzz: decode_payload for ${seconds}s (target dir $target_dir, corpus $corpus)" >&2
+marker="$(mktemp)"
+status=0
+cargo +nightly fuzz run --debug-assertions --target-dir "$target_dir" decode_payload \
+  "$corpus" fuzz/seeds/decode_payload -- \
+  -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 || status=$?
+if [ "$status" -ne 0 ]; then
+  echo "fuzz: FAILED (exit $status): new failing inputs:" >&2
+  find fuzz/artifacts/decode_payload -type f -newer "$marker" 2>/dev/null | sed 's|^|  |' >&2 || true
+  rm -f "$marker"
+  exit "$status"
+fi
+rm -f "$marker"
+echo "fuzz: no crash in ${seconds}s" >&2
