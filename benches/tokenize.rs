@@ -82,6 +82,7 @@ fn main() {
         .warm_up_time(Duration::from_secs(1))
         .configure_from_args();
     let mut summary = Vec::new();
+    let mut stages = Vec::new();
     for (name, size) in SIZES {
         let text = corpus(size);
         let prefix_len = (size * 95 / 100..)
@@ -164,6 +165,58 @@ fn main() {
             black_box(run(&tok, &b));
             warm.push(t.elapsed());
         }
+        // Stage breakdown of the warm path (and the cold encode), medians.
+        let mut w_parse = Vec::new();
+        let mut w_render = Vec::new();
+        let mut w_encode = Vec::new();
+        let mut c_encode = Vec::new();
+        let mut tail_floor = Vec::new();
+        for _ in 0..reps {
+            let i = counter.fetch_add(1, Ordering::Relaxed);
+            let b = warm_body(i);
+            let t = Instant::now();
+            let req = request::parse("/v1/chat/completions", &b).expect("parse");
+            w_parse.push(t.elapsed());
+            let Prompt::Chat(chat) = &req.prompt else {
+                panic!("chat")
+            };
+            let t = Instant::now();
+            let text = model.render(chat).expect("render");
+            w_render.push(t.elapsed());
+            let t = Instant::now();
+            black_box(model.encode(&text, false).expect("encode").ids.len());
+            w_encode.push(t.elapsed());
+            // The floor: encoding only the text after the 95% point, no cache.
+            let tail_head = &tail[..tail.len().min(64)];
+            let cut = text.rfind(tail_head).expect("tail") - format!("{i} ").len();
+            let t = Instant::now();
+            black_box(
+                model
+                    .word_encoder()
+                    .encode(&text[cut..])
+                    .expect("tail")
+                    .0
+                    .len(),
+            );
+            tail_floor.push(t.elapsed());
+            let b = cold_body(counter.fetch_add(1, Ordering::Relaxed));
+            let req = request::parse("/v1/chat/completions", &b).expect("parse");
+            let Prompt::Chat(chat) = &req.prompt else {
+                panic!("chat")
+            };
+            let text = model.render(chat).expect("render");
+            let t = Instant::now();
+            black_box(model.encode(&text, false).expect("encode").ids.len());
+            c_encode.push(t.elapsed());
+        }
+        stages.push((
+            name,
+            median(w_parse),
+            median(w_render),
+            median(w_encode),
+            median(tail_floor),
+            median(c_encode),
+        ));
         summary.push((
             name,
             body(&text).len(),
@@ -184,6 +237,14 @@ fn main() {
             cold.as_secs_f64() / bare.as_secs_f64(),
             cold.as_secs_f64() / warm.as_secs_f64(),
             bare.as_secs_f64() / warm.as_secs_f64()
+        );
+    }
+    println!(
+        "\nwarm95 stages: parse  render  encode(prefix cache)  | tail-only encode (floor)  cold encode"
+    );
+    for (name, parse, render, encode, floor, cold_encode) in stages {
+        println!(
+            "{name:<6} {parse:>10.2?}  {render:>10.2?}  {encode:>10.2?}  | {floor:>10.2?}  {cold_encode:>10.2?}"
         );
     }
 }

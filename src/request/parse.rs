@@ -28,7 +28,7 @@ pub fn parse_with_limits(
     limits: ParseLimits,
 ) -> Result<InferenceRequest, RequestError> {
     let root = parse_json(body, limits)?;
-    let Value::Object(obj) = root else {
+    let Value::Object(mut obj) = root else {
         return Err(RequestError::NotAnObject);
     };
     let model = match obj.get("model") {
@@ -41,15 +41,15 @@ pub fn parse_with_limits(
         ApiKind::Completions => text_prompt(&obj, "prompt")?,
         ApiKind::Embeddings => {
             if obj.contains_key("messages") {
-                (Prompt::Chat(chat_prompt(&obj, false)?), false)
+                (Prompt::Chat(chat_prompt(&mut obj, false)?), false)
             } else {
                 text_prompt(&obj, "input")?
             }
         }
-        ApiKind::ChatCompletions => (Prompt::Chat(chat_prompt(&obj, true)?), false),
+        ApiKind::ChatCompletions => (Prompt::Chat(chat_prompt(&mut obj, true)?), false),
         ApiKind::Responses => (Prompt::Chat(responses_prompt(&obj)?), false),
         ApiKind::AnthropicMessages => (Prompt::Chat(anthropic_prompt(&obj)?), false),
-        ApiKind::Other => guess_prompt(&obj)?,
+        ApiKind::Other => guess_prompt(&mut obj)?,
     };
     let add_special_tokens = match obj.get("add_special_tokens") {
         Some(Value::Bool(b)) => *b,
@@ -106,7 +106,7 @@ pub fn api_kind_for_path(path: &str) -> Option<ApiKind> {
     }
 }
 
-fn guess_prompt(obj: &Map<String, Value>) -> Result<(Prompt, bool), RequestError> {
+fn guess_prompt(obj: &mut Map<String, Value>) -> Result<(Prompt, bool), RequestError> {
     if obj.contains_key("messages") {
         if obj.contains_key("system") {
             return Ok((Prompt::Chat(anthropic_prompt(obj)?), false));
@@ -191,16 +191,17 @@ pub(super) fn opt_string(obj: &Map<String, Value>, key: &str) -> Option<String> 
     obj.get(key).and_then(Value::as_str).map(str::to_owned)
 }
 
-/// OpenAI chat completions (also embeddings' chat form).
+/// OpenAI chat completions (also embeddings' chat form). Takes `messages` out of `obj`, so
+/// their (possibly huge) text moves into the prompt instead of being copied.
 fn chat_prompt(
-    obj: &Map<String, Value>,
+    obj: &mut Map<String, Value>,
     default_generation_prompt: bool,
 ) -> Result<ChatPrompt, RequestError> {
-    let Some(Value::Array(raw)) = obj.get("messages") else {
+    let Some(Value::Array(raw)) = obj.remove("messages") else {
         return Err(invalid("messages", "expected an array"));
     };
     let mut messages = Vec::with_capacity(raw.len());
-    for (i, m) in raw.iter().enumerate() {
+    for (i, m) in raw.into_iter().enumerate() {
         messages.push(openai_message(m, i)?);
     }
     let tools = match obj.get("tools") {
@@ -227,14 +228,14 @@ fn chat_prompt(
     })
 }
 
-fn openai_message(m: &Value, i: usize) -> Result<ChatMessage, RequestError> {
-    let Value::Object(m) = m else {
+fn openai_message(m: Value, i: usize) -> Result<ChatMessage, RequestError> {
+    let Value::Object(mut m) = m else {
         return Err(invalid(format!("messages[{i}]"), "expected an object"));
     };
-    let Some(role) = m.get("role").and_then(Value::as_str) else {
+    let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
         return Err(invalid(format!("messages[{i}].role"), "expected a string"));
     };
-    let content = content(m.get("content"), &format!("messages[{i}].content"))?;
+    let content = owned_content(m.remove("content"), i)?;
     let tool_calls = match m.get("tool_calls") {
         Some(Value::Array(calls)) if !calls.is_empty() => Some(
             calls
@@ -245,13 +246,13 @@ fn openai_message(m: &Value, i: usize) -> Result<ChatMessage, RequestError> {
         _ => None,
     };
     Ok(ChatMessage {
-        role: role.to_owned(),
+        role,
         content,
-        name: opt_string(m, "name"),
-        tool_call_id: opt_string(m, "tool_call_id"),
+        name: opt_string(&m, "name"),
+        tool_call_id: opt_string(&m, "tool_call_id"),
         tool_calls,
-        reasoning_content: opt_string(m, "reasoning_content")
-            .or_else(|| opt_string(m, "reasoning")),
+        reasoning_content: opt_string(&m, "reasoning_content")
+            .or_else(|| opt_string(&m, "reasoning")),
     })
 }
 
@@ -267,34 +268,72 @@ pub(super) fn content(v: Option<&Value>, field: &str) -> Result<MessageContent, 
     }
 }
 
+/// [`content`] for an owned value: the text moves into the result instead of being copied.
+fn owned_content(v: Option<Value>, i: usize) -> Result<MessageContent, RequestError> {
+    match v {
+        None | Some(Value::Null) => Ok(MessageContent::Null),
+        Some(Value::String(s)) => Ok(MessageContent::Text(s)),
+        Some(Value::Array(parts)) => Ok(MessageContent::Parts(
+            parts.into_iter().filter_map(owned_content_part).collect(),
+        )),
+        Some(_) => Err(invalid(
+            format!("messages[{i}].content"),
+            "expected a string, null or content parts",
+        )),
+    }
+}
+
+/// What a typed content part renders as.
+enum PartKind {
+    /// Text held under this key.
+    Text(&'static str),
+    /// A media placeholder.
+    Media(&'static str),
+}
+
+/// The kind of a content part by its `type` (absent: `text`); `None` renders nothing.
+fn part_kind(part: &Map<String, Value>) -> Option<PartKind> {
+    let kind = part.get("type").and_then(Value::as_str).unwrap_or("text");
+    match kind {
+        "text" | "input_text" | "output_text" => Some(PartKind::Text("text")),
+        // vLLM's chat stage renders a `thinking` part as a text part (`TEXT_PART_TYPES`).
+        "thinking" => Some(PartKind::Text("thinking")),
+        "refusal" => Some(PartKind::Text("refusal")),
+        "image_url" | "image" | "input_image" | "image_embeds" | "image_pil" => {
+            Some(PartKind::Media("image"))
+        }
+        "audio_url" | "input_audio" | "audio" => Some(PartKind::Media("audio")),
+        "video_url" | "video" => Some(PartKind::Media("video")),
+        _ => None,
+    }
+}
+
 /// One content part; parts that render nothing (unknown types, tool_use…) are dropped.
 fn content_part(p: &Value) -> Option<ContentPart> {
     match p {
         Value::String(s) => Some(ContentPart::Text(s.clone())),
-        Value::Object(o) => {
-            let kind = o.get("type").and_then(Value::as_str).unwrap_or("text");
-            match kind {
-                "text" | "input_text" | "output_text" => o
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .map(|t| ContentPart::Text(t.to_owned())),
-                // vLLM's chat stage renders a `thinking` part as a text part (`TEXT_PART_TYPES`).
-                "thinking" => o
-                    .get("thinking")
-                    .and_then(Value::as_str)
-                    .map(|t| ContentPart::Text(t.to_owned())),
-                "refusal" => o
-                    .get("refusal")
-                    .and_then(Value::as_str)
-                    .map(|t| ContentPart::Text(t.to_owned())),
-                "image_url" | "image" | "input_image" | "image_embeds" | "image_pil" => {
-                    Some(ContentPart::Media("image"))
-                }
-                "audio_url" | "input_audio" | "audio" => Some(ContentPart::Media("audio")),
-                "video_url" | "video" => Some(ContentPart::Media("video")),
+        Value::Object(o) => match part_kind(o)? {
+            PartKind::Text(key) => o
+                .get(key)
+                .and_then(Value::as_str)
+                .map(|t| ContentPart::Text(t.to_owned())),
+            PartKind::Media(kind) => Some(ContentPart::Media(kind)),
+        },
+        _ => None,
+    }
+}
+
+/// [`content_part`] for an owned value (the text is moved, not copied).
+fn owned_content_part(p: Value) -> Option<ContentPart> {
+    match p {
+        Value::String(s) => Some(ContentPart::Text(s)),
+        Value::Object(mut o) => match part_kind(&o)? {
+            PartKind::Text(key) => match o.remove(key) {
+                Some(Value::String(t)) => Some(ContentPart::Text(t)),
                 _ => None,
-            }
-        }
+            },
+            PartKind::Media(kind) => Some(ContentPart::Media(kind)),
+        },
         _ => None,
     }
 }

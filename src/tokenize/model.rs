@@ -140,6 +140,22 @@ impl ModelTokenizer {
         self.cache.encode(&self.word_encoder(), text)
     }
 
+    /// [`Self::encode`] for an owned text (a rendered chat prompt): the prefix cache keeps it
+    /// without copying. On error the text is handed back.
+    pub fn encode_owned(
+        &self,
+        text: String,
+        add_special_tokens: bool,
+    ) -> Result<CachedTokens, (TokenizeError, String)> {
+        if add_special_tokens && self.adds_special_tokens {
+            return match self.encode(&text, true) {
+                Ok(tokens) => Ok(tokens),
+                Err(e) => Err((e, text)),
+            };
+        }
+        self.cache.encode_owned(&self.word_encoder(), text)
+    }
+
     /// The encoder the prefix cache uses (fast path when supported).
     pub fn word_encoder(&self) -> WordEncoder<'_> {
         WordEncoder::new(&self.tokenizer, self.fast.as_ref())

@@ -55,9 +55,22 @@ pub struct CachedTokens {
     pub reused_tokens: usize,
 }
 
+/// What [`PrefixTokenCache::tokenize`] found.
+enum Outcome {
+    /// Final tokens, nothing to insert (a short text, or an exact hit).
+    Done(CachedTokens),
+    /// A fresh encoding to insert.
+    Fresh {
+        ids: Vec<u32>,
+        cuts: Vec<(u32, u32)>,
+        reused: usize,
+        anchors: Vec<u64>,
+    },
+}
+
 #[derive(Debug)]
 struct Entry {
-    text: Box<str>,
+    text: String,
     ids: Vec<u32>,
     /// `(byte offset, token index)` of safe cut points, ascending.
     cuts: Vec<(u32, u32)>,
@@ -114,21 +127,66 @@ impl PrefixTokenCache {
         encoder: &WordEncoder<'_>,
         text: &str,
     ) -> Result<CachedTokens, TokenizeError> {
+        let outcome = self.tokenize(encoder, text)?;
+        Ok(self.remember(outcome, || text.to_owned()))
+    }
+
+    /// [`Self::encode`] for an owned text, which the cache then keeps without copying it (a
+    /// rendered chat prompt is not needed afterwards). On error the text is handed back.
+    pub fn encode_owned(
+        &self,
+        encoder: &WordEncoder<'_>,
+        text: String,
+    ) -> Result<CachedTokens, (TokenizeError, String)> {
+        match self.tokenize(encoder, &text) {
+            Ok(outcome) => Ok(self.remember(outcome, move || text)),
+            Err(e) => Err((e, text)),
+        }
+    }
+
+    /// Inserts a fresh encoding (its text from `text`) and returns the tokens.
+    fn remember(&self, outcome: Outcome, text: impl FnOnce() -> String) -> CachedTokens {
+        match outcome {
+            Outcome::Done(tokens) => tokens,
+            Outcome::Fresh {
+                ids,
+                cuts,
+                reused,
+                anchors,
+            } => {
+                let mut text = text();
+                text.shrink_to_fit();
+                self.insert(Entry {
+                    text,
+                    ids: ids.clone(),
+                    cuts,
+                    anchors,
+                });
+                CachedTokens {
+                    ids,
+                    reused_tokens: reused,
+                }
+            }
+        }
+    }
+
+    /// Tokenizes `text` through the cache, without inserting it.
+    fn tokenize(&self, encoder: &WordEncoder<'_>, text: &str) -> Result<Outcome, TokenizeError> {
         if text.len() < ANCHOR_BYTES || self.max_bytes == 0 {
             let (ids, _) = encoder.encode(text)?;
-            return Ok(CachedTokens {
+            return Ok(Outcome::Done(CachedTokens {
                 ids,
                 reused_tokens: 0,
-            });
+            }));
         }
         let anchors = anchor_hashes(text.as_bytes());
         let hit = self.lookup(text, &anchors);
         let (ids, cuts, reused) = match hit {
             Some((entry, common)) if common == text.len() && common == entry.text.len() => {
-                return Ok(CachedTokens {
+                return Ok(Outcome::Done(CachedTokens {
                     ids: entry.ids.clone(),
                     reused_tokens: entry.ids.len(),
-                });
+                }));
             }
             Some((entry, common)) => {
                 let limit = common.saturating_sub(self.margin);
@@ -151,15 +209,11 @@ impl PrefixTokenCache {
             }
             None => full(encoder, text)?,
         };
-        self.insert(Entry {
-            text: text.into(),
-            ids: ids.clone(),
-            cuts,
-            anchors,
-        });
-        Ok(CachedTokens {
+        Ok(Outcome::Fresh {
             ids,
-            reused_tokens: reused,
+            cuts,
+            reused,
+            anchors,
         })
     }
 

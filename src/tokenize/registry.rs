@@ -19,6 +19,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, 
 
 use super::error::TokenizeError;
 use super::model::ModelTokenizer;
+use super::prefix_cache::CachedTokens;
 use super::template::ContentFormat;
 use crate::request::{ChatPrompt, InferenceRequest, MessageContent, Prompt};
 
@@ -297,7 +298,7 @@ impl Tokenizers {
             );
         };
         match tok.render(chat) {
-            Ok(text) => self.encode(tok, &req.model, &text, req.add_special_tokens),
+            Ok(text) => self.encode_owned(tok, &req.model, text, req.add_special_tokens),
             Err(TokenizeError::NoTemplate) => self.approximate(
                 &req.model,
                 plain_chat_text(chat),
@@ -321,15 +322,7 @@ impl Tokenizers {
         add_special: bool,
     ) -> PromptTokens {
         match tok.encode(text, add_special) {
-            Ok(cached) => {
-                self.metrics
-                    .reused_tokens
-                    .inc_by(cached.reused_tokens as u64);
-                self.metrics
-                    .cache_bytes
-                    .set(i64::try_from(tok.cache_bytes()).unwrap_or(i64::MAX));
-                PromptTokens::Exact(cached.ids)
-            }
+            Ok(cached) => self.exact(tok, cached),
             Err(e) => {
                 tracing::warn!(model, error = %e, "tokenizer failed to encode a prompt");
                 PromptTokens::Approximate(ApproximatePrompt {
@@ -338,6 +331,36 @@ impl Tokenizers {
                 })
             }
         }
+    }
+
+    /// [`Self::encode`] for a rendered prompt, handed to the prefix cache without a copy.
+    fn encode_owned(
+        &self,
+        tok: &ModelTokenizer,
+        model: &str,
+        text: String,
+        add_special: bool,
+    ) -> PromptTokens {
+        match tok.encode_owned(text, add_special) {
+            Ok(cached) => self.exact(tok, cached),
+            Err((e, text)) => {
+                tracing::warn!(model, error = %e, "tokenizer failed to encode a prompt");
+                PromptTokens::Approximate(ApproximatePrompt {
+                    text,
+                    reason: ApproximateReason::EncodeError,
+                })
+            }
+        }
+    }
+
+    fn exact(&self, tok: &ModelTokenizer, cached: CachedTokens) -> PromptTokens {
+        self.metrics
+            .reused_tokens
+            .inc_by(cached.reused_tokens as u64);
+        self.metrics
+            .cache_bytes
+            .set(i64::try_from(tok.cache_bytes()).unwrap_or(i64::MAX));
+        PromptTokens::Exact(cached.ids)
     }
 
     fn approximate(&self, model: &str, text: String, reason: ApproximateReason) -> PromptTokens {

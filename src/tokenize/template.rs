@@ -12,6 +12,10 @@
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind, State};
+use std::borrow::Cow;
+
+use serde::Serialize;
+use serde::ser::SerializeMap;
 use serde_json::{Map, Value as Json, json};
 
 use super::error::TokenizeError;
@@ -86,7 +90,7 @@ impl ChatTemplate {
         } else {
             &chat.messages
         };
-        let messages = vllm_messages(source_messages, self.format);
+        let messages = template_messages(source_messages, self.format);
         let mut ctx: Map<String, Json> = chat.chat_template_kwargs.clone();
         for (k, v) in &self.special_tokens {
             ctx.insert(k.clone(), v.clone());
@@ -100,7 +104,7 @@ impl ChatTemplate {
         } else {
             None
         };
-        ctx.insert("messages".into(), Json::Array(messages));
+        ctx.remove("messages");
         ctx.insert(
             "tools".into(),
             chat.tools.clone().map(Json::Array).unwrap_or(Json::Null),
@@ -115,7 +119,10 @@ impl ChatTemplate {
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
         let rendered = tmpl
-            .render(Value::from_serialize(&ctx))
+            .render(Value::from_serialize(RenderContext {
+                vars: &ctx,
+                messages: &messages,
+            }))
             .map_err(|e| TokenizeError::Template(error_chain(&e)))?;
         match final_text {
             Some(text) => cut_after_final_message(rendered, &text),
@@ -285,75 +292,184 @@ fn text_parts(content: &MessageContent) -> Vec<&str> {
 
 /// The messages exactly as vLLM hands them to the template (DESIGN §3.1).
 pub fn vllm_messages(messages: &[ChatMessage], format: ContentFormat) -> Vec<Json> {
+    template_messages(messages, format)
+        .iter()
+        .map(|m| serde_json::to_value(m).unwrap_or(Json::Null))
+        .collect()
+}
+
+/// The template context: `vars` (kwargs, special tokens, tools…) plus `messages`.
+struct RenderContext<'a> {
+    vars: &'a Map<String, Json>,
+    messages: &'a [TemplateMessage<'a>],
+}
+
+impl Serialize for RenderContext<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.vars.len() + 1))?;
+        for (k, v) in self.vars {
+            map.serialize_entry(k, v)?;
+        }
+        map.serialize_entry("messages", self.messages)?;
+        map.end()
+    }
+}
+
+/// One message as the template sees it, borrowing the request's text: serialised straight
+/// into the template's values, so a huge message is copied once, not first into a JSON tree.
+/// NOTE: field order is the key order vLLM's dicts have (it shows in `tojson`/`items()`).
+#[derive(Serialize)]
+struct TemplateMessage<'a> {
+    role: &'a str,
+    content: TemplateContent<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<TemplateToolCall<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum TemplateContent<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<TemplatePart<'a>>),
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum TemplatePart<'a> {
+    Text {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        text: Cow<'a, str>,
+    },
+    Media {
+        #[serde(rename = "type")]
+        kind: &'static str,
+    },
+}
+
+#[derive(Serialize)]
+struct TemplateToolCall<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: TemplateFunction<'a>,
+}
+
+#[derive(Serialize)]
+struct TemplateFunction<'a> {
+    name: &'a str,
+    arguments: &'a Json,
+}
+
+fn template_messages(messages: &[ChatMessage], format: ContentFormat) -> Vec<TemplateMessage<'_>> {
     messages
         .iter()
         .map(|m| {
-            let mut out = Map::new();
-            out.insert("role".into(), Json::String(m.role.clone()));
             let stripped = if m.role == "system" {
                 strip_billing_header(&m.content)
             } else {
                 None
             };
-            let m_content = stripped.as_ref().unwrap_or(&m.content);
-            let content = if m.role == "tool" || format == ContentFormat::String {
-                Json::String(text_parts(m_content).join("\n"))
-            } else {
-                let parts: Vec<Json> = match m_content {
-                    MessageContent::Null => Vec::new(),
-                    MessageContent::Text(s) => vec![json!({"type": "text", "text": s})],
-                    MessageContent::Parts(parts) => parts
-                        .iter()
-                        .map(|p| match p {
-                            ContentPart::Text(t) => json!({"type": "text", "text": t}),
-                            ContentPart::Media(kind) => json!({ "type": kind }),
-                        })
-                        .collect(),
-                };
-                Json::Array(parts)
+            let content = match stripped {
+                Some(owned) => owned_template_content(&owned, &m.role, format),
+                None => template_content(&m.content, &m.role, format),
             };
-            out.insert("content".into(), content);
-            if let Some(id) = &m.tool_call_id {
-                out.insert("tool_call_id".into(), Json::String(id.clone()));
+            TemplateMessage {
+                role: &m.role,
+                content,
+                tool_call_id: m.tool_call_id.as_deref(),
+                tool_calls: m.tool_calls.as_ref().map(|calls| {
+                    calls
+                        .iter()
+                        .map(|c| TemplateToolCall {
+                            id: c.id.as_deref(),
+                            kind: "function",
+                            function: TemplateFunction {
+                                name: &c.name,
+                                arguments: &c.arguments,
+                            },
+                        })
+                        .collect()
+                }),
+                name: m.name.as_deref(),
+                reasoning_content: m.reasoning_content.as_deref(),
             }
-            if let Some(calls) = &m.tool_calls {
-                let calls = calls
-                    .iter()
-                    .map(|c| {
-                        let mut call = Map::new();
-                        if let Some(id) = &c.id {
-                            call.insert("id".into(), Json::String(id.clone()));
-                        }
-                        call.insert("type".into(), Json::String("function".into()));
-                        call.insert(
-                            "function".into(),
-                            json!({"name": c.name, "arguments": c.arguments}),
-                        );
-                        Json::Object(call)
-                    })
-                    .collect();
-                out.insert("tool_calls".into(), Json::Array(calls));
-            }
-            if let Some(name) = &m.name {
-                out.insert("name".into(), Json::String(name.clone()));
-            }
-            if let Some(r) = &m.reasoning_content {
-                out.insert("reasoning_content".into(), Json::String(r.clone()));
-            }
-            Json::Object(out)
         })
         .collect()
 }
 
-/// The text transformers continues from: a string content, or the last part with `text`.
-fn final_message_text(last: Option<&Json>) -> Option<String> {
-    match last?.get("content")? {
-        Json::String(s) => Some(s.clone()),
-        Json::Array(parts) => parts
+/// Content as the template sees it: one string (`string` format, and always for `tool`
+/// messages: parts joined with `\n`) or OpenAI parts.
+fn template_content<'a>(
+    content: &'a MessageContent,
+    role: &str,
+    format: ContentFormat,
+) -> TemplateContent<'a> {
+    if role == "tool" || format == ContentFormat::String {
+        let mut texts = text_parts(content);
+        return TemplateContent::Text(if texts.len() == 1 {
+            Cow::Borrowed(texts.pop().unwrap_or(""))
+        } else {
+            Cow::Owned(texts.join("\n"))
+        });
+    }
+    TemplateContent::Parts(match content {
+        MessageContent::Null => Vec::new(),
+        MessageContent::Text(s) => vec![TemplatePart::Text {
+            kind: "text",
+            text: Cow::Borrowed(s),
+        }],
+        MessageContent::Parts(parts) => parts
             .iter()
-            .rev()
-            .find_map(|p| p.get("text").and_then(Json::as_str).map(str::to_owned)),
-        _ => None,
+            .map(|p| match p {
+                ContentPart::Text(t) => TemplatePart::Text {
+                    kind: "text",
+                    text: Cow::Borrowed(t),
+                },
+                ContentPart::Media(kind) => TemplatePart::Media { kind },
+            })
+            .collect(),
+    })
+}
+
+/// [`template_content`] for content rewritten here (owned by the caller's temporary).
+fn owned_template_content(
+    content: &MessageContent,
+    role: &str,
+    format: ContentFormat,
+) -> TemplateContent<'static> {
+    match template_content(content, role, format) {
+        TemplateContent::Text(t) => TemplateContent::Text(Cow::Owned(t.into_owned())),
+        TemplateContent::Parts(parts) => TemplateContent::Parts(
+            parts
+                .into_iter()
+                .map(|p| match p {
+                    TemplatePart::Text { kind, text } => TemplatePart::Text {
+                        kind,
+                        text: Cow::Owned(text.into_owned()),
+                    },
+                    TemplatePart::Media { kind } => TemplatePart::Media { kind },
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// The text transformers continues from: a string content, or the last part with `text`.
+fn final_message_text(last: Option<&TemplateMessage<'_>>) -> Option<String> {
+    match &last?.content {
+        TemplateContent::Text(s) => Some(s.to_string()),
+        TemplateContent::Parts(parts) => parts.iter().rev().find_map(|p| match p {
+            TemplatePart::Text { text, .. } => Some(text.to_string()),
+            TemplatePart::Media { .. } => None,
+        }),
     }
 }
 
@@ -394,8 +510,18 @@ fn py_lstrip(s: &str) -> &str {
     s.trim_start_matches(py_is_space)
 }
 
-fn py_trim_filter(value: String, chars: Option<String>) -> String {
-    py_strip(&value, chars.as_deref()).to_owned()
+/// `trim`/`strip` as a filter. NOTE: a string with nothing to strip is returned as the same
+/// value (no copy): the message text of a huge prompt passes through it.
+fn py_trim_filter(value: &Value, chars: Option<String>) -> Result<Value, Error> {
+    if let Some(s) = value.as_str() {
+        let stripped = py_strip(s, chars.as_deref());
+        if stripped.len() == s.len() {
+            return Ok(value.clone());
+        }
+        return Ok(Value::from(stripped));
+    }
+    let s = <String as minijinja::value::ArgType>::from_value(Some(value))?;
+    Ok(Value::from(py_strip(&s, chars.as_deref())))
 }
 
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
