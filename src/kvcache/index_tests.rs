@@ -1,0 +1,129 @@
+//! Unit tests of the index (limits, tiers, many-pod walks).
+use super::*;
+use crate::kvevents::BlockExtra;
+use std::net::SocketAddr;
+
+fn pod() -> PodId {
+    PodId(SocketAddr::from(([127, 0, 0, 1], 1)))
+}
+
+fn stored(blocks: usize, tier: Tier, tokens: bool) -> EventBatch {
+    let token_ids: Vec<u32> = if tokens {
+        (0..blocks as u32 * 4).collect()
+    } else {
+        Vec::new()
+    };
+    EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks as u64).map(EngineHash).collect(),
+            token_ids,
+            block_size: Some(4),
+            tier,
+            extra: vec![BlockExtra::default(); blocks],
+            ..BlockStored::default()
+        })],
+        dp_rank: None,
+    }
+}
+
+#[test]
+fn a_pod_cannot_grow_past_its_limit() {
+    let index = PrefixIndex::new(IndexConfig {
+        max_blocks_per_pod: 1000,
+        ..IndexConfig::default()
+    });
+    index.set_pod_capacity(pod(), 4); // 4 × 2 + 64 = 72
+    let stats = index.apply_batch(pod(), "m", &stored(100, Tier::Gpu, true));
+    assert_eq!(index.pod_entries(pod()), 72);
+    assert_eq!(stats.capacity_drops, 28);
+    // The hard cap wins over a huge learned capacity.
+    index.set_pod_capacity(pod(), 1 << 30);
+    index.clear_pod(pod());
+    index.apply_batch(pod(), "m", &stored(1200, Tier::Gpu, true));
+    assert_eq!(index.pod_entries(pod()), 1000);
+}
+
+#[test]
+fn tiers_clear_separately_and_offload_copies_resolve_by_hash() {
+    let index = PrefixIndex::new(IndexConfig::default());
+    index.apply_batch(pod(), "m", &stored(3, Tier::Gpu, true));
+    // CPU copies announced without tokens are keyed through the GPU entries.
+    let stats = index.apply_batch(pod(), "m", &stored(3, Tier::Cpu, false));
+    assert_eq!((stats.blocks_added, stats.orphan_blocks), (3, 0));
+    assert_eq!(index.pod_entries(pod()), 6);
+    let tokens: Vec<u32> = (0..12).collect();
+    let context = KeyContext::model("m");
+    let found = &index.match_prefix(&context, &tokens, &[pod()])[0];
+    assert_eq!((found.matched_blocks, found.weighted_blocks), (3, 3.0));
+    let clear_gpu = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::AllBlocksCleared {
+            tier: Some(Tier::Gpu),
+        }],
+        dp_rank: None,
+    };
+    index.apply_batch(pod(), "m", &clear_gpu);
+    assert_eq!(index.pod_entries(pod()), 3);
+    let found = &index.match_prefix(&context, &tokens, &[pod()])[0];
+    assert_eq!(found.matched_blocks, 3);
+    assert!((found.weighted_blocks - 2.4).abs() < 1e-9, "cpu weight 0.8");
+    // Copies of unknown hashes cannot be keyed.
+    let stats = index.apply_batch(pod(), "m", &stored(5, Tier::Other, false));
+    assert_eq!(stats.orphan_blocks, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn walks_over_many_pods_give_each_its_own_run_and_tier_weight() {
+    // 130 pods (three bitset words): pod i holds the first i % 10 + 1 blocks of a 12-block
+    // prompt, in GPU (even i) or CPU (odd i); the last pod holds it only speculatively.
+    let index = PrefixIndex::new(IndexConfig::default());
+    let pods: Vec<PodId> = (0..130u16)
+        .map(|i| {
+            PodId(SocketAddr::from((
+                [10, 0, (i / 200) as u8, (i % 200) as u8],
+                8000,
+            )))
+        })
+        .collect();
+    let tokens: Vec<u32> = (0..48).map(|t| t * 3 + 1).collect();
+    for (i, pod) in pods.iter().enumerate().take(129) {
+        let blocks = i % 10 + 1;
+        let mut batch = stored(blocks, if i % 2 == 0 { Tier::Gpu } else { Tier::Cpu }, true);
+        if let Some(KvEvent::BlockStored(stored)) = batch.events.first_mut() {
+            stored.token_ids = tokens[..blocks * 4].to_vec();
+        }
+        index.apply_batch(*pod, "m", &batch);
+    }
+    let last = pods[129];
+    index.set_pod_block_size(last, 4);
+    index.apply_batch(
+        last,
+        "m",
+        &EventBatch {
+            ts: 0.0,
+            events: vec![],
+            dp_rank: None,
+        },
+    );
+    let context = KeyContext::model("m");
+    index.record_routed(last, &context, &tokens);
+    let lookup = index.lookup(&context, &tokens, &pods);
+    for (i, found) in lookup.matches.iter().enumerate().take(129) {
+        let blocks = i % 10 + 1;
+        let weight = if i % 2 == 0 { 1.0 } else { 0.8 };
+        assert_eq!(found.matched_blocks, blocks, "pod {i}");
+        assert!(
+            (found.weighted_blocks - blocks as f64 * weight).abs() < 1e-9,
+            "pod {i}"
+        );
+        assert_eq!(lookup.confirmed_run(found.pod, 4), blocks);
+    }
+    assert_eq!(lookup.matches[129].matched_blocks, 12);
+    assert_eq!(lookup.matches[129].weighted_blocks, 12.0);
+    assert_eq!(lookup.confirmed_run(last, 4), 0, "speculative from block 0");
+    // A candidate unknown to the index holds nothing.
+    let stranger = PodId(SocketAddr::from(([10, 9, 9, 9], 1)));
+    let found = index.match_prefix(&context, &tokens, &[stranger, pods[9]]);
+    assert_eq!((found[0].matched_blocks, found[1].matched_blocks), (0, 10));
+}
