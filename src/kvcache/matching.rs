@@ -276,6 +276,10 @@ struct Walk {
     /// Scratch per block: holders per tier (see `blockmap::More::bits`), speculative holders.
     held: Vec<u64>,
     speculative: Vec<u64>,
+    /// The previous block's holder bits, when it took the bitset path without speculation:
+    /// a block with the same holders changes nothing (the usual case inside a shared prefix).
+    previous_held: Vec<u64>,
+    previous_valid: bool,
     /// Blocks the surviving candidates have run through.
     walked: usize,
     speculation: Option<Instant>,
@@ -330,6 +334,8 @@ impl Walk {
             speculative_seen: vec![0; words],
             held: vec![0; words * TIERS],
             speculative: vec![0; words],
+            previous_held: vec![0; words * TIERS],
+            previous_valid: false,
             walked: 0,
             speculation: (!index.speculative.is_empty()).then(Instant::now),
         }
@@ -471,8 +477,22 @@ impl Walk {
                 false
             }
             HeldBy::One { slot, tier } => self.step_one(slot as usize, tier as usize, i),
-            HeldBy::Many => self.step_many(i, any_speculative),
+            HeldBy::Many
+                if !any_speculative && self.previous_valid && self.held == self.previous_held =>
+            {
+                // Same holders as the previous block, which left every alive slot holding it
+                // in the same tier class: nothing changes.
+                true
+            }
+            HeldBy::Many => {
+                let on_run = self.step_many(i, any_speculative);
+                if !any_speculative {
+                    self.previous_held.copy_from_slice(&self.held);
+                }
+                on_run
+            }
         };
+        self.previous_valid = matches!(held_by, HeldBy::Many) && !any_speculative;
         if on_run {
             self.walked = i + 1;
         }
