@@ -400,6 +400,7 @@ pub(crate) enum BlockMapReader<'a> {
 }
 
 impl BlockMapReader<'_> {
+    #[cfg(test)]
     /// Calls `visit` for each holder of `key`; false when it has none.
     #[inline]
     pub(crate) fn visit(&self, key: BlockKey, visit: impl FnMut(Holder)) -> bool {
@@ -416,9 +417,13 @@ impl BlockMapReader<'_> {
 
     /// Whether `slot` holds `key` in any tier.
     pub(crate) fn holds(&self, key: BlockKey, slot: u32) -> bool {
-        let mut held = false;
-        self.visit(key, |h| held |= h.slot == slot);
-        held
+        let shard = shard_of(key.0);
+        match self {
+            BlockMapReader::PerKey(map) => map.holds(key, slot),
+            BlockMapReader::Held(guards) => guards
+                .get(shard)
+                .is_some_and(|guard| guard.holds(key.0, slot)),
+        }
     }
 
     /// Who holds `key` (several holders: per-tier bits in `scratch`, see [`HeldBy`]).

@@ -498,12 +498,25 @@ impl PrefixIndex {
         tokens: &[u32],
         lookup: &mut PrefixLookup,
     ) {
+        let (chain, held) = self.record_start(pod, context, lookup);
+        self.record_routed_chain(pod, tokens, chain, held);
+    }
+
+    /// Where a routing record of `pod` after `lookup` starts: the lookup's key chain at the
+    /// pod's block size (taken out of it) and the pod's confirmed run, for
+    /// [`Self::record_routed_chain`] (e.g. on another thread).
+    pub fn record_start(
+        &self,
+        pod: PodId,
+        context: &KeyContext,
+        lookup: &mut PrefixLookup,
+    ) -> (KeyChain, usize) {
         let size = self.block_size_for(pod);
         let held = lookup.confirmed_run(pod, size);
         let chain = lookup
             .take_chain(size)
             .unwrap_or_else(|| KeyChain::new(context.seed(), size));
-        self.record_routed_chain(pod, tokens, chain, held);
+        (chain, held)
     }
 
     /// Records `pod` as holding `tokens`' blocks from block `held` on (the ones before are

@@ -573,11 +573,7 @@ impl ConfiguredScheduler {
                 // more than writing a few hundred speculative entries.
                 match (&self.recorder, lookup.as_mut()) {
                     (Some(recorder), Some(lookup)) if tokens.len() > INLINE_RECORD_TOKENS => {
-                        let size = index.block_size_for(primary);
-                        let held = lookup.confirmed_run(primary, size);
-                        let chain = lookup
-                            .take_chain(size)
-                            .unwrap_or_else(|| KeyChain::new(context.seed(), size));
+                        let (chain, held) = index.record_start(primary, context, lookup);
                         let record = RouteRecord {
                             pod: primary,
                             prompt: Arc::clone(&cycle.request.prompt),
