@@ -1,6 +1,7 @@
 //! The ext-proc stream state machine, driven through its real gRPC interface by a plain
 //! client (no Envoy): ordering, truncation, aborts, limits, subset hints.
 
+mod support;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,8 +15,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::EndpointState;
 use kvpick::endpoints::{Datastore, Endpoint};
+use kvpick::extproc::StreamContext;
 use kvpick::extproc::admission::Admission;
-use kvpick::extproc::{ExtProcService, StreamContext};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{LeastInFlight, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use kvpick::scheduling::{MetricsSource, SaturationConfig, SaturationDetector};
@@ -114,18 +115,7 @@ async fn start(options: Options) -> Harness {
         body_budget: Arc::clone(&budget),
         max_body_bytes: options.max_body,
     });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(ExtProcService::new(ctx).into_server())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connect");
+    let client = support::extproc::serve(ctx).await;
     Harness {
         client,
         datastore,

@@ -2,6 +2,7 @@
 //! client (no Envoy): what the headers reply carries besides the destination — the score
 //! tracing of `--emit-endpoint-scores` and, under P/D disaggregation, the prefill endpoint.
 
+mod support;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,8 +16,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
+use kvpick::extproc::StreamContext;
 use kvpick::extproc::admission::Admission;
-use kvpick::extproc::{ExtProcService, StreamContext};
 use kvpick::kvcache::{IndexConfig, PrefixIndex};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{
@@ -120,18 +121,7 @@ async fn start(
         body_budget: Arc::new(Semaphore::new(1 << 20)),
         max_body_bytes: 1 << 20,
     });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(ExtProcService::new(ctx).into_server())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connect");
+    let client = support::extproc::serve(ctx).await;
     Harness {
         client,
         scheduler,

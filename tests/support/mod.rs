@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod envoy;
+pub mod extproc;
 pub mod http;
 pub mod kvpick;
 
