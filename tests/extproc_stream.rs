@@ -2,9 +2,11 @@
 //! client (no Envoy): ordering, truncation, aborts, limits, subset hints.
 
 mod support;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use support::extproc::headers;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -197,23 +199,6 @@ impl Stream {
             Ok(other) => panic!("expected a gRPC error, got {other:?}"),
         }
     }
-}
-
-fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
-    Request::RequestHeaders(HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: (*k).to_owned(),
-                    raw_value: v.as_bytes().to_vec(),
-                    ..Default::default()
-                })
-                .collect(),
-        }),
-        end_of_stream,
-        ..Default::default()
-    })
 }
 
 fn post_headers() -> Request {

@@ -3,19 +3,20 @@
 //! tracing of `--emit-endpoint-scores` and, under P/D disaggregation, the prefill endpoint.
 
 mod support;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::metrics::FakeMetrics;
+
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
+    HttpBody, ProcessingRequest, ProcessingResponse, processing_request::Request,
     processing_response::Response,
 };
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 use kvpick::config::picker_config::load;
-use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
+use kvpick::endpoints::{Datastore, Endpoint, EndpointState};
 use kvpick::extproc::StreamContext;
 use kvpick::extproc::admission::Admission;
 use kvpick::kvcache::{IndexConfig, PrefixIndex};
@@ -24,40 +25,10 @@ use kvpick::scheduling::{
     ConfiguredScheduler, MetricsSource, SaturationConfig, SaturationDetector, SchedulerConfig,
     SchedulerDeps, SchedulingRequest,
 };
-use kvpick::scrape::{PodMetrics, ScrapeStatus};
 use kvpick::telemetry::EppMetrics;
 use kvpick::tokenize::{PromptTokens, Tokenizers, TokenizersConfig};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
-
-#[derive(Default)]
-struct Metrics(Mutex<HashMap<PodId, ScrapeStatus>>);
-
-impl Metrics {
-    fn set(&self, pod: PodId, waiting: f64, kv: f64) {
-        let status = ScrapeStatus {
-            metrics: Some(PodMetrics {
-                waiting,
-                kv_usage: kv,
-                ..PodMetrics::default()
-            }),
-            fetched_at: Some(Instant::now() + Duration::from_secs(3600)),
-            ..ScrapeStatus::default()
-        };
-        self.0.lock().expect("lock").insert(pod, status);
-    }
-}
-
-impl MetricsSource for Metrics {
-    fn status(&self, pod: PodId) -> ScrapeStatus {
-        self.0
-            .lock()
-            .expect("lock")
-            .get(&pod)
-            .cloned()
-            .unwrap_or_default()
-    }
-}
 
 struct Harness {
     client: ExternalProcessorClient<tonic::transport::Channel>,
@@ -86,9 +57,15 @@ async fn start(
             .collect(),
     );
     let pods = datastore.snapshot().endpoints.clone();
-    let metrics = Arc::new(Metrics::default());
+    let metrics = Arc::new(FakeMetrics::default());
     for (i, pod) in pods.iter().enumerate() {
-        metrics.set(pod.id(), i as f64 * 2.0, 0.1 * i as f64);
+        metrics.set_at(
+            pod.id(),
+            i as f64 * 2.0,
+            0.0,
+            0.1 * i as f64,
+            Instant::now() + Duration::from_secs(3600),
+        );
     }
     let scheduler = Arc::new(
         ConfiguredScheduler::new(
@@ -141,20 +118,7 @@ async fn route(h: &mut Harness, extra: &[(&str, &str)], body: &[u8]) -> Processi
     let mut headers = vec![(":method", "POST"), (":path", "/v1/completions")];
     headers.extend_from_slice(extra);
     let messages = [
-        Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: headers
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: (*k).to_owned(),
-                        raw_value: v.as_bytes().to_vec(),
-                        ..Default::default()
-                    })
-                    .collect(),
-            }),
-            end_of_stream: false,
-            ..Default::default()
-        }),
+        support::extproc::headers(&headers, false),
         Request::RequestBody(HttpBody {
             body: body.to_vec(),
             end_of_stream: true,

@@ -1,8 +1,8 @@
 //! The configured scheduler end to end on hand-built pod states: a real prefix index fed by
 //! KV-event batches, metrics through the `MetricsSource` seam, real in-flight counters.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpick::config::picker_config::load;
@@ -10,51 +10,21 @@ use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
 use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 use kvpick::scheduling::{
-    ConfiguredScheduler, MetricsSource, ScheduleError, Scheduler, SchedulerConfig, SchedulerDeps,
+    ConfiguredScheduler, ScheduleError, Scheduler, SchedulerConfig, SchedulerDeps,
     SchedulingRequest,
 };
-use kvpick::scrape::{PodMetrics, ScrapeStatus};
 use kvpick::tokenize::{ApproximatePrompt, ApproximateReason, PromptTokens};
 
+mod support;
+
+use support::metrics::FakeMetrics;
+
 const BLOCK: usize = 16;
-
-#[derive(Default)]
-struct Metrics(Mutex<HashMap<PodId, ScrapeStatus>>);
-
-impl Metrics {
-    fn set(&self, pod: PodId, waiting: f64, running: f64, kv: f64) {
-        self.set_at(pod, waiting, running, kv, Instant::now());
-    }
-    fn set_at(&self, pod: PodId, waiting: f64, running: f64, kv: f64, at: Instant) {
-        let status = ScrapeStatus {
-            metrics: Some(PodMetrics {
-                waiting,
-                running,
-                kv_usage: kv,
-                ..PodMetrics::default()
-            }),
-            fetched_at: Some(at),
-            ..ScrapeStatus::default()
-        };
-        self.0.lock().expect("lock").insert(pod, status);
-    }
-}
-
-impl MetricsSource for Metrics {
-    fn status(&self, pod: PodId) -> ScrapeStatus {
-        self.0
-            .lock()
-            .expect("lock")
-            .get(&pod)
-            .cloned()
-            .unwrap_or_default()
-    }
-}
 
 struct Fixture {
     pods: Vec<Arc<EndpointState>>,
     index: Arc<PrefixIndex>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<FakeMetrics>,
 }
 
 impl Fixture {
@@ -76,7 +46,7 @@ impl Fixture {
                 })
                 .collect(),
         );
-        let metrics = Arc::new(Metrics::default());
+        let metrics = Arc::new(FakeMetrics::default());
         let pods = store.snapshot().endpoints.clone();
         for p in &pods {
             metrics.set(p.id(), 0.0, 0.0, 0.1);

@@ -2,7 +2,10 @@
 
 use std::sync::Arc;
 
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use kvpick::extproc::{ExtProcService, StreamContext};
 use tonic::transport::Channel;
 
@@ -21,4 +24,22 @@ pub async fn serve(ctx: Arc<StreamContext>) -> ExternalProcessorClient<Channel> 
     ExternalProcessorClient::connect(format!("http://{addr}"))
         .await
         .expect("connect")
+}
+
+/// A `RequestHeaders` message carrying `pairs`.
+pub fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
+    Request::RequestHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: (*k).to_owned(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+        end_of_stream,
+        ..Default::default()
+    })
 }

@@ -12,6 +12,7 @@ pub mod envoy;
 pub mod extproc;
 pub mod http;
 pub mod kvpick;
+pub mod metrics;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
