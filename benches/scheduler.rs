@@ -1,12 +1,15 @@
 //! Scheduler decision time (p50/p99) for 8, 64 and 256 pods with a 32k-token prompt,
 //! excluding tokenization: the prefix index is pre-populated from KV-event batches, the
-//! prompts are token ids already. One decision = `ConfiguredScheduler::pick`, which includes
-//! reading metrics and in-flight counts, the prefix match, every scorer, the picker and the
-//! routing record (`PrefixIndex::record_routed`). The index's own `match_prefix` is timed
-//! alone too, to separate index cost from scheduler overhead, and the recommended profile
-//! with the routing record on a background thread (`with_background_recording`).
+//! prompts are token ids already. One decision = `Scheduler::pick_deferred` as the ext-proc
+//! path calls it: reading metrics and in-flight counts, the prefix match (keying the prompt's
+//! blocks included), every scorer and the picker. The routing record it returns (the
+//! speculative entries written after the reply is sent) is applied outside the timed part and
+//! timed on its own ("record after reply"); `pick` (decision and record back to back) is
+//! timed too. The index's own `match_prefix` is timed alone, to separate index cost from
+//! scheduler overhead.
 //!
-//! Run: `cargo bench --bench scheduler` (prints a table; goal p99 ≤ 50 µs at 64 pods).
+//! Run: `cargo bench --bench scheduler` (prints a table; goal p99 ≤ 50 µs at 64 pods);
+//! `KVPICK_BENCH_PODS=64` limits it to one pool size.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -14,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
-use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
+use kvpick::kvcache::{IndexConfig, KeyChain, KeyContext, PrefixIndex};
 use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 use kvpick::scheduling::{
     ConfiguredScheduler, MetricsSource, Scheduler, SchedulerConfig, SchedulerDeps,
@@ -46,6 +49,12 @@ impl MetricsSource for Frozen {
         status.fetched_at = Some(Instant::now());
         status
     }
+}
+
+fn keys(prompt: &[u32], block_size: u32) -> KeyChain {
+    let mut chain = KeyChain::new(KeyContext::model("m").seed(), block_size);
+    chain.extend_to(prompt, usize::MAX);
+    chain
 }
 
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -133,6 +142,8 @@ fn setup(n: usize) -> Setup {
                 target_model: Some("m".into()),
                 key_context: Some(KeyContext::model("m")),
                 body_bytes: PROMPT_TOKENS * 4,
+                // As the request path computes them with the tokens (`extproc::prepare`).
+                block_keys: Some(Arc::new(keys(&prompt, index.typical_block_size()))),
                 prompt: Arc::new(PromptTokens::Exact(prompt)),
                 ..SchedulingRequest::default()
             }
@@ -176,7 +187,14 @@ fn main() {
         "scheduler decision time, {PROMPT_TOKENS}-token prompt ({SHARED_TOKENS} shared), {ITERATIONS} picks"
     );
     println!("{:>5}  {:<26} {:>10} {:>10}", "pods", "what", "p50", "p99");
-    for n in [8, 64, 256] {
+    // `KVPICK_BENCH_PODS=64` runs one pool size (e.g. under `perf record`).
+    let only: Option<usize> = std::env::var("KVPICK_BENCH_PODS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    for n in [8, 64, 256]
+        .into_iter()
+        .filter(|n| only.is_none_or(|o| o == *n))
+    {
         let s = setup(n);
         let ids: Vec<PodId> = s.pods.iter().map(|p| p.id()).collect();
         let (p50, p99) = measure(|i| {
@@ -191,16 +209,36 @@ fn main() {
         );
         let mut load_only = SchedulerConfig::gie_default();
         load_only.scorers.retain(|w| !w.scorer.needs_prefix());
-        for (name, config) in [
-            ("queue+kv pick (no prefix)", load_only),
-            ("gie-default pick", SchedulerConfig::gie_default()),
+        // Without the request's keys, the decision keys the prompt itself.
+        let unkeyed: Vec<SchedulingRequest> = s
+            .requests
+            .iter()
+            .map(|r| SchedulingRequest {
+                block_keys: None,
+                ..r.clone()
+            })
+            .collect();
+        for (name, config, requests) in [
+            ("queue+kv pick (no prefix)", load_only, &s.requests),
             (
-                "kvpick-recommended pick",
-                SchedulerConfig::kvpick_recommended(),
+                "gie-default decision",
+                SchedulerConfig::gie_default(),
+                &s.requests,
             ),
             (
-                "recommended (bg record)",
+                "  same, keying inside",
+                SchedulerConfig::gie_default(),
+                &unkeyed,
+            ),
+            (
+                "recommended decision",
                 SchedulerConfig::kvpick_recommended(),
+                &s.requests,
+            ),
+            (
+                "  same, keying inside",
+                SchedulerConfig::kvpick_recommended(),
+                &unkeyed,
             ),
         ] {
             let deps = SchedulerDeps {
@@ -208,18 +246,38 @@ fn main() {
                 metrics: s.metrics.clone(),
             };
             let scheduler = ConfiguredScheduler::new(config, deps, 0);
-            let scheduler = if name.ends_with("(bg record)") {
-                scheduler
-                    .with_background_recording(1024)
-                    .expect("recorder thread")
-            } else {
-                scheduler
-            };
+            // The decision as the ext-proc path times it, then its record, timed apart.
+            let mut decisions = Vec::with_capacity(ITERATIONS);
+            let mut records = Vec::with_capacity(ITERATIONS);
+            for i in 0..ITERATIONS + ITERATIONS / 10 {
+                let r = &requests[i % requests.len()];
+                let started = Instant::now();
+                let decided = scheduler.pick_deferred(r, &s.pods).ok();
+                let decided_at = Instant::now();
+                if let Some((pick, record)) = decided {
+                    black_box(pick);
+                    record.apply();
+                }
+                if i >= ITERATIONS / 10 {
+                    decisions.push(decided_at - started);
+                    records.push(decided_at.elapsed());
+                }
+            }
+            let (d50, d99) = percentiles(decisions);
+            let (r50, r99) = percentiles(records);
+            println!("{n:>5}  {name:<26} {d50:>10.1?} {d99:>10.1?}");
+            println!(
+                "{n:>5}  {:<26} {r50:>10.1?} {r99:>10.1?}",
+                "  then record after reply"
+            );
             let (p50, p99) = measure(|i| {
-                let r = &s.requests[i % s.requests.len()];
+                let r = &requests[i % requests.len()];
                 black_box(scheduler.pick(r, &s.pods).ok());
             });
-            println!("{n:>5}  {name:<26} {p50:>10.1?} {p99:>10.1?}");
+            println!(
+                "{n:>5}  {:<26} {p50:>10.1?} {p99:>10.1?}",
+                "  pick (both back to back)"
+            );
         }
         // Last: recording to every pod adds speculative holders that slow later matches.
         let (p50, p99) = measure(|i| {

@@ -462,40 +462,41 @@ fn offloaded_blocks_save_less_than_gpu_blocks() {
 }
 
 #[test]
-fn background_recording_lands_shortly_after_the_pick() {
+fn a_deferred_record_lands_when_applied_or_dropped() {
     let f = Fixture::new(3);
-    let scheduler = f
-        .scheduler(SchedulerConfig::gie_default(), 0)
-        .with_background_recording(64)
-        .expect("recorder thread");
-    let prompt = tokens(21, 640);
-    let first = scheduler
-        .pick(&exact(prompt.clone()), &f.pods)
-        .expect("pick")
-        .primary;
-    // Readiness poll with a deadline: the recorder thread applies the record asynchronously.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let explanation = scheduler.explain(&exact(prompt.clone()), &f.pods);
-        let cached = explanation
+    let scheduler = f.scheduler(SchedulerConfig::gie_default(), 0);
+    let cached_on = |prompt: &[u32], pod: PodId| {
+        scheduler
+            .explain(&exact(prompt.to_vec()), &f.pods)
             .candidates
             .iter()
-            .find(|c| c.address == first.to_string())
-            .map_or(0.0, |c| c.cached_tokens);
-        if cached >= 640.0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "record never applied");
-        std::thread::yield_now();
-    }
+            .find(|c| c.address == pod.to_string())
+            .map_or(0.0, |c| c.cached_tokens)
+    };
+    let prompt = tokens(21, 640);
+    let (pick, record) = scheduler
+        .pick_deferred(&exact(prompt.clone()), &f.pods)
+        .expect("pick");
+    assert!(!record.is_empty());
+    // Not recorded until applied: the decision itself does not write the index.
+    assert_eq!(cached_on(&prompt, pick.primary), 0.0);
+    record.apply();
+    assert_eq!(cached_on(&prompt, pick.primary), 640.0);
     assert_eq!(
         scheduler
             .pick(&exact(prompt), &f.pods)
             .expect("pick")
             .primary,
-        first
+        pick.primary
     );
-    assert_eq!(scheduler.recording_drops(), 0);
+    // A record nobody applies is applied when dropped.
+    let other = tokens(22, 320);
+    let (pick, record) = scheduler
+        .pick_deferred(&exact(other.clone()), &f.pods)
+        .expect("pick");
+    assert_eq!(cached_on(&other, pick.primary), 0.0);
+    drop(record);
+    assert_eq!(cached_on(&other, pick.primary), 320.0);
 }
 
 /// llm-d's P/D config with `threshold` uncached tokens.

@@ -128,14 +128,8 @@ pub async fn serve(
             },
             config.max_fallbacks,
         )
-        // Speculative index entries are written off the request path (bounded queue).
         .with_plugin_metrics(&registry)?
-        .with_score_trace(config.emit_endpoint_scores)
-        .with_background_recording(ROUTING_RECORD_QUEUE)
-        .map_err(|e| ServeError::Server {
-            server: "routing recorder",
-            message: e.to_string(),
-        })?,
+        .with_score_trace(config.emit_endpoint_scores),
     );
     let prefill_profile = match &config.picker.scheduler.handler {
         crate::scheduling::ProfileHandlerSpec::Single => None,
@@ -258,8 +252,6 @@ pub async fn serve(
     result
 }
 
-/// Routing records queued for the background writer before new ones are dropped (counted).
-const ROUTING_RECORD_QUEUE: usize = 4096;
 /// How often flow control re-checks capacity for queued requests.
 const FLOW_DISPATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 

@@ -1,12 +1,15 @@
-//! The CPU-heavy part of a request: parse the body, apply a model rewrite, tokenize.
+//! The CPU-heavy part of a request: parse the body, apply a model rewrite, tokenize, and key
+//! the prompt's blocks for the prefix index (so the decision does not hash a long prompt).
 //!
 //! Runs on the blocking pool (a cold 400 KB chat prompt costs tens of milliseconds), never on
 //! the task that drives the gRPC stream.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use super::meta::RequestMeta;
-use crate::kvcache::KeyContext;
+use crate::kvcache::{KeyChain, KeyContext};
 use crate::request::{self, ModelRewriteRules, RequestError};
 use crate::tokenize::{PromptTokens, Tokenizers};
 
@@ -23,17 +26,21 @@ pub struct Prepared {
     pub key_context: KeyContext,
     /// The prompt as the model server will tokenize it.
     pub prompt: PromptTokens,
+    /// The prompt's block keys, when a block size was asked for and the prompt is exact.
+    pub block_keys: Option<Arc<KeyChain>>,
     /// Whether the client asked for an SSE stream.
     pub stream: bool,
 }
 
 /// Parses `body` (sent to `meta.path`), rewrites its model if asked (the
-/// `x-gateway-model-name-rewrite` header, else the first matching rule), and tokenizes it.
+/// `x-gateway-model-name-rewrite` header, else the first matching rule), tokenizes it, and
+/// keys its blocks at `key_block_size` when given.
 pub fn prepare(
     tokenizers: &Tokenizers,
     rules: &ModelRewriteRules,
     meta: &RequestMeta,
     body: &[u8],
+    key_block_size: Option<u32>,
 ) -> Result<Prepared, RequestError> {
     let path = meta.path.split('?').next().unwrap_or_default();
     let mut parsed = request::parse(path, body)?;
@@ -66,12 +73,21 @@ pub fn prepare(
             cache_salt: parsed.cache_salt.clone(),
         },
     };
+    let block_keys = match (&prompt, key_block_size) {
+        (PromptTokens::Exact(tokens), Some(size)) => {
+            let mut chain = KeyChain::new(key_context.seed(), size);
+            chain.extend_to(tokens, usize::MAX);
+            Some(Arc::new(chain))
+        }
+        _ => None,
+    };
     Ok(Prepared {
         client_model,
         target_model,
         rewritten_body,
         key_context,
         prompt,
+        block_keys,
         stream: parsed.stream,
     })
 }

@@ -74,6 +74,12 @@ impl Driver {
             if let Some(reply) = self.pending.pop_front() {
                 return Some(Ok(reply));
             }
+            // The decision's replies are all handed to the connection: let it send them (one
+            // yield), then write the pick's routing record on this task.
+            if let Some(record) = self.stream.take_record() {
+                tokio::task::yield_now().await;
+                record.apply();
+            }
             // Answered (immediate response) or passed through to the end: close our side so
             // neither end holds the stream open.
             if self.finished || self.stream.is_done() {

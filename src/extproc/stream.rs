@@ -31,7 +31,7 @@ use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId};
 use crate::request::ModelRewriteRules;
-use crate::scheduling::{ScheduleError, Scheduler, SchedulingRequest};
+use crate::scheduling::{PendingRecord, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
 use crate::tokenize::{PromptTokens, Tokenizers};
 
@@ -129,6 +129,9 @@ pub struct RequestStream {
     /// Where the request went and under which model labels, for the usage metrics.
     routed: Option<Routed>,
     usage: UsageTail,
+    /// The pick's routing record, applied once the decision's replies are sent
+    /// ([`Self::take_record`]).
+    record: Option<PendingRecord>,
 }
 
 struct Routed {
@@ -153,7 +156,14 @@ impl RequestStream {
             response: ResponseBody::PassThrough,
             routed: None,
             usage: UsageTail::default(),
+            record: None,
         }
+    }
+
+    /// The routing record of the pick, for the driver to apply after sending the replies
+    /// [`Self::decide`] returned (see `crate::scheduling::PendingRecord`).
+    pub fn take_record(&mut self) -> Option<PendingRecord> {
+        self.record.take()
     }
 
     /// Whether the request was answered or passed through to its end.
@@ -314,12 +324,16 @@ impl RequestStream {
         // NOTE: a small body tokenizes in well under a millisecond (tens of microseconds when
         // its prefix is cached), less than the two thread hand-offs of the blocking pool
         // cost in latency and CPU; only large bodies are worth moving off the async worker.
+        // The prompt's block keys are computed here too, with the tokens: off the async worker
+        // for a large body, and out of the decision.
+        let key_block_size = self.ctx.scheduler.key_block_size();
         if self.body.len() <= INLINE_PREPARE_BYTES {
             let prepared = prepare(
                 &self.ctx.tokenizers,
                 &self.ctx.model_rewrites,
                 &self.meta,
                 &self.body,
+                key_block_size,
             )?;
             return Ok(Some(prepared));
         }
@@ -328,7 +342,7 @@ impl RequestStream {
         let rules = Arc::clone(&self.ctx.model_rewrites);
         let meta = self.meta.clone();
         let work = tokio::task::spawn_blocking(move || {
-            let prepared = prepare(&tokenizers, &rules, &meta, &body);
+            let prepared = prepare(&tokenizers, &rules, &meta, &body, key_block_size);
             (prepared, body)
         });
         let (result, body) = work
@@ -370,31 +384,34 @@ impl RequestStream {
             };
             return Err((rejection, model));
         }
-        let (target_model, key_context, prompt) = match prepared.as_mut() {
+        let (target_model, key_context, prompt, block_keys) = match prepared.as_mut() {
             // The token ids move into the Arc the scheduler shares (no copy of a long prompt);
             // what the reply still needs of `prepared` is the body, model names and `stream`.
             Some(p) => (
                 Some(p.target_model.clone()),
                 Some(p.key_context.clone()),
                 Arc::new(std::mem::replace(&mut p.prompt, PromptTokens::Empty)),
+                p.block_keys.take(),
             ),
-            None => (None, None, Arc::new(PromptTokens::Empty)),
+            None => (None, None, Arc::new(PromptTokens::Empty), None),
         };
         let request = SchedulingRequest {
             model: model.clone(),
             target_model: target_model.clone(),
             key_context,
             prompt,
+            block_keys,
             body_bytes: self.body.len(),
             priority,
             fairness_id: self.meta.fairness_id.clone(),
             session_id: self.meta.session_id.clone(),
         };
-        let pick = self
+        let (pick, record) = self
             .ctx
             .scheduler
-            .pick(&request, &candidates)
+            .pick_deferred(&request, &candidates)
             .map_err(|e| (e.into(), model.clone()))?;
+        self.record = (!record.is_empty()).then_some(record);
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
             self.in_flight = Some(primary.in_flight.start());
         }

@@ -26,6 +26,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use hashbrown::HashTable;
 
 use super::key::{BlockKey, PrehashedState};
+use super::span::{SPAN_BITS, SpanRef};
 use crate::kvevents::Tier;
 
 /// Number of shards (a power of two).
@@ -33,31 +34,90 @@ pub(crate) const SHARDS: usize = 32;
 const SHARD_SHIFT: u32 = 64 - SHARDS.trailing_zeros();
 
 /// One (pod slot, tier) holding a block, with how many of the pod's engine hashes in that
-/// tier map to it (usually 1).
+/// tier map to it (usually 1), and its place in the pod's spans (see [`super::span`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Holder {
     pub(crate) slot: u32,
     pub(crate) refs: u16,
     pub(crate) tier: u8,
+    pub(crate) span: SpanRef,
 }
 
-/// A block with its first holder inline; `more` says whether `Shard::more` lists others.
+/// Pod slots a holder can name.
+pub(crate) const MAX_SLOTS: u32 = 1 << SLOT_BITS;
+const SLOT_BITS: u32 = 20;
+const TIER_SHIFT: u32 = SLOT_BITS;
+const MORE_BIT: u32 = TIER_SHIFT + 2;
+const REFS_SHIFT: u32 = MORE_BIT + 1;
+/// References beyond this saturate (see [`Holder::pack`]).
+const MAX_REFS: u16 = 0xff;
+const OFFSET_SHIFT: u32 = REFS_SHIFT + 8;
+const SPAN_SHIFT: u32 = OFFSET_SHIFT + 16;
+const _: () = assert!(SPAN_SHIFT + SPAN_BITS == 64);
+
+impl Holder {
+    /// Packs into one word: slot (20 bits), tier (2), the entry's `more` flag (1), refs (8),
+    /// span offset (16), span id (17).
+    ///
+    /// NOTE: references saturate at 255 (the engine would have to store one hash 255 times
+    /// without removing it); a saturated holder leaves 255 removals later, too early — a
+    /// false negative, never a false positive. Slots are bounded by the index ([`MAX_SLOTS`]).
+    #[inline]
+    fn pack(self, more: bool) -> u64 {
+        u64::from(self.slot & (MAX_SLOTS - 1))
+            | u64::from(self.tier & 3) << TIER_SHIFT
+            | u64::from(more) << MORE_BIT
+            | u64::from(self.refs.min(MAX_REFS)) << REFS_SHIFT
+            | u64::from(self.span.offset) << OFFSET_SHIFT
+            | u64::from(self.span.id) << SPAN_SHIFT
+    }
+
+    #[inline]
+    fn unpack(word: u64) -> Holder {
+        Holder {
+            slot: (word & u64::from(MAX_SLOTS - 1)) as u32,
+            tier: (word >> TIER_SHIFT & 3) as u8,
+            refs: (word >> REFS_SHIFT & u64::from(MAX_REFS)) as u16,
+            span: SpanRef {
+                id: (word >> SPAN_SHIFT) as u32,
+                offset: (word >> OFFSET_SHIFT & 0xffff) as u16,
+            },
+        }
+    }
+
+    #[inline]
+    fn is(&self, slot: u32, tier: u8) -> bool {
+        self.slot == slot && self.tier == tier
+    }
+}
+
+/// A block with its first holder inline (packed, see [`Holder::pack`]); the holder's `more`
+/// bit says whether `Shard::more` lists others.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     key: u64,
-    slot: u32,
-    refs: u16,
-    tier: u8,
-    more: bool,
+    first: u64,
 }
 
 impl Entry {
+    #[inline]
     fn holder(&self) -> Holder {
-        Holder {
-            slot: self.slot,
-            refs: self.refs,
-            tier: self.tier,
-        }
+        Holder::unpack(self.first)
+    }
+
+    #[inline]
+    fn more(&self) -> bool {
+        self.first >> MORE_BIT & 1 == 1
+    }
+
+    #[inline]
+    fn set_holder(&mut self, holder: Holder) {
+        self.first = holder.pack(self.more());
+    }
+
+    #[inline]
+    fn set_more(&mut self, more: bool) {
+        self.first = self.holder().pack(more);
     }
 }
 
@@ -71,7 +131,8 @@ pub(crate) struct Shard {
 /// The holders of a block beyond its inline one, and bitsets over every holder's slot.
 #[derive(Default)]
 struct More {
-    rest: Vec<Holder>,
+    /// Packed holders ([`Holder::pack`]).
+    rest: Vec<u64>,
     /// Per tier words, interleaved: `[gpu₀, cpu₀, other₀, gpu₁, …]`; bit `s % 64` of triple
     /// `s / 64` is set when slot `s` holds the block in that tier.
     bits: Vec<u64>,
@@ -123,10 +184,12 @@ impl Shard {
             return false;
         };
         visit(entry.holder());
-        if entry.more
+        if entry.more()
             && let Some(more) = self.more.get(&key)
         {
-            more.rest.iter().copied().for_each(visit);
+            more.rest
+                .iter()
+                .for_each(|word| visit(Holder::unpack(*word)));
         }
         true
     }
@@ -138,7 +201,7 @@ impl Shard {
         let Some(entry) = self.find(key) else {
             return HeldBy::Nobody;
         };
-        if entry.more
+        if entry.more()
             && let Some(more) = self.more.get(&key)
         {
             let stored = more.bits.len().min(scratch.len());
@@ -147,9 +210,10 @@ impl Shard {
             tail.fill(0);
             return HeldBy::Many;
         }
+        let holder = entry.holder();
         HeldBy::One {
-            slot: entry.slot,
-            tier: entry.tier,
+            slot: holder.slot,
+            tier: holder.tier,
         }
     }
 
@@ -159,53 +223,67 @@ impl Shard {
         held
     }
 
-    /// Adds one reference; returns the holder's references after it (1 = a new holder).
-    fn add(&mut self, key: u64, slot: u32, tier: u8) -> u16 {
+    /// The span of (slot, tier) on `key`, when it holds it.
+    fn span_of(&self, key: u64, slot: u32, tier: u8) -> Option<SpanRef> {
+        let mut span = None;
+        self.visit(key, |h| {
+            if h.is(slot, tier) {
+                span = Some(h.span);
+            }
+        });
+        span
+    }
+
+    /// Adds one reference; returns the holder's references after it (1 = a new holder, which
+    /// took `span`) and its span.
+    fn add(&mut self, key: u64, slot: u32, tier: u8, span: SpanRef) -> (u16, SpanRef) {
         let hash = table_hash(key);
+        let new = Holder {
+            slot,
+            refs: 1,
+            tier,
+            span,
+        };
         let Some(entry) = self.blocks.find_mut(hash, |e| e.key == key) else {
             self.blocks.insert_unique(
                 hash,
                 Entry {
                     key,
-                    slot,
-                    refs: 1,
-                    tier,
-                    more: false,
+                    first: new.pack(false),
                 },
                 |e| table_hash(e.key),
             );
-            return 1;
+            return (1, span);
         };
-        if entry.slot == slot && entry.tier == tier {
-            entry.refs = entry.refs.saturating_add(1);
-            return entry.refs;
+        let mut first = entry.holder();
+        if first.is(slot, tier) {
+            first.refs = first.refs.saturating_add(1).min(MAX_REFS);
+            entry.set_holder(first);
+            return (first.refs, first.span);
         }
-        let first = entry.holder();
-        let was_single = !entry.more;
-        entry.more = true;
+        let was_single = !entry.more();
+        entry.set_more(true);
         let more = self.more.entry(key).or_default();
         if was_single {
             more.rest.clear();
             more.bits.clear();
             more.set_bit(first.slot, first.tier, true);
         }
-        match more
+        let found = more
             .rest
             .iter_mut()
-            .find(|h| h.slot == slot && h.tier == tier)
-        {
-            Some(holder) => {
-                holder.refs = holder.refs.saturating_add(1);
-                holder.refs
+            .find(|word| Holder::unpack(**word).is(slot, tier));
+        match found {
+            Some(word) => {
+                let mut holder = Holder::unpack(*word);
+                holder.refs = holder.refs.saturating_add(1).min(MAX_REFS);
+                *word = holder.pack(false);
+                (holder.refs, holder.span)
             }
             None => {
-                more.rest.push(Holder {
-                    slot,
-                    refs: 1,
-                    tier,
-                });
+                more.rest.push(new.pack(false));
                 more.set_bit(slot, tier, true);
-                1
+                (1, span)
             }
         }
     }
@@ -214,66 +292,70 @@ impl Shard {
     fn tier_refs(&self, key: u64, slot: u32, tier: u8) -> u16 {
         let mut refs = 0;
         self.visit(key, |h| {
-            if h.slot == slot && h.tier == tier {
+            if h.is(slot, tier) {
                 refs = h.refs;
             }
         });
         refs
     }
 
-    /// Drops one reference (or all of them with `all`); returns the references left, or
-    /// `None` when (slot, tier) did not hold `key`.
-    fn remove(&mut self, key: u64, slot: u32, tier: u8, all: bool) -> Option<u16> {
+    /// Drops one reference (or all of them with `all`); returns the references left and the
+    /// holder's span, or `None` when (slot, tier) did not hold `key`.
+    fn remove(&mut self, key: u64, slot: u32, tier: u8, all: bool) -> Option<(u16, SpanRef)> {
         let hash = table_hash(key);
         let Ok(mut occupied) = self.blocks.find_entry(hash, |e| e.key == key) else {
             return None;
         };
         let entry = occupied.get_mut();
-        if entry.slot == slot && entry.tier == tier {
-            entry.refs = if all { 0 } else { entry.refs.saturating_sub(1) };
-            if entry.refs > 0 {
-                return Some(entry.refs);
+        let mut first = entry.holder();
+        let span;
+        if first.is(slot, tier) {
+            span = first.span;
+            first.refs = if all { 0 } else { first.refs.saturating_sub(1) };
+            if first.refs > 0 {
+                entry.set_holder(first);
+                return Some((first.refs, span));
             }
             // The inline holder is gone: another one moves inline, or the block leaves.
-            let next = if entry.more {
+            let next = if entry.more() {
                 self.more.get_mut(&key).and_then(|more| more.rest.pop())
             } else {
                 None
             };
             match next {
-                Some(next) => {
-                    entry.slot = next.slot;
-                    entry.refs = next.refs;
-                    entry.tier = next.tier;
-                }
+                Some(next) => entry.set_holder(Holder::unpack(next)),
                 None => {
                     occupied.remove();
                     self.more.remove(&key);
-                    return Some(0);
+                    return Some((0, span));
                 }
             }
         } else {
             let rest = &mut self.more.get_mut(&key)?.rest;
-            let position = rest.iter().position(|h| h.slot == slot && h.tier == tier)?;
-            if let Some(holder) = rest.get_mut(position) {
-                holder.refs = if all {
-                    0
-                } else {
-                    holder.refs.saturating_sub(1)
-                };
-                if holder.refs > 0 {
-                    return Some(holder.refs);
-                }
+            let position = rest
+                .iter()
+                .position(|word| Holder::unpack(*word).is(slot, tier))?;
+            let word = rest.get_mut(position)?;
+            let mut holder = Holder::unpack(*word);
+            span = holder.span;
+            holder.refs = if all {
+                0
+            } else {
+                holder.refs.saturating_sub(1)
+            };
+            if holder.refs > 0 {
+                *word = holder.pack(false);
+                return Some((holder.refs, span));
             }
             rest.swap_remove(position);
         }
         if self.more.get(&key).is_some_and(|more| more.rest.is_empty()) {
             self.more.remove(&key);
-            occupied.get_mut().more = false;
+            occupied.get_mut().set_more(false);
         } else if let Some(more) = self.more.get_mut(&key) {
             more.set_bit(slot, tier, false);
         }
-        Some(0)
+        Some((0, span))
     }
 
     fn memory_bytes(&self) -> usize {
@@ -291,7 +373,7 @@ impl Shard {
                 .more
                 .values()
                 .map(|more| {
-                    more.rest.capacity() * std::mem::size_of::<Holder>()
+                    more.rest.capacity() * std::mem::size_of::<u64>()
                         + more.bits.capacity() * std::mem::size_of::<u64>()
                 })
                 .sum::<usize>();
@@ -333,24 +415,38 @@ impl BlockMap {
     }
 
     /// Adds one reference of (slot, tier) to `key`; returns its references after it (1 = a
-    /// new holder).
-    pub(crate) fn add(&self, key: BlockKey, slot: u32, tier: Tier) -> u16 {
-        self.write(key.0)
-            .map_or(0, |mut shard| shard.add(key.0, slot, tier.index() as u8))
+    /// new holder, which took `span`) and the holder's span.
+    pub(crate) fn add(
+        &self,
+        key: BlockKey,
+        slot: u32,
+        tier: Tier,
+        span: SpanRef,
+    ) -> (u16, SpanRef) {
+        self.write(key.0).map_or((0, SpanRef::NONE), |mut shard| {
+            shard.add(key.0, slot, tier.index() as u8, span)
+        })
     }
 
     /// Drops one reference of (slot, tier) from `key` (the block leaves with its last holder);
-    /// returns the references left, `None` when (slot, tier) did not hold it.
-    pub(crate) fn remove(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<u16> {
+    /// returns the references left and the holder's span, `None` when (slot, tier) did not
+    /// hold it.
+    pub(crate) fn remove(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<(u16, SpanRef)> {
         self.write(key.0)?
             .remove(key.0, slot, tier.index() as u8, false)
     }
 
-    /// Drops (slot, tier) from `key` whatever its references; false when it was no holder.
-    pub(crate) fn remove_all(&self, key: BlockKey, slot: u32, tier: Tier) -> bool {
+    /// Drops (slot, tier) from `key` whatever its references; its span when it was a holder.
+    pub(crate) fn remove_all(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<SpanRef> {
         self.write(key.0)
             .and_then(|mut shard| shard.remove(key.0, slot, tier.index() as u8, true))
-            .is_some()
+            .map(|(_, span)| span)
+    }
+
+    /// The span of (slot, tier) on `key`, when it holds it.
+    pub(crate) fn span_of(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<SpanRef> {
+        self.read(shard_of(key.0))
+            .and_then(|shard| shard.span_of(key.0, slot, tier.index() as u8))
     }
 
     /// References of (slot, tier) on `key` (0 when not a holder).
@@ -441,6 +537,30 @@ impl BlockMapReader<'_> {
         held.unwrap_or(HeldBy::Nobody)
     }
 
+    /// Calls `visit` with (slot, span) of each holder of `key` in the GPU tier.
+    #[inline]
+    pub(crate) fn gpu_spans(&self, key: BlockKey, mut visit: impl FnMut(u32, SpanRef)) {
+        let gpu = Tier::Gpu.index() as u8;
+        let mut each = |h: Holder| {
+            if h.tier == gpu {
+                visit(h.slot, h.span);
+            }
+        };
+        let shard = shard_of(key.0);
+        match self {
+            BlockMapReader::PerKey(map) => {
+                if let Some(guard) = map.read(shard) {
+                    guard.visit(key.0, &mut each);
+                }
+            }
+            BlockMapReader::Held(guards) => {
+                if let Some(guard) = guards.get(shard) {
+                    guard.visit(key.0, &mut each);
+                }
+            }
+        }
+    }
+
     /// A checksum over what a walk will read for `keys` (entries, further holders' bits);
     /// with held guards only (a per-key reader returns 0 without looking). Used to bring a
     /// group of keys' memory into cache at once: the reads are independent, so their cache
@@ -457,8 +577,8 @@ impl BlockMapReader<'_> {
             let Some(entry) = shard.find(key.0) else {
                 continue;
             };
-            sum = sum.wrapping_add(u64::from(entry.slot));
-            if entry.more
+            sum = sum.wrapping_add(entry.first);
+            if entry.more()
                 && let Some(more) = shard.more.get(&key.0)
             {
                 sum = sum.wrapping_add(more.bits.first().copied().unwrap_or(0));
@@ -485,24 +605,36 @@ mod tests {
         assert_eq!(std::mem::size_of::<Entry>(), 16);
         let map = BlockMap::default();
         let key = BlockKey(0xfeed_beef_1234_5678);
-        assert_eq!(map.add(key, 1, Tier::Gpu), 1);
-        assert_eq!(map.add(key, 2, Tier::Gpu), 1);
-        assert_eq!(map.add(key, 1, Tier::Cpu), 1);
-        assert_eq!(map.add(key, 1, Tier::Gpu), 2);
-        assert_eq!(map.add(key, 2, Tier::Gpu), 2);
+        let span = |id| SpanRef { id, offset: 7 };
+        assert_eq!(map.add(key, 1, Tier::Gpu, span(1)), (1, span(1)));
+        assert_eq!(map.add(key, 2, Tier::Gpu, span(2)), (1, span(2)));
+        assert_eq!(map.add(key, 1, Tier::Cpu, span(3)), (1, span(3)));
+        // A further reference keeps the holder's span.
+        assert_eq!(map.add(key, 1, Tier::Gpu, span(9)), (2, span(1)));
+        assert_eq!(map.add(key, 2, Tier::Gpu, SpanRef::NONE), (2, span(2)));
+        assert_eq!(map.span_of(key, 1, Tier::Cpu), Some(span(3)));
+        assert_eq!(map.span_of(key, 3, Tier::Cpu), None);
         assert_eq!(holders(&map, key), vec![(1, 1, 1), (1, 2, 0), (2, 2, 0)]);
         assert_eq!(map.tier_refs(key, 2, Tier::Gpu), 2);
-        assert_eq!(map.remove(key, 1, Tier::Gpu), Some(1));
-        assert_eq!(map.remove(key, 1, Tier::Gpu), Some(0)); // another holder moves inline
+        assert_eq!(map.remove(key, 1, Tier::Gpu), Some((1, span(1))));
+        assert_eq!(map.remove(key, 1, Tier::Gpu), Some((0, span(1)))); // another moves inline
         assert_eq!(holders(&map, key), vec![(1, 1, 1), (2, 2, 0)]);
         assert_eq!(map.remove(key, 9, Tier::Gpu), None);
-        assert!(map.remove_all(key, 2, Tier::Gpu), "both references at once");
-        assert!(!map.remove_all(key, 2, Tier::Gpu));
+        let mut gpu = Vec::new();
+        map.reader(1)
+            .gpu_spans(key, |slot, span| gpu.push((slot, span)));
+        assert_eq!(gpu, vec![(2, span(2))]);
+        assert_eq!(
+            map.remove_all(key, 2, Tier::Gpu),
+            Some(span(2)),
+            "both references at once"
+        );
+        assert_eq!(map.remove_all(key, 2, Tier::Gpu), None);
         assert_eq!(map.tier_refs(key, 2, Tier::Gpu), 0);
         assert!(map.holds(key, 1));
         assert!(!map.holds(key, 2));
         assert_eq!(map.len(), 1);
-        assert_eq!(map.remove(key, 1, Tier::Cpu), Some(0));
+        assert_eq!(map.remove(key, 1, Tier::Cpu), Some((0, span(3))));
         assert_eq!(map.len(), 0);
         assert!(holders(&map, key).is_empty());
         // The further-holder table is emptied with its block.
@@ -516,7 +648,7 @@ mod tests {
             .map(|i| BlockKey(table_hash(i + 1).rotate_left(17)))
             .collect();
         for (i, key) in keys.iter().enumerate() {
-            map.add(*key, (i % 3) as u32, Tier::Gpu);
+            map.add(*key, (i % 3) as u32, Tier::Gpu, SpanRef::NONE);
         }
         assert_eq!(map.len(), 500);
         let reader = map.reader(keys.len());
@@ -542,7 +674,7 @@ mod tests {
             let tier = tiers[rng.usize(..3)];
             match rng.u8(..4) {
                 0 | 1 => {
-                    map.add(key, slot, tier);
+                    map.add(key, slot, tier, SpanRef::NONE);
                 }
                 2 => {
                     map.remove(key, slot, tier);
@@ -571,5 +703,35 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod packing {
+    use super::*;
+
+    #[test]
+    fn holders_pack_into_one_word_and_back() {
+        let mut rng = fastrand::Rng::with_seed(3);
+        for _ in 0..1_000 {
+            let holder = Holder {
+                slot: rng.u32(..MAX_SLOTS),
+                refs: rng.u16(..=MAX_REFS),
+                tier: rng.u8(..3),
+                span: SpanRef {
+                    id: rng.u32(..1 << SPAN_BITS),
+                    offset: rng.u16(..),
+                },
+            };
+            let more = rng.bool();
+            let word = holder.pack(more);
+            assert_eq!(Holder::unpack(word), holder);
+            let entry = Entry {
+                key: 1,
+                first: word,
+            };
+            assert_eq!(entry.more(), more);
+        }
+        assert_eq!(std::mem::size_of::<Entry>(), 16);
     }
 }

@@ -26,10 +26,11 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use tokio::time::Instant;
 
 use super::approx::LruBlocks;
-use super::blockmap::BlockMap;
+use super::blockmap::{BlockMap, MAX_SLOTS};
 use super::key::{BlockKey, KeyChain, KeyContext, PrehashedState, next_key};
 use super::matching::PrefixLookup;
 use super::metrics::IndexMetrics;
+use super::span::{SpanBook, SpanIntact, SpanRef};
 use super::speculative::Speculative;
 use crate::endpoints::PodId;
 use crate::kvevents::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
@@ -142,6 +143,8 @@ struct PodBlocks {
     /// Approximate mode (no events yet): blocks learned from routing.
     approx: LruBlocks,
     approx_capacity: usize,
+    /// The writer's side of the pod's spans (see [`super::span`]).
+    spans: SpanBook,
 }
 
 /// One pod known to the index.
@@ -152,6 +155,8 @@ pub(crate) struct PodEntry {
     entries: AtomicU64,
     /// Block size learned from events (0 = unknown).
     pub(super) block_size: AtomicU32,
+    /// Intact lengths of the pod's spans, read by walks without a lock.
+    pub(super) spans: SpanIntact,
 }
 
 impl PodEntry {
@@ -176,6 +181,8 @@ pub struct PrefixIndex {
     pods: RwLock<PodTable>,
     pub(super) speculative: Speculative,
     pub(super) metrics: Option<IndexMetrics>,
+    /// The block size last learned from any pod's events (0: none yet).
+    learned_block_size: AtomicU32,
 }
 
 impl PrefixIndex {
@@ -187,6 +194,16 @@ impl PrefixIndex {
             speculative: Speculative::new(config.speculative_ttl, config.max_speculative_entries),
             config,
             metrics: None,
+            learned_block_size: AtomicU32::new(0),
+        }
+    }
+
+    /// The block size requests are best keyed at ahead of a lookup: the one pods' events
+    /// last reported (pools run one engine configuration), else the configured default.
+    pub fn typical_block_size(&self) -> u32 {
+        match self.learned_block_size.load(Ordering::Relaxed) {
+            0 => self.config.default_block_size.max(1),
+            size => size,
         }
     }
 
@@ -227,9 +244,25 @@ impl PrefixIndex {
         }
         let slot = match table.free.pop() {
             Some(slot) => slot,
-            None => {
+            None if table.slots.len() < MAX_SLOTS as usize => {
                 table.slots.push(None);
                 (table.slots.len() - 1) as u32
+            }
+            None => {
+                // NOTE: a million pods in one index cannot happen in a real pool; rather than
+                // alias a slot, such a pod gets a retired entry: it holds nothing, matches
+                // nothing and its events are ignored.
+                tracing::error!(%pod, "prefix index full ({MAX_SLOTS} pods); pod not indexed");
+                return Arc::new(PodEntry {
+                    slot: u32::MAX,
+                    state: Mutex::new(PodBlocks {
+                        retired: true,
+                        ..PodBlocks::default()
+                    }),
+                    entries: AtomicU64::new(0),
+                    block_size: AtomicU32::new(0),
+                    spans: SpanIntact::default(),
+                });
             }
         };
         if let Some(cell) = table.slots.get_mut(slot as usize) {
@@ -244,6 +277,7 @@ impl PrefixIndex {
             }),
             entries: AtomicU64::new(0),
             block_size: AtomicU32::new(0),
+            spans: SpanIntact::default(),
         });
         table.by_id.insert(pod, entry.clone());
         entry
@@ -321,12 +355,18 @@ impl PrefixIndex {
         let tier = stored.tier;
         if stored.token_ids.is_empty() {
             // Offload tiers may omit tokens: the same hash is already keyed in another tier.
+            let mut previous = self.parent_span(entry, state, stored.parent_block_hash, tier);
             for hash in &stored.block_hashes {
                 match state.by_hash.get(hash).copied() {
                     Some(key) => {
-                        self.insert(entry, state, *hash, key, tier, false, stats);
+                        previous = self
+                            .insert(entry, state, *hash, key, tier, false, previous, stats)
+                            .1;
                     }
-                    None => stats.orphan_blocks += 1,
+                    None => {
+                        stats.orphan_blocks += 1;
+                        previous = None;
+                    }
                 }
             }
             return;
@@ -346,6 +386,8 @@ impl PrefixIndex {
             return;
         }
         entry.block_size.store(block_size as u32, Ordering::Relaxed);
+        self.learned_block_size
+            .store(block_size as u32, Ordering::Relaxed);
         let mut previous = match stored.parent_block_hash {
             None => KeyContext {
                 model: model.to_string(),
@@ -367,6 +409,7 @@ impl PrefixIndex {
         // positive). The cost: two identical physical copies of block 0 stored concurrently are
         // counted once, so the index may forget them one removal early (a false negative).
         let mut reannounce = stored.parent_block_hash.is_none();
+        let mut span = self.parent_span(entry, state, stored.parent_block_hash, tier);
         for (i, (hash, tokens)) in stored
             .block_hashes
             .iter()
@@ -376,12 +419,26 @@ impl PrefixIndex {
             let opaque = stored.extra.get(i).and_then(|e| e.opaque);
             let key = next_key(previous, tokens, opaque);
             previous = key.0;
-            reannounce = self.insert(entry, state, *hash, key, tier, reannounce, stats);
+            (reannounce, span) =
+                self.insert(entry, state, *hash, key, tier, reannounce, span, stats);
         }
     }
 
-    /// Adds one reference of `hash` in `tier`; returns whether the re-announcement run
-    /// continues (the block was already held).
+    /// The span of a chain's parent block on (pod, tier), which the chain may continue.
+    fn parent_span(
+        &self,
+        entry: &PodEntry,
+        state: &PodBlocks,
+        parent: Option<EngineHash>,
+        tier: Tier,
+    ) -> Option<SpanRef> {
+        let key = state.by_hash.get(&parent?)?;
+        self.blocks.span_of(*key, entry.slot, tier)
+    }
+
+    /// Adds one reference of `hash` in `tier`, continuing the span of `previous` (the chain
+    /// predecessor's, when held); returns whether the re-announcement run continues (the block
+    /// was already held) and the block's span when (pod, tier) holds it afterwards.
     #[allow(clippy::too_many_arguments)]
     fn insert(
         &self,
@@ -391,8 +448,9 @@ impl PrefixIndex {
         key: BlockKey,
         tier: Tier,
         reannounce: bool,
+        previous: Option<SpanRef>,
         stats: &mut ApplyStats,
-    ) -> bool {
+    ) -> (bool, Option<SpanRef>) {
         // NOTE: the map of hashes is bounded too: several hashes of one key share one entry.
         let at_limit = state.entries >= state.limit || state.by_hash.len() >= state.limit;
         let key = match state.by_hash.get(&hash) {
@@ -400,7 +458,7 @@ impl PrefixIndex {
             None => {
                 if at_limit {
                     stats.capacity_drops += 1;
-                    return false;
+                    return (false, None);
                 }
                 state.by_hash.insert(hash, key);
                 key
@@ -409,24 +467,27 @@ impl PrefixIndex {
         if reannounce || at_limit {
             // Only a read first: a held block is either re-announced or, at the limit, the
             // only kind of store still accepted.
-            let refs = self.blocks.tier_refs(key, entry.slot, tier);
-            if refs > 0 && reannounce {
+            let held = self.blocks.span_of(key, entry.slot, tier);
+            if held.is_some() && reannounce {
                 stats.reannounced += 1;
-                return true;
+                return (true, held);
             }
-            if refs == 0 && at_limit {
+            if held.is_none() && at_limit {
                 stats.capacity_drops += 1;
                 self.forget_hash_if_unheld(entry, state, hash, key);
-                return false;
+                return (false, None);
             }
         }
-        if self.add_holder(key, entry.slot, tier) > 1 {
+        let next = state.spans.next_after(previous, &entry.spans);
+        let (refs, span) = self.add_holder(key, entry.slot, tier, next);
+        if refs > 1 {
             stats.duplicate_stores += 1;
-            return false;
+            return (false, Some(span));
         }
+        state.spans.commit(span, &entry.spans);
         state.entries += 1;
         stats.blocks_added += 1;
-        false
+        (false, Some(span))
     }
 
     /// Drops `hash` from the pod's map when the pod holds its key in no tier.
@@ -456,7 +517,8 @@ impl PrefixIndex {
             };
             match self.blocks.remove(key, entry.slot, removed.tier) {
                 None => stats.unknown_removals += 1,
-                Some(0) => {
+                Some((0, span)) => {
+                    state.spans.left(span, &entry.spans);
                     state.entries = state.entries.saturating_sub(1);
                     stats.blocks_removed += 1;
                     self.forget_hash_if_unheld(entry, state, *hash, key);
@@ -466,11 +528,12 @@ impl PrefixIndex {
         }
     }
 
-    /// Adds a reference of (slot, tier) to `key`; returns the references after it.
-    fn add_holder(&self, key: BlockKey, slot: u32, tier: Tier) -> u16 {
-        let refs = self.blocks.add(key, slot, tier);
+    /// Adds a reference of (slot, tier) to `key` (a new holder takes `span`); returns the
+    /// references after it and the holder's span.
+    fn add_holder(&self, key: BlockKey, slot: u32, tier: Tier, span: SpanRef) -> (u16, SpanRef) {
+        let added = self.blocks.add(key, slot, tier, span);
         self.speculative.confirm(&key, slot);
-        refs
+        added
     }
 
     fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
@@ -563,7 +626,8 @@ impl PrefixIndex {
         let capacity = state.approx_capacity;
         let (added, evicted) = state.approx.touch(keys, capacity);
         for key in &added {
-            self.add_holder(*key, entry.slot, Tier::Gpu);
+            // Approximate holders belong to no span: walks step over them one by one.
+            self.add_holder(*key, entry.slot, Tier::Gpu, SpanRef::NONE);
         }
         for key in &evicted {
             self.remove_holder(*key, entry.slot, Tier::Gpu);
@@ -591,8 +655,10 @@ impl PrefixIndex {
         let mut removed = 0usize;
         state.by_hash.retain(|_, key| {
             for t in Tier::ALL {
-                if tier.is_none_or(|only| only == t) && self.blocks.remove_all(*key, entry.slot, t)
+                if tier.is_none_or(|only| only == t)
+                    && let Some(span) = self.blocks.remove_all(*key, entry.slot, t)
                 {
+                    state.spans.left(span, &entry.spans);
                     removed += 1;
                 }
             }
@@ -602,6 +668,7 @@ impl PrefixIndex {
         if tier.is_none() {
             state.by_hash = HashMap::default();
             self.drop_approx(entry, state);
+            state.spans.clear(&entry.spans);
             state.entries = 0;
         }
         entry.entries.store(state.entries as u64, Ordering::Relaxed);
@@ -698,7 +765,8 @@ impl PrefixIndex {
         let mut bytes = self.blocks.memory_bytes();
         let hash_entry = std::mem::size_of::<(EngineHash, BlockKey)>() + 1;
         for entry in self.table_read().by_id.values() {
-            bytes += entry.lock().by_hash.capacity() * hash_entry;
+            let state = entry.lock();
+            bytes += state.by_hash.capacity() * hash_entry + state.spans.memory_bytes();
         }
         bytes
     }

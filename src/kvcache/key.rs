@@ -121,6 +121,11 @@ impl KeyChain {
         self.block_size
     }
 
+    /// The seed block 0's key was chained from ([`KeyContext::seed`]).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Full blocks in `tokens` at this chain's block size.
     pub fn total_blocks(&self, tokens: &[u32]) -> usize {
         tokens.len() / self.block_size as usize

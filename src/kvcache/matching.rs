@@ -5,12 +5,13 @@
 //! × holders per block), independent of how many candidates already dropped out, and the walk
 //! stops at the first block that no candidate holds (confirmed or speculatively).
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
 use super::blockmap::{BlockMapReader, HeldBy, TIERS};
-use super::index::PrefixIndex;
+use super::index::{PodEntry, PrefixIndex};
 use super::key::{BlockKey, KeyChain, KeyContext};
 use crate::endpoints::PodId;
 
@@ -58,10 +59,27 @@ pub struct PrefixLookup {
     /// One match per candidate, in candidate order.
     pub matches: Vec<PrefixMatch>,
     /// One chain per distinct block size among the candidates.
-    chains: Vec<KeyChain>,
+    chains: Vec<LookupChain>,
     /// Per candidate, the first block of its run it held only speculatively (`usize::MAX`
     /// when none): a record must refresh speculation from there.
     speculative_from: Vec<usize>,
+}
+
+/// A lookup's key chain: computed by the lookup, or the request's own (shared, copied only
+/// if a routing record takes it).
+#[derive(Clone, Debug)]
+enum LookupChain {
+    Owned(KeyChain),
+    Shared(Arc<KeyChain>),
+}
+
+impl LookupChain {
+    fn block_size(&self) -> u32 {
+        match self {
+            LookupChain::Owned(chain) => chain.block_size(),
+            LookupChain::Shared(chain) => chain.block_size(),
+        }
+    }
 }
 
 impl PrefixLookup {
@@ -71,7 +89,10 @@ impl PrefixLookup {
             .chains
             .iter()
             .position(|c| c.block_size() == block_size)?;
-        Some(self.chains.swap_remove(position))
+        Some(match self.chains.swap_remove(position) {
+            LookupChain::Owned(chain) => chain,
+            LookupChain::Shared(chain) => Arc::unwrap_or_clone(chain),
+        })
     }
 
     /// Leading blocks `pod` holds confirmed (from its events): its run up to the first block
@@ -90,8 +111,40 @@ impl PrefixLookup {
 /// walk that stops early hashes little beyond its stop.
 const KEY_BATCH: usize = 32;
 
-/// Keys probed ahead of the walk at a time (see [`Walk::steps`]).
+/// Keys probed ahead of the walk at a time (see [`Walk::run`]).
 const PROBE_GROUP: usize = 8;
+
+/// The smallest jump a gallop tries ([`Walk::gallop`]).
+const MIN_JUMP: usize = 16;
+
+/// Blocks stepped one by one after a gallop that could not jump at all, before the next try
+/// (bounds the cost of trying where spans do not help: ~4 probes per 32 blocks).
+const GALLOP_BACKOFF: usize = 32;
+
+/// Where a walk's block keys come from.
+enum Keys<'a> {
+    /// Computed on demand from the prompt's tokens.
+    Chain {
+        chain: &'a mut KeyChain,
+        tokens: &'a [u32],
+    },
+    /// Computed already.
+    Fixed(&'a [BlockKey]),
+}
+
+impl Keys<'_> {
+    /// The keys of blocks `0..blocks` (fewer when the prompt has fewer).
+    fn upto(&mut self, blocks: usize) -> &[BlockKey] {
+        match self {
+            Keys::Chain { chain, tokens } => chain.extend_to(tokens, blocks),
+            Keys::Fixed(keys) => keys.get(..blocks.min(keys.len())).unwrap_or_default(),
+        }
+    }
+
+    fn at(&mut self, block: usize) -> Option<BlockKey> {
+        self.upto(block + 1).get(block).copied()
+    }
+}
 
 impl PrefixIndex {
     /// For each candidate, the longest run of leading blocks of `tokens` it holds, keyed in
@@ -114,8 +167,20 @@ impl PrefixIndex {
         tokens: &[u32],
         candidates: &[PodId],
     ) -> PrefixLookup {
+        self.lookup_keyed(context, tokens, None, candidates)
+    }
+
+    /// [`Self::lookup`] with the request's block keys computed already (`keys`, in
+    /// `context`): used where their seed and block size fit, else the lookup keys itself.
+    pub fn lookup_keyed(
+        &self,
+        context: &KeyContext,
+        tokens: &[u32],
+        keys: Option<&Arc<KeyChain>>,
+        candidates: &[PodId],
+    ) -> PrefixLookup {
         let started = std::time::Instant::now();
-        let found = self.lookup_grouped(context, tokens, candidates);
+        let found = self.lookup_grouped(context, tokens, keys, candidates);
         if let Some(metrics) = &self.metrics {
             metrics
                 .lookup_seconds
@@ -138,6 +203,7 @@ impl PrefixIndex {
         &self,
         context: &KeyContext,
         tokens: &[u32],
+        keys: Option<&Arc<KeyChain>>,
         candidates: &[PodId],
     ) -> PrefixLookup {
         let default_size = self.config().default_block_size.max(1);
@@ -156,13 +222,22 @@ impl PrefixIndex {
                 .collect()
         };
         let seed = context.seed();
+        // The request's own keys, where they are this chain's (same seed and size, every
+        // full block keyed).
+        let precomputed = |size: u32| {
+            keys.filter(|k| {
+                k.seed() == seed
+                    && k.block_size() == size
+                    && k.keys().len() == tokens.len() / size.max(1) as usize
+            })
+        };
         let mut sizes = per_candidate.clone();
         sizes.sort_unstable();
         sizes.dedup();
         if let [size] = sizes[..] {
             // The common case: one block size for every candidate.
-            let mut chain = KeyChain::new(seed, size);
-            let (matches, speculative_from) = self.match_chain(&mut chain, tokens, candidates);
+            let (matches, speculative_from, chain) =
+                self.match_size(seed, size, precomputed(size), tokens, candidates);
             return PrefixLookup {
                 matches,
                 chains: vec![chain],
@@ -180,8 +255,8 @@ impl PrefixIndex {
                 .map(|(i, pod)| (i, *pod))
                 .collect();
             let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
-            let mut chain = KeyChain::new(seed, size);
-            let (found, from) = self.match_chain(&mut chain, tokens, &pods);
+            let (found, from, chain) =
+                self.match_size(seed, size, precomputed(size), tokens, &pods);
             for (((i, _), found), from) in group.iter().zip(found).zip(from) {
                 if let Some(cell) = out.get_mut(*i) {
                     *cell = Some(found);
@@ -214,8 +289,36 @@ impl PrefixIndex {
     ) -> Vec<PrefixMatch> {
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(keys.len());
-        walk.steps(self, &blocks, 0, keys);
+        walk.run(self, &blocks, &mut Keys::Fixed(keys), keys.len());
         walk.finish(candidates, keys.len(), block_size).0
+    }
+
+    /// Matches at one block size: over `precomputed` keys when given, else keying lazily;
+    /// also returns per candidate the first block of its run held only speculatively, and
+    /// the chain for a later routing record.
+    fn match_size(
+        &self,
+        seed: u64,
+        size: u32,
+        precomputed: Option<&Arc<KeyChain>>,
+        tokens: &[u32],
+        candidates: &[PodId],
+    ) -> (Vec<PrefixMatch>, Vec<usize>, LookupChain) {
+        match precomputed {
+            Some(chain) => {
+                let keys = chain.keys();
+                let mut walk = Walk::new(self, candidates);
+                let blocks = self.blocks.reader(keys.len());
+                walk.run(self, &blocks, &mut Keys::Fixed(keys), keys.len());
+                let (matches, from) = walk.finish(candidates, keys.len(), size);
+                (matches, from, LookupChain::Shared(Arc::clone(chain)))
+            }
+            None => {
+                let mut chain = KeyChain::new(seed, size);
+                let (matches, from) = self.match_chain(&mut chain, tokens, candidates);
+                (matches, from, LookupChain::Owned(chain))
+            }
+        }
     }
 
     /// Walks `tokens`' blocks, keying them lazily through `chain`; also returns per candidate
@@ -227,18 +330,11 @@ impl PrefixIndex {
         candidates: &[PodId],
     ) -> (Vec<PrefixMatch>, Vec<usize>) {
         let total = chain.total_blocks(tokens);
+        let block_size = chain.block_size();
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(total);
-        let mut done = 0;
-        while done < total {
-            let keys = chain.extend_to(tokens, done + KEY_BATCH);
-            let batch = keys.get(done..).unwrap_or_default();
-            if batch.is_empty() || !walk.steps(self, &blocks, done, batch) {
-                break;
-            }
-            done += batch.len();
-        }
-        walk.finish(candidates, total, chain.block_size())
+        walk.run(self, &blocks, &mut Keys::Chain { chain, tokens }, total);
+        walk.finish(candidates, total, block_size)
     }
 }
 
@@ -250,7 +346,9 @@ impl PrefixIndex {
 /// Per-candidate work happens only when a candidate leaves its run (once), changes the tier
 /// it holds the run in (tier weights are charged per stretch of blocks, not per block), or
 /// first holds a block only speculatively. A block with a single holder (the common case
-/// for a prefix only one pod has) takes a path without bitsets at all.
+/// for a prefix only one pod has) takes a path without bitsets at all. Where every candidate
+/// still on its run holds the prefix in GPU as part of a span (see [`super::span`]), the walk
+/// gallops: one probe verifies a jump over many blocks.
 struct Walk {
     /// Weight lost per block against GPU, per tier class (gpu 0, cpu, slower).
     penalty: [f64; TIERS],
@@ -283,6 +381,10 @@ struct Walk {
     /// Blocks the surviving candidates have run through.
     walked: usize,
     speculation: Option<Instant>,
+    /// Per candidate position: its pod's entry (for span intact lengths), if indexed.
+    pods: Vec<Option<Arc<PodEntry>>>,
+    /// The first block after which a gallop may be tried.
+    next_gallop: usize,
 }
 
 /// Calls `f` with each slot whose bit is set in `word` (bit `b` of word `w` = slot `64w + b`).
@@ -301,6 +403,7 @@ impl Walk {
         let words;
         let mut alive;
         let mut alive_count = 0;
+        let mut pods = vec![None; candidates.len()];
         {
             let table = index.table_read();
             position_of_slot.resize(table.slots.len(), u32::MAX);
@@ -314,6 +417,9 @@ impl Walk {
                     *cell = position as u32;
                     *w |= 1u64 << (entry.slot % 64);
                     alive_count += 1;
+                    if let Some(pod) = pods.get_mut(position) {
+                        *pod = Some(entry.clone());
+                    }
                 }
             }
         }
@@ -338,29 +444,138 @@ impl Walk {
             previous_valid: false,
             walked: 0,
             speculation: (!index.speculative.is_empty()).then(Instant::now),
+            pods,
+            next_gallop: 0,
         }
     }
 
-    /// Steps through `keys` (blocks `first`, `first + 1`, ...); false when the walk ended.
-    fn steps(
+    /// Walks blocks `0..total`, stepping block by block and galloping where it can.
+    fn run(
         &mut self,
         index: &PrefixIndex,
         blocks: &BlockMapReader<'_>,
-        first: usize,
-        keys: &[BlockKey],
-    ) -> bool {
-        for (group_start, group) in (first..).step_by(PROBE_GROUP).zip(keys.chunks(PROBE_GROUP)) {
+        keys: &mut Keys<'_>,
+        total: usize,
+    ) {
+        let mut i = 0;
+        while i < total {
+            // Key a batch ahead, then step a group of it.
+            let batch = keys.upto(i + KEY_BATCH);
+            let mut group = [BlockKey(0); PROBE_GROUP];
+            let n = batch.len().saturating_sub(i).min(PROBE_GROUP);
+            if n == 0 {
+                return;
+            }
+            for (slot, key) in group
+                .iter_mut()
+                .zip(batch.get(i..i + n).unwrap_or_default())
+            {
+                *slot = *key;
+            }
+            let group = group.get(..n).unwrap_or_default();
             // NOTE: probing a group of keys ahead, results unused, lets the CPU overlap their
             // cache misses (the walk's own probes depend on branches it cannot run ahead of);
             // the walk then finds them in cache. At most a group is probed past the end.
             std::hint::black_box(blocks.probe(group));
-            for (i, key) in (group_start..).zip(group) {
-                if !self.step(index, blocks, i, key) {
-                    return false;
+            let mut next = i + n;
+            for (j, key) in (i..).zip(group) {
+                if !self.step(index, blocks, j, key) {
+                    return;
+                }
+                if j >= self.next_gallop && self.may_gallop() {
+                    let reached = self.gallop(blocks, keys, j, total);
+                    self.next_gallop = if reached > j {
+                        reached + 1 + MIN_JUMP / 4
+                    } else {
+                        j + GALLOP_BACKOFF
+                    };
+                    if reached > j {
+                        next = reached + 1;
+                        break;
+                    }
                 }
             }
+            i = next;
         }
-        true
+    }
+
+    /// Whether a gallop can apply: candidates are on their run, all in the GPU class.
+    fn may_gallop(&self) -> bool {
+        self.alive_count > 0 && self.class.iter().all(|c| c.iter().all(|w| *w == 0))
+    }
+
+    /// After block `i` (every alive candidate on its run, GPU class): jumps ahead as far as
+    /// one probe can prove that every alive candidate holds each block in between in GPU;
+    /// returns the last block the run now covers (`i` when no jump was proven).
+    ///
+    /// Proof of a jump to `t`: each alive candidate holds key `t` in GPU at offset `o` of a
+    /// span intact beyond `o`, with `o ≥ t − i − 1`; so it holds the `o` blocks before `t` in
+    /// that span too, and they are this request's blocks `t − o .. t` (chained keys). Nothing
+    /// else can change in between: no tier change (GPU is the best), no speculation-only block,
+    /// no run end.
+    fn gallop(
+        &mut self,
+        blocks: &BlockMapReader<'_>,
+        keys: &mut Keys<'_>,
+        mut i: usize,
+        total: usize,
+    ) -> usize {
+        let last = total.saturating_sub(1);
+        // The first jump: as far as every alive candidate's span at `i` is known intact.
+        let mut jump = match keys.at(i) {
+            Some(key) => self.verify(blocks, key, 0).unwrap_or(0),
+            None => return i,
+        }
+        .max(MIN_JUMP);
+        while jump >= MIN_JUMP / 4 {
+            let t = (i + jump).min(last);
+            if t <= i {
+                break;
+            }
+            let Some(key) = keys.at(t) else {
+                break;
+            };
+            match self.verify(blocks, key, t - i - 1) {
+                Some(ahead) => {
+                    i = t;
+                    self.walked = t + 1;
+                    self.previous_valid = false;
+                    jump = ahead.max(MIN_JUMP);
+                }
+                None => jump /= 2,
+            }
+        }
+        i
+    }
+
+    /// Whether every alive candidate holds `key` in GPU at an offset ≥ `back` of a span intact
+    /// beyond it; if so, the fewest blocks any of them is known to hold after `key`.
+    fn verify(&self, blocks: &BlockMapReader<'_>, key: BlockKey, back: usize) -> Option<usize> {
+        let mut proven = 0usize;
+        let mut ahead = usize::MAX;
+        blocks.gpu_spans(key, |slot, span| {
+            let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+            if self.alive.get(w).is_none_or(|word| word & bit == 0)
+                || usize::from(span.offset) < back
+            {
+                return;
+            }
+            let Some(pod) = self
+                .position(slot as usize)
+                .and_then(|p| self.pods.get(p))
+                .and_then(|p| p.as_ref())
+            else {
+                return;
+            };
+            // One load: a concurrent removal may lower it, never between two reads of ours.
+            let intact = pod.spans.intact(span.id) as usize;
+            let offset = usize::from(span.offset);
+            if span.is_some() && intact > offset {
+                proven += 1;
+                ahead = ahead.min(intact - 1 - offset);
+            }
+        });
+        (proven == self.alive_count).then_some(ahead)
     }
 
     /// Position of a candidate slot.

@@ -15,6 +15,7 @@ pub mod index;
 pub mod key;
 pub mod matching;
 pub mod metrics;
+mod span;
 mod speculative;
 
 pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};

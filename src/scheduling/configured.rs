@@ -19,12 +19,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::endpoints::{EndpointState, PodId};
 use crate::kvcache::{KeyChain, PrefixIndex};
 use crate::tokenize::PromptTokens;
+
+use super::record::PendingRecord;
 
 use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
 use super::cycle::{Cycle, MetricsSource, PodView, PrefixHit};
@@ -70,7 +71,6 @@ pub struct ConfiguredScheduler {
     deps: SchedulerDeps,
     limit: usize,
     detector: SaturationDetector,
-    recorder: Option<Recorder>,
     plugin_seconds: Option<prometheus::HistogramVec>,
     emit_scores: bool,
     disaggregation: Option<Disaggregation>,
@@ -82,27 +82,6 @@ pub struct ConfiguredScheduler {
 struct Disaggregation {
     spec: PrefillDecodeSpec,
     prefill: Box<ConfiguredScheduler>,
-}
-
-/// Prompts up to this many tokens are recorded on the request path even with a background
-/// recorder (measured: below this the thread wake-up costs more than the write).
-const INLINE_RECORD_TOKENS: usize = 4096;
-
-/// A routing record handed to the background recorder.
-struct RouteRecord {
-    pod: PodId,
-    prompt: Arc<PromptTokens>,
-    /// The prompt's block keys at the pod's block size (as far as the lookup computed them).
-    chain: KeyChain,
-    /// Leading blocks the pod was found to hold confirmed.
-    held: usize,
-}
-
-/// The background recorder's sending side.
-#[derive(Clone)]
-struct Recorder {
-    queue: std::sync::mpsc::SyncSender<RouteRecord>,
-    drops: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for ConfiguredScheduler {
@@ -224,44 +203,12 @@ impl ConfiguredScheduler {
             deps,
             limit,
             detector,
-            recorder: None,
             plugin_seconds: None,
             emit_scores: false,
             disaggregation,
             pd_decisions: None,
             config,
         }
-    }
-
-    /// Moves the prefix index's routing record (`record_routed`, ~half of a long prompt's
-    /// pick) off the request path onto one background thread fed by a bounded queue of
-    /// `queue` records; when it is full, records are dropped (counted in
-    /// [`Self::recording_drops`]). The thread ends when the scheduler is dropped.
-    ///
-    /// NOTE: the record then lands a few microseconds after the pick instead of before it
-    /// returns, so two requests of one new prefix arriving within that window may both look
-    /// cold; KV events take milliseconds anyway, which is the gap speculation covers.
-    pub fn with_background_recording(mut self, queue: usize) -> std::io::Result<Self> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<RouteRecord>(queue.max(1));
-        let index = Arc::clone(&self.deps.index);
-        std::thread::Builder::new()
-            .name("kvpick-route-recorder".to_owned())
-            .spawn(move || {
-                while let Ok(record) = rx.recv() {
-                    if let PromptTokens::Exact(tokens) = record.prompt.as_ref() {
-                        index.record_routed_chain(record.pod, tokens, record.chain, record.held);
-                    }
-                }
-            })?;
-        self.recorder = Some(Recorder {
-            queue: tx,
-            drops: Arc::new(AtomicU64::new(0)),
-        });
-        // The prefill profile (P/D) shares the thread, its queue and its drop count.
-        if let Some(pd) = self.disaggregation.as_mut() {
-            pd.prefill.recorder = self.recorder.clone();
-        }
-        Ok(self)
     }
 
     /// Times every filter, the prefix lookup, every scorer and the picker into
@@ -320,13 +267,6 @@ impl ConfiguredScheduler {
                 .with_label_values(&[point, plugin_type, plugin])
                 .observe(started.elapsed().as_secs_f64());
         }
-    }
-
-    /// Routing records dropped because the background recorder's queue was full.
-    pub fn recording_drops(&self) -> u64 {
-        self.recorder
-            .as_ref()
-            .map_or(0, |r| r.drops.load(Ordering::Relaxed))
     }
 
     /// The configuration it runs.
@@ -502,7 +442,12 @@ impl ConfiguredScheduler {
                     return;
                 }
                 let ids: Vec<PodId> = cycle.pods.iter().map(|p| p.id).collect();
-                let lookup = self.deps.index.lookup(context, tokens, &ids);
+                let lookup = self.deps.index.lookup_keyed(
+                    context,
+                    tokens,
+                    cycle.request.block_keys.as_ref(),
+                    &ids,
+                );
                 cycle.prefix = lookup
                     .matches
                     .iter()
@@ -555,40 +500,36 @@ impl ConfiguredScheduler {
         )
     }
 
-    fn record(&self, cycle: &mut Cycle<'_>, primary: PodId) {
+    /// Tells the stateful scorers what was picked, records approximate prefixes, and returns
+    /// the prefix index's routing record for the caller to apply (see [`PendingRecord`]).
+    fn record(&self, cycle: &mut Cycle<'_>, primary: PodId) -> PendingRecord {
+        let mut pending = PendingRecord::default();
         for scorer in &self.scorers {
             scorer.scorer.after_pick(cycle, primary);
         }
         let Some(params) = self.prefix.as_ref() else {
-            return;
+            return pending;
         };
         match cycle.request.prompt.as_ref() {
-            PromptTokens::Exact(tokens) => {
+            PromptTokens::Exact(_) => {
                 let Some(context) = cycle.request.key_context.as_ref() else {
-                    return;
+                    return pending;
                 };
                 let index = &self.deps.index;
-                let mut lookup = cycle.lookup.take();
-                // NOTE: a short prompt is recorded inline: waking the recorder thread costs
-                // more than writing a few hundred speculative entries.
-                match (&self.recorder, lookup.as_mut()) {
-                    (Some(recorder), Some(lookup)) if tokens.len() > INLINE_RECORD_TOKENS => {
-                        let (chain, held) = index.record_start(primary, context, lookup);
-                        let record = RouteRecord {
-                            pod: primary,
-                            prompt: Arc::clone(&cycle.request.prompt),
-                            chain,
-                            held,
-                        };
-                        if recorder.queue.try_send(record).is_err() {
-                            recorder.drops.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    (_, Some(lookup)) => {
-                        index.record_routed_lookup(primary, context, tokens, lookup)
-                    }
-                    (_, None) => index.record_routed(primary, context, tokens),
-                }
+                let (chain, held) = match cycle.lookup.as_mut() {
+                    Some(lookup) => index.record_start(primary, context, lookup),
+                    None => (
+                        KeyChain::new(context.seed(), index.block_size_for(primary)),
+                        0,
+                    ),
+                };
+                pending.push(
+                    Arc::clone(index),
+                    primary,
+                    Arc::clone(&cycle.request.prompt),
+                    chain,
+                    held,
+                );
             }
             PromptTokens::Approximate(prompt) if params.mode == PrefixMode::Auto => {
                 let chunks = self.chunks(cycle.request, &prompt.text, params);
@@ -596,6 +537,7 @@ impl ConfiguredScheduler {
             }
             _ => {}
         }
+        pending
     }
 }
 
@@ -613,6 +555,22 @@ impl Scheduler for ConfiguredScheduler {
         request: &SchedulingRequest,
         candidates: &[Arc<EndpointState>],
     ) -> Result<Pick, ScheduleError> {
+        let (pick, record) = self.pick_deferred(request, candidates)?;
+        record.apply();
+        Ok(pick)
+    }
+
+    fn key_block_size(&self) -> Option<u32> {
+        self.prefix
+            .is_some()
+            .then(|| self.deps.index.typical_block_size())
+    }
+
+    fn pick_deferred(
+        &self,
+        request: &SchedulingRequest,
+        candidates: &[Arc<EndpointState>],
+    ) -> Result<(Pick, PendingRecord), ScheduleError> {
         let (mut cycle, columns, totals, order) = self
             .run(request, candidates, None, self.emit_scores)
             .ok_or(ScheduleError::NoCandidates)?;
@@ -621,12 +579,17 @@ impl Scheduler for ConfiguredScheduler {
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
         let mut pick = Pick::new(primary, ids.collect());
+        let mut record = PendingRecord::default();
         if let Some(pd) = &self.disaggregation {
             // Before this pick is recorded, so the decode pod's speculative entries do not
             // attract the prefill.
             if pd.spec.needs_prefill(uncached_tokens(&cycle, &order)) {
                 // No prefill pod (e.g. none with the role): the decode pod prefills itself.
-                pick.prefill = pd.prefill.pick(request, candidates).ok().map(|p| p.primary);
+                if let Ok((prefill, prefill_record)) = pd.prefill.pick_deferred(request, candidates)
+                {
+                    pick.prefill = Some(prefill.primary);
+                    record.merge(prefill_record);
+                }
             }
             if let Some(decisions) = &self.pd_decisions {
                 let decision = if pick.prefill.is_some() {
@@ -637,7 +600,7 @@ impl Scheduler for ConfiguredScheduler {
                 decisions.with_label_values(&[decision]).inc();
             }
         }
-        self.record(&mut cycle, primary);
+        record.merge(self.record(&mut cycle, primary));
         if self.emit_scores {
             let mut candidates = self.candidate_explains(&cycle, &columns, &totals);
             // The pick first (a tie or a random picker may have passed over a higher
@@ -653,6 +616,6 @@ impl Scheduler for ConfiguredScheduler {
                 candidates,
             }));
         }
-        Ok(pick)
+        Ok((pick, record))
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! The ext-proc path hands a [`Scheduler`] the request's [`SchedulingRequest`] and the
 //! candidate endpoints (the pool, narrowed by the gateway's subset hint) and gets back a
-//! [`Pick`]: the primary first, then ordered fallbacks.
+//! [`Pick`]: the primary first, then ordered fallbacks. What the pick leaves for the next
+//! requests (the prefix index's routing record) can be applied after the reply
+//! ([`Scheduler::pick_deferred`], [`PendingRecord`]).
 //!
 //! The configurable scheduler ([`ConfiguredScheduler`]) runs one GIE-style profile (two
 //! under llm-d's prefill/decode `pd-profile-handler`: decode picks the destination, prefill
@@ -20,6 +22,7 @@ pub mod filters;
 pub mod flow_control;
 mod least_in_flight;
 pub mod pickers;
+mod record;
 pub mod saturation;
 pub mod scorers;
 pub mod spec;
@@ -27,7 +30,7 @@ pub mod spec;
 use std::sync::Arc;
 
 use crate::endpoints::{EndpointState, PodId};
-use crate::kvcache::KeyContext;
+use crate::kvcache::{KeyChain, KeyContext};
 use crate::tokenize::PromptTokens;
 
 pub use configured::{
@@ -36,6 +39,7 @@ pub use configured::{
 pub use cycle::MetricsSource;
 pub use flow_control::{FlowControlConfig, FlowController, FlowError, FlowRequest, Permit};
 pub use least_in_flight::LeastInFlight;
+pub use record::PendingRecord;
 pub use saturation::{PoolSaturation, SaturationDetector};
 pub use spec::{
     CostModel, FilterKind, FilterSpec, PickerSpec, PrefillDecodeSpec, PrefixCacheParams,
@@ -55,6 +59,9 @@ pub struct SchedulingRequest {
     pub key_context: Option<KeyContext>,
     /// The prompt as the model server will tokenize it (or approximate text).
     pub prompt: Arc<PromptTokens>,
+    /// The prompt's block keys, when computed with its tokens (at the pool's usual block
+    /// size, in `key_context`); the prefix lookup keys lazily whatever this does not cover.
+    pub block_keys: Option<Arc<KeyChain>>,
     /// The request body size in bytes.
     pub body_bytes: usize,
     /// Priority from the request's objective: higher is more important, negative is
@@ -73,6 +80,7 @@ impl Default for SchedulingRequest {
             target_model: None,
             key_context: None,
             prompt: Arc::new(PromptTokens::Empty),
+            block_keys: None,
             body_bytes: 0,
             priority: 0,
             fairness_id: None,
@@ -144,4 +152,22 @@ pub trait Scheduler: Send + Sync + 'static {
         request: &SchedulingRequest,
         candidates: &[Arc<EndpointState>],
     ) -> Result<Pick, ScheduleError>;
+
+    /// [`Self::pick`], leaving the routing record of the pick (state kept for the next
+    /// requests) to the caller, to apply once the reply is on its way. The default records
+    /// inside `pick`.
+    fn pick_deferred(
+        &self,
+        request: &SchedulingRequest,
+        candidates: &[Arc<EndpointState>],
+    ) -> Result<(Pick, PendingRecord), ScheduleError> {
+        self.pick(request, candidates)
+            .map(|pick| (pick, PendingRecord::default()))
+    }
+
+    /// The block size at which [`SchedulingRequest::block_keys`] are worth computing with a
+    /// request's tokens (`None`: this scheduler does not use them).
+    fn key_block_size(&self) -> Option<u32> {
+        None
+    }
 }

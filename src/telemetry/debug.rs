@@ -107,7 +107,9 @@ async fn prepare_request(
         path: path.unwrap_or_default(),
         ..RequestMeta::default()
     };
-    match tokio::task::spawn_blocking(move || prepare(&tokenizers, &rules, &meta, &body)).await {
+    match tokio::task::spawn_blocking(move || prepare(&tokenizers, &rules, &meta, &body, None))
+        .await
+    {
         Ok(Ok(prepared)) => Ok(prepared),
         Ok(Err(error)) => {
             Err((StatusCode::BAD_REQUEST, format!("inference error: {error}")).into_response())

@@ -1,0 +1,262 @@
+//! Differential property test for long prefixes, where walks gallop over spans: random
+//! event streams of long chains (stored in pieces, branching, evicted leaf-first or with holes
+//! in the middle, re-stored, offloaded to CPU, cleared) over several pods give the same
+//! matches as a naive reference that checks every block.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kvpick::endpoints::PodId;
+use kvpick::kvcache::{IndexConfig, KeyChain, KeyContext, PrefixIndex};
+use kvpick::kvevents::{
+    BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
+};
+use proptest::prelude::*;
+
+const BLOCK: usize = 2;
+/// Blocks per document: long enough for gallops (which try jumps of 16 and more).
+const DOC_BLOCKS: usize = 120;
+const DOCS: usize = 6;
+const PODS: usize = 5;
+const MODEL: &str = "m";
+
+/// Documents form a tree: all share blocks 0..70, pairs share 70..95, then each is its own.
+fn documents() -> Vec<Vec<u32>> {
+    (0..DOCS as u32)
+        .map(|d| {
+            (0..DOC_BLOCKS as u32)
+                .flat_map(|b| {
+                    let family = match b {
+                        0..70 => 0,
+                        70..95 => 1 + d / 2,
+                        _ => 10 + d,
+                    };
+                    (0..BLOCK as u32).map(move |t| family * 10_000 + b * 7 + t)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn engine_hash(prefix: &[u32]) -> EngineHash {
+    let mut hasher = DefaultHasher::new();
+    prefix.hash(&mut hasher);
+    EngineHash(hasher.finish())
+}
+
+fn pod(i: usize) -> PodId {
+    PodId(SocketAddr::from(([127, 0, 0, 1], 9100 + i as u16)))
+}
+
+fn tier(i: u8) -> Tier {
+    if i == 0 { Tier::Gpu } else { Tier::Cpu }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Blocks `start..start + len` of a document, as one event continuing from block
+    /// `start − 1` (a prefill chunk or a decode step).
+    Store {
+        pod: usize,
+        doc: usize,
+        start: usize,
+        len: usize,
+        tier: u8,
+    },
+    /// The prefill of a whole prefix in chunks of `chunk` blocks (several events).
+    Prefill {
+        pod: usize,
+        doc: usize,
+        blocks: usize,
+        chunk: usize,
+    },
+    /// One block removed (a hole when it has held children).
+    Remove {
+        pod: usize,
+        doc: usize,
+        block: usize,
+        tier: u8,
+    },
+    /// vLLM-style eviction: the last `count` blocks of a prefix, leaves first.
+    EvictTail {
+        pod: usize,
+        doc: usize,
+        end: usize,
+        count: usize,
+    },
+    ClearAll {
+        pod: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0..PODS, 0..DOCS, 0..DOC_BLOCKS, 1..70usize, 0..4u8).prop_map(
+            |(pod, doc, start, len, t)| Op::Store { pod, doc, start, len, tier: t.min(1) }
+        ),
+        3 => (0..PODS, 0..DOCS, 1..=DOC_BLOCKS, 1..40usize)
+            .prop_map(|(pod, doc, blocks, chunk)| Op::Prefill { pod, doc, blocks, chunk }),
+        3 => (0..PODS, 0..DOCS, 0..DOC_BLOCKS, 0..4u8)
+            .prop_map(|(pod, doc, block, t)| Op::Remove { pod, doc, block, tier: t.min(1) }),
+        3 => (0..PODS, 0..DOCS, 1..=DOC_BLOCKS, 1..50usize)
+            .prop_map(|(pod, doc, end, count)| Op::EvictTail { pod, doc, end, count }),
+        1 => (0..PODS).prop_map(|pod| Op::ClearAll { pod }),
+    ]
+}
+
+/// Reference: per pod, engine hash → references per tier; matching walks every block.
+struct Reference {
+    refs: Vec<HashMap<EngineHash, [i64; 2]>>,
+}
+
+impl Reference {
+    fn held_any(&self, pod: usize, hash: EngineHash) -> bool {
+        self.refs[pod]
+            .get(&hash)
+            .is_some_and(|r| r.iter().any(|c| *c > 0))
+    }
+
+    fn store(&mut self, pod: usize, doc: &[u32], start: usize, end: usize, t: usize) {
+        if start > 0 && !self.held_any(pod, engine_hash(&doc[..start * BLOCK])) {
+            return; // unknown parent: cannot be keyed
+        }
+        let mut reannounce = start == 0;
+        for b in start..end {
+            let h = engine_hash(&doc[..(b + 1) * BLOCK]);
+            let entry = self.refs[pod].entry(h).or_default();
+            if entry[t] > 0 && reannounce {
+                continue;
+            }
+            reannounce = false;
+            entry[t] += 1;
+        }
+    }
+
+    fn remove(&mut self, pod: usize, hash: EngineHash, t: usize) {
+        if let Some(r) = self.refs[pod].get_mut(&hash)
+            && r[t] > 0
+        {
+            r[t] -= 1;
+        }
+    }
+
+    fn matched(&self, pod: usize, request: &[u32]) -> (usize, f64) {
+        let mut blocks = 0;
+        let mut weighted = 0.0;
+        for b in 0..request.len() / BLOCK {
+            let h = engine_hash(&request[..(b + 1) * BLOCK]);
+            let Some(r) = self.refs[pod].get(&h) else {
+                break;
+            };
+            if r[0] > 0 {
+                weighted += 1.0;
+            } else if r[1] > 0 {
+                weighted += 0.8;
+            } else {
+                break;
+            }
+            blocks += 1;
+        }
+        (blocks, weighted)
+    }
+}
+
+fn batch(event: KvEvent) -> EventBatch {
+    EventBatch {
+        ts: 0.0,
+        events: vec![event],
+        dp_rank: Some(0),
+    }
+}
+
+fn stored(tokens: &[u32], start: usize, end: usize, t: Tier) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: (start..end)
+            .map(|b| engine_hash(&tokens[..(b + 1) * BLOCK]))
+            .collect(),
+        parent_block_hash: (start > 0).then(|| engine_hash(&tokens[..start * BLOCK])),
+        token_ids: tokens[start * BLOCK..end * BLOCK].to_vec(),
+        block_size: Some(BLOCK as u32),
+        tier: t,
+        extra: vec![BlockExtra::default(); end - start],
+        ..BlockStored::default()
+    })
+}
+
+fn removed(hashes: Vec<EngineHash>, t: Tier) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: hashes,
+        tier: t,
+        group_idx: None,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    #[test]
+    fn long_prefix_matches_equal_the_block_by_block_reference(
+        ops in proptest::collection::vec(op(), 1..60),
+        requests in proptest::collection::vec((0..DOCS, 1..=DOC_BLOCKS), 1..8),
+    ) {
+        let docs = documents();
+        let index = PrefixIndex::new(IndexConfig::default());
+        let mut reference = Reference { refs: vec![HashMap::new(); PODS] };
+        for op in &ops {
+            match *op {
+                Op::Store { pod: p, doc, start, len, tier: t } => {
+                    let end = (start + len).min(DOC_BLOCKS);
+                    index.apply_batch(pod(p), MODEL, &batch(stored(&docs[doc], start, end, tier(t))));
+                    reference.store(p, &docs[doc], start, end, t as usize);
+                }
+                Op::Prefill { pod: p, doc, blocks, chunk } => {
+                    let mut start = 0;
+                    while start < blocks {
+                        let end = (start + chunk).min(blocks);
+                        index.apply_batch(pod(p), MODEL, &batch(stored(&docs[doc], start, end, Tier::Gpu)));
+                        reference.store(p, &docs[doc], start, end, 0);
+                        start = end;
+                    }
+                }
+                Op::Remove { pod: p, doc, block, tier: t } => {
+                    let h = engine_hash(&docs[doc][..(block + 1) * BLOCK]);
+                    index.apply_batch(pod(p), MODEL, &batch(removed(vec![h], tier(t))));
+                    reference.remove(p, h, t as usize);
+                }
+                Op::EvictTail { pod: p, doc, end, count } => {
+                    let hashes: Vec<EngineHash> = (end.saturating_sub(count)..end)
+                        .rev()
+                        .map(|b| engine_hash(&docs[doc][..(b + 1) * BLOCK]))
+                        .collect();
+                    for h in &hashes {
+                        reference.remove(p, *h, 0);
+                    }
+                    index.apply_batch(pod(p), MODEL, &batch(removed(hashes, Tier::Gpu)));
+                }
+                Op::ClearAll { pod: p } => {
+                    index.apply_batch(pod(p), MODEL, &batch(KvEvent::AllBlocksCleared { tier: None }));
+                    reference.refs[p].clear();
+                }
+            }
+        }
+        let candidates: Vec<PodId> = (0..PODS).map(pod).collect();
+        for (doc, blocks) in requests {
+            let request = &docs[doc][..blocks * BLOCK];
+            let context = KeyContext::model(MODEL);
+            let found = index.match_prefix(&context, request, &candidates);
+            // Keys computed ahead (as the request path does with the tokens) give the same.
+            let mut chain = KeyChain::new(context.seed(), BLOCK as u32);
+            chain.extend_to(request, usize::MAX);
+            let keyed = index.lookup_keyed(&context, request, Some(&Arc::new(chain)), &candidates);
+            prop_assert_eq!(&keyed.matches, &found);
+            for (p, m) in found.iter().enumerate() {
+                let (blocks, weighted) = reference.matched(p, request);
+                prop_assert_eq!(m.matched_blocks, blocks, "pod {} doc {}", p, doc);
+                prop_assert!((m.weighted_blocks - weighted).abs() < 1e-9,
+                    "pod {} doc {}: weighted {} want {}", p, doc, m.weighted_blocks, weighted);
+            }
+        }
+    }
+}
