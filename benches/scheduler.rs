@@ -89,7 +89,7 @@ struct Setup {
     requests: Vec<SchedulingRequest>,
 }
 
-fn setup(n: usize) -> Setup {
+fn setup(n: usize, config: IndexConfig) -> Setup {
     let store = Datastore::new();
     store.set_endpoints(
         (0..n)
@@ -103,7 +103,7 @@ fn setup(n: usize) -> Setup {
             .collect(),
     );
     let pods = store.snapshot().endpoints.clone();
-    let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
+    let index = Arc::new(PrefixIndex::new(config));
     let shared = tokens(1, SHARED_TOKENS);
     let mut statuses = HashMap::new();
     for (i, pod) in pods.iter().enumerate() {
@@ -195,7 +195,7 @@ fn main() {
         .into_iter()
         .filter(|n| only.is_none_or(|o| o == *n))
     {
-        let s = setup(n);
+        let s = setup(n, IndexConfig::default());
         let ids: Vec<PodId> = s.pods.iter().map(|p| p.id()).collect();
         let (p50, p99) = measure(|i| {
             let r = &s.requests[i % s.requests.len()];
@@ -277,6 +277,43 @@ fn main() {
             println!(
                 "{n:>5}  {:<26} {p50:>10.1?} {p99:>10.1?}",
                 "  pick (both back to back)"
+            );
+        }
+        {
+            // The same decision with walks stepping block by block (no gallop), for the ratio.
+            let s = setup(
+                n,
+                IndexConfig {
+                    gallop: false,
+                    ..IndexConfig::default()
+                },
+            );
+            let scheduler = ConfiguredScheduler::new(
+                SchedulerConfig::gie_default(),
+                SchedulerDeps {
+                    index: Arc::clone(&s.index),
+                    metrics: s.metrics.clone(),
+                },
+                0,
+            );
+            let mut decisions = Vec::with_capacity(ITERATIONS);
+            for i in 0..ITERATIONS + ITERATIONS / 10 {
+                let r = &s.requests[i % s.requests.len()];
+                let started = Instant::now();
+                let decided = scheduler.pick_deferred(r, &s.pods).ok();
+                let took = started.elapsed();
+                if let Some((pick, record)) = decided {
+                    black_box(pick);
+                    record.apply();
+                }
+                if i >= ITERATIONS / 10 {
+                    decisions.push(took);
+                }
+            }
+            let (d50, d99) = percentiles(decisions);
+            println!(
+                "{n:>5}  {:<26} {d50:>10.1?} {d99:>10.1?}",
+                "gie-default, no gallop"
             );
         }
         // Last: recording to every pod adds speculative holders that slow later matches.

@@ -260,3 +260,142 @@ proptest! {
         }
     }
 }
+
+/// What the differential test below does to both indexes.
+#[derive(Clone, Debug)]
+enum Step {
+    /// An event stream operation (see [`Op`]).
+    Event(Op),
+    /// kvpick routed `blocks` blocks of `doc` to `pod` after a lookup over every pod (the
+    /// routing record writes speculative runs after the pod's confirmed run).
+    Route {
+        pod: usize,
+        doc: usize,
+        blocks: usize,
+    },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => op().prop_map(Step::Event),
+        2 => (0..PODS, 0..DOCS, 1..=DOC_BLOCKS)
+            .prop_map(|(pod, doc, blocks)| Step::Route { pod, doc, blocks }),
+    ]
+}
+
+fn apply_op(index: &PrefixIndex, docs: &[Vec<u32>], op: &Op) {
+    match *op {
+        Op::Store {
+            pod: p,
+            doc,
+            start,
+            len,
+            tier: t,
+        } => {
+            let end = (start + len).min(DOC_BLOCKS);
+            index.apply_batch(
+                pod(p),
+                MODEL,
+                &batch(stored(&docs[doc], start, end, tier(t))),
+            );
+        }
+        Op::Prefill {
+            pod: p,
+            doc,
+            blocks,
+            chunk,
+        } => {
+            let mut start = 0;
+            while start < blocks {
+                let end = (start + chunk).min(blocks);
+                index.apply_batch(
+                    pod(p),
+                    MODEL,
+                    &batch(stored(&docs[doc], start, end, Tier::Gpu)),
+                );
+                start = end;
+            }
+        }
+        Op::Remove {
+            pod: p,
+            doc,
+            block,
+            tier: t,
+        } => {
+            let h = engine_hash(&docs[doc][..(block + 1) * BLOCK]);
+            index.apply_batch(pod(p), MODEL, &batch(removed(vec![h], tier(t))));
+        }
+        Op::EvictTail {
+            pod: p,
+            doc,
+            end,
+            count,
+        } => {
+            let hashes: Vec<EngineHash> = (end.saturating_sub(count)..end)
+                .rev()
+                .map(|b| engine_hash(&docs[doc][..(b + 1) * BLOCK]))
+                .collect();
+            index.apply_batch(pod(p), MODEL, &batch(removed(hashes, Tier::Gpu)));
+        }
+        Op::ClearAll { pod: p } => {
+            index.apply_batch(
+                pod(p),
+                MODEL,
+                &batch(KvEvent::AllBlocksCleared { tier: None }),
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, ..ProptestConfig::default() })]
+
+    /// Galloping (over spans and speculative runs) answers exactly what stepping block by
+    /// block answers, speculation and tiers included — matches and where each pod's run went
+    /// speculative (what the routing record starts from).
+    #[test]
+    fn galloping_walks_answer_like_stepping_walks(
+        steps in proptest::collection::vec(step(), 1..60),
+        requests in proptest::collection::vec((0..DOCS, 1..=DOC_BLOCKS, 1..(1usize << PODS)), 1..8),
+    ) {
+        let docs = documents();
+        let galloping = PrefixIndex::new(IndexConfig::default());
+        let stepping = PrefixIndex::new(IndexConfig { gallop: false, ..IndexConfig::default() });
+        let context = KeyContext::model(MODEL);
+        let everyone: Vec<PodId> = (0..PODS).map(pod).collect();
+        for step in &steps {
+            match step {
+                Step::Event(op) => {
+                    apply_op(&galloping, &docs, op);
+                    apply_op(&stepping, &docs, op);
+                }
+                Step::Route { pod: p, doc, blocks } => {
+                    let request = &docs[*doc][..blocks * BLOCK];
+                    let mut a = galloping.lookup(&context, request, &everyone);
+                    let mut b = stepping.lookup(&context, request, &everyone);
+                    prop_assert_eq!(&a.matches, &b.matches);
+                    prop_assert_eq!(
+                        a.confirmed_run(pod(*p), BLOCK as u32),
+                        b.confirmed_run(pod(*p), BLOCK as u32)
+                    );
+                    galloping.record_routed_lookup(pod(*p), &context, request, &mut a);
+                    stepping.record_routed_lookup(pod(*p), &context, request, &mut b);
+                }
+            }
+        }
+        for (doc, blocks, subset) in requests {
+            let request = &docs[doc][..blocks * BLOCK];
+            let candidates: Vec<PodId> =
+                (0..PODS).filter(|p| subset & (1 << p) != 0).map(pod).collect();
+            let a = galloping.lookup(&context, request, &candidates);
+            let b = stepping.lookup(&context, request, &candidates);
+            prop_assert_eq!(&a.matches, &b.matches, "doc {} blocks {}", doc, blocks);
+            for candidate in &candidates {
+                prop_assert_eq!(
+                    a.confirmed_run(*candidate, BLOCK as u32),
+                    b.confirmed_run(*candidate, BLOCK as u32)
+                );
+            }
+        }
+    }
+}

@@ -72,6 +72,9 @@ pub struct IndexConfig {
     /// Blocks remembered per pod in approximate mode (pods without events), until a learned
     /// capacity replaces it.
     pub approx_capacity_blocks: usize,
+    /// Whether walks may jump over runs they can prove held (spans, speculative runs). Off,
+    /// they step block by block: the same answers, slower (kept to compare the two).
+    pub gallop: bool,
 }
 
 impl Default for IndexConfig {
@@ -84,6 +87,7 @@ impl Default for IndexConfig {
             speculative_ttl: std::time::Duration::from_secs(2),
             max_speculative_entries: 1 << 20,
             approx_capacity_blocks: 16_384,
+            gallop: true,
         }
     }
 }
@@ -607,19 +611,20 @@ impl PrefixIndex {
         }
         if state.precise {
             drop(state);
-            // NOTE: beyond the run the lookup found, blocks are checked one by one: a pod may
-            // hold a later block confirmed (its prefix was evicted out of order), and a
-            // speculative entry for it would only cost memory.
+            // NOTE: the blocks after the pod's confirmed run are recorded as one run of
+            // consecutive blocks, which a walk can verify with one probe; a pod that holds a
+            // later block confirmed (its prefix evicted out of order) gets a redundant entry
+            // for the TTL, a few bytes. The confirmed run is extended first where the caller
+            // did not know it (no lookup: `held` = 0), one block at a time.
             let tail = keys.get(held..).unwrap_or_default();
-            let missing: Vec<BlockKey> = {
-                let blocks = self.blocks.reader(tail.len());
+            let confirmed = {
+                let blocks = self.blocks.reader(0);
                 tail.iter()
-                    .copied()
-                    .filter(|key| !blocks.holds(*key, entry.slot))
-                    .collect()
+                    .take_while(|key| blocks.holds(**key, entry.slot))
+                    .count()
             };
-            self.speculative
-                .record(entry.slot, &missing, Instant::now());
+            let tail = tail.get(confirmed..).unwrap_or_default();
+            self.speculative.record(entry.slot, tail, Instant::now());
             return;
         }
         // Approximate mode: every block is touched, so the LRU order follows recency.

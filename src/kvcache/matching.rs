@@ -385,6 +385,8 @@ struct Walk {
     pods: Vec<Option<Arc<PodEntry>>>,
     /// The first block after which a gallop may be tried.
     next_gallop: usize,
+    /// Scratch of [`Self::verify`]: candidates proven so far.
+    proven: Vec<u64>,
 }
 
 /// Calls `f` with each slot whose bit is set in `word` (bit `b` of word `w` = slot `64w + b`).
@@ -445,7 +447,8 @@ impl Walk {
             walked: 0,
             speculation: (!index.speculative.is_empty()).then(Instant::now),
             pods,
-            next_gallop: 0,
+            next_gallop: if index.config().gallop { 0 } else { usize::MAX },
+            proven: vec![0; words],
         }
     }
 
@@ -483,7 +486,7 @@ impl Walk {
                     return;
                 }
                 if j >= self.next_gallop && self.may_gallop() {
-                    let reached = self.gallop(blocks, keys, j, total);
+                    let reached = self.gallop(index, blocks, keys, j, total);
                     self.next_gallop = if reached > j {
                         reached + 1 + MIN_JUMP / 4
                     } else {
@@ -515,6 +518,7 @@ impl Walk {
     /// no run end.
     fn gallop(
         &mut self,
+        index: &PrefixIndex,
         blocks: &BlockMapReader<'_>,
         keys: &mut Keys<'_>,
         mut i: usize,
@@ -523,7 +527,7 @@ impl Walk {
         let last = total.saturating_sub(1);
         // The first jump: as far as every alive candidate's span at `i` is known intact.
         let mut jump = match keys.at(i) {
-            Some(key) => self.verify(blocks, key, 0).unwrap_or(0),
+            Some(key) => self.verify(index, blocks, key, 0).unwrap_or(0),
             None => return i,
         }
         .max(MIN_JUMP);
@@ -535,7 +539,7 @@ impl Walk {
             let Some(key) = keys.at(t) else {
                 break;
             };
-            match self.verify(blocks, key, t - i - 1) {
+            match self.verify(index, blocks, key, t - i - 1) {
                 Some(ahead) => {
                     i = t;
                     self.walked = t + 1;
@@ -548,21 +552,34 @@ impl Walk {
         i
     }
 
-    /// Whether every alive candidate holds `key` in GPU at an offset ≥ `back` of a span intact
-    /// beyond it; if so, the fewest blocks any of them is known to hold after `key`.
-    fn verify(&self, blocks: &BlockMapReader<'_>, key: BlockKey, back: usize) -> Option<usize> {
+    /// Whether every alive candidate holds `key` and the `back` blocks before it in GPU (at an
+    /// offset ≥ `back` of a span intact beyond it) or, for a candidate whose run already went
+    /// speculative, speculatively (an entry whose run is intact back as far); if so, the fewest
+    /// blocks any of them is known to hold after `key` in its span.
+    fn verify(
+        &mut self,
+        index: &PrefixIndex,
+        blocks: &BlockMapReader<'_>,
+        key: BlockKey,
+        back: usize,
+    ) -> Option<usize> {
         let mut proven = 0usize;
         let mut ahead = usize::MAX;
+        self.proven.fill(0);
+        let (alive, pods, position_of_slot, proven_bits) = (
+            &self.alive,
+            &self.pods,
+            &self.position_of_slot,
+            &mut self.proven,
+        );
         blocks.gpu_spans(key, |slot, span| {
             let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
-            if self.alive.get(w).is_none_or(|word| word & bit == 0)
-                || usize::from(span.offset) < back
-            {
+            if alive.get(w).is_none_or(|word| word & bit == 0) || usize::from(span.offset) < back {
                 return;
             }
-            let Some(pod) = self
-                .position(slot as usize)
-                .and_then(|p| self.pods.get(p))
+            let Some(pod) = position_of_slot
+                .get(slot as usize)
+                .and_then(|p| pods.get(*p as usize))
                 .and_then(|p| p.as_ref())
             else {
                 return;
@@ -570,11 +587,38 @@ impl Walk {
             // One load: a concurrent removal may lower it, never between two reads of ours.
             let intact = pod.spans.intact(span.id) as usize;
             let offset = usize::from(span.offset);
-            if span.is_some() && intact > offset {
+            if span.is_some()
+                && intact > offset
+                && let Some(cell) = proven_bits.get_mut(w)
+                && *cell & bit == 0
+            {
+                *cell |= bit;
                 proven += 1;
                 ahead = ahead.min(intact - 1 - offset);
             }
         });
+        if proven < self.alive_count
+            && let Some(now) = self.speculation
+        {
+            let seen = &self.speculative_seen;
+            index.speculative.visit(&key, now, |holder| {
+                let (w, bit) = (holder.slot as usize / 64, 1u64 << (holder.slot % 64));
+                let on_run = alive.get(w).is_some_and(|word| word & bit != 0);
+                // Only a candidate already marked speculative: the first block it holds only
+                // speculatively must be found by a step.
+                let went_speculative = seen.get(w).is_some_and(|word| word & bit != 0);
+                if on_run
+                    && went_speculative
+                    && holder.run_back as usize > back
+                    && let Some(cell) = proven_bits.get_mut(w)
+                    && *cell & bit == 0
+                {
+                    *cell |= bit;
+                    proven += 1;
+                    ahead = ahead.min(holder.run_ahead as usize);
+                }
+            });
+        }
         (proven == self.alive_count).then_some(ahead)
     }
 
@@ -665,9 +709,9 @@ impl Walk {
         if let Some(now) = self.speculation {
             self.speculative.fill(0);
             let speculative = &mut self.speculative;
-            any_speculative = index.speculative.visit(key, now, |slot| {
-                if let Some(word) = speculative.get_mut(slot as usize / 64) {
-                    *word |= 1u64 << (slot % 64);
+            any_speculative = index.speculative.visit(key, now, |holder| {
+                if let Some(word) = speculative.get_mut(holder.slot as usize / 64) {
+                    *word |= 1u64 << (holder.slot % 64);
                 }
             });
         }

@@ -6,8 +6,23 @@
 //! follow the first request; it expires after the TTL (default 2 s) and is dropped as soon as
 //! a confirmed event stores the same block on the same pod.
 //!
-//! Concurrency: a sharded map of its own; no operation holds one of its locks while taking a
-//! lock of the block map (matching reads the two one after the other).
+//! # Runs
+//! One routing record writes one *run*: entries for consecutive blocks of one prompt, all
+//! expiring together. Each entry knows its run and its offset in it, and the run knows how
+//! many of its leading entries are all still present (its intact length, lowered when an
+//! entry leaves: confirmed, refreshed into a newer run, purged). So a walk can prove with one
+//! probe that a pod holds a long stretch speculatively — the same argument as for the block
+//! map's spans (`super::span`) — instead of visiting every block.
+//!
+//! # Concurrency
+//! A sharded map of its own; no operation holds one of its locks while taking a lock of the
+//! block map (matching reads the two one after the other). Run state is atomics in chunks that
+//! never move, read without locks; allocating and freeing run ids takes a mutex. A run starts
+//! with one extra reference held by its writer, so it cannot be freed (and its id reused)
+//! while its entries are still being written, and its intact length starts at "all" and only
+//! ever decreases: a reader that finds an entry of a run at offset `o` with intact length
+//! above `o` knows the entries before it were written (earlier, by the same writer) and not
+//! removed since.
 //!
 //! A counting filter in front of the map (entries per bucket of key bits, updated under the
 //! key's map lock, read without it) lets a walk skip the map for the blocks no pod holds
@@ -15,7 +30,8 @@
 //! A counter is never below the entries of its bucket (one that saturates stays saturated),
 //! so a zero is always a true "none".
 
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -26,14 +42,148 @@ use super::key::{BlockKey, PrehashedState};
 /// Buckets of the counting filter (64 Ki counters, 128 KiB).
 const FILTER_BITS: u32 = 16;
 
-/// Speculative (pod slot, expiry) entries per block key, bounded in number.
+/// One speculative holder of a block: the pod slot, its run and its offset in the run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SpecEntry {
+    slot: u32,
+    run: u32,
+    offset: u32,
+}
+
+/// A speculative holder as a walk sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SpeculativeHolder {
+    pub(crate) slot: u32,
+    /// Leading blocks (this one included) the holder holds speculatively in a row: the
+    /// entry's offset + 1, when its run is intact through it.
+    pub(crate) run_back: u32,
+    /// Blocks after this one its run is known to hold (a hint: 0 when unknown).
+    pub(crate) run_ahead: u32,
+}
+
+/// Speculative entries per block key, bounded in number.
 pub(crate) struct Speculative {
-    entries: DashMap<BlockKey, Vec<(u32, Instant)>, PrehashedState>,
+    entries: DashMap<BlockKey, Vec<SpecEntry>, PrehashedState>,
     /// Entries per bucket of key bits (see the module docs).
     filter: Box<[AtomicU16]>,
     count: AtomicUsize,
     ttl: Duration,
     max_entries: usize,
+    runs: Runs,
+}
+
+/// Run state, readable without locks (see the module docs).
+struct Runs {
+    chunks: Box<[OnceLock<Box<[RunCell]>>]>,
+    book: Mutex<RunBook>,
+    /// Expiry times are stored as nanoseconds after this instant.
+    epoch: Instant,
+}
+
+const RUN_CHUNK: usize = 4096;
+
+#[derive(Default)]
+struct RunCell {
+    /// Expiry, in nanoseconds after [`Runs::epoch`] (0: free).
+    expires: AtomicU64,
+    /// Leading entries all present.
+    intact: AtomicU32,
+    /// Entries present, plus one while the writer is still writing.
+    live: AtomicU32,
+}
+
+#[derive(Default)]
+struct RunBook {
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl Runs {
+    fn new(max_runs: usize, epoch: Instant) -> Self {
+        Self {
+            chunks: (0..max_runs.div_ceil(RUN_CHUNK).max(1))
+                .map(|_| OnceLock::new())
+                .collect(),
+            book: Mutex::new(RunBook::default()),
+            epoch,
+        }
+    }
+
+    fn cell(&self, run: u32) -> Option<&RunCell> {
+        let (chunk, at) = (run as usize / RUN_CHUNK, run as usize % RUN_CHUNK);
+        self.chunks
+            .get(chunk)?
+            .get_or_init(|| (0..RUN_CHUNK).map(|_| RunCell::default()).collect())
+            .get(at)
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, RunBook> {
+        // NOTE: the book is a free list; a panic mid-update loses at most an id.
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new run expiring at `expires`, held by its writer; `None` when every id is taken.
+    fn start(&self, expires: Instant) -> Option<u32> {
+        let run = {
+            let mut book = self.book();
+            match book.free.pop() {
+                Some(run) => run,
+                None if (book.next as usize) < self.chunks.len() * RUN_CHUNK => {
+                    book.next += 1;
+                    book.next - 1
+                }
+                None => return None,
+            }
+        };
+        let cell = self.cell(run)?;
+        cell.intact.store(u32::MAX, Ordering::Release);
+        cell.live.store(1, Ordering::Release);
+        cell.expires.store(self.nanos(expires), Ordering::Release);
+        Some(run)
+    }
+
+    /// One more entry of `run` present.
+    fn joined(&self, run: u32) {
+        if let Some(cell) = self.cell(run) {
+            cell.live.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The entry of `run` at `offset` left (or, with `offset == u32::MAX`, the writer is done).
+    fn left(&self, run: u32, offset: u32) {
+        let Some(cell) = self.cell(run) else {
+            return;
+        };
+        cell.intact.fetch_min(offset, Ordering::AcqRel);
+        if cell.live.fetch_sub(1, Ordering::AcqRel) == 1 {
+            cell.expires.store(0, Ordering::Release);
+            self.book().free.push(run);
+        }
+    }
+
+    /// The writer of `run` wrote `written` leading entries and is done.
+    fn finish(&self, run: u32, written: u32) {
+        if let Some(cell) = self.cell(run) {
+            cell.intact.fetch_min(written, Ordering::AcqRel);
+        }
+        self.left(run, u32::MAX);
+    }
+
+    fn alive(&self, run: u32, now: u64) -> bool {
+        self.cell(run)
+            .is_some_and(|c| c.expires.load(Ordering::Acquire) > now)
+    }
+
+    fn intact(&self, run: u32) -> u32 {
+        self.cell(run)
+            .map_or(0, |c| c.intact.load(Ordering::Acquire))
+    }
 }
 
 impl Speculative {
@@ -46,6 +196,9 @@ impl Speculative {
             count: AtomicUsize::new(0),
             ttl,
             max_entries,
+            // Every live run has an entry (or a writer), so runs never outnumber entries
+            // (+ concurrent writers, bounded by the small slack).
+            runs: Runs::new(max_entries + 1024, Instant::now()),
         }
     }
 
@@ -87,43 +240,71 @@ impl Speculative {
             .is_some_and(|c| c.load(Ordering::Relaxed) != 0)
     }
 
-    /// Records `slot` as holding `keys` until now + TTL; returns how many entries were refused
-    /// because the bound was reached.
+    /// Records `slot` as holding `keys` (consecutive blocks of one prompt) until now + TTL, as
+    /// one run; an entry `slot` already had for one of them moves into this run. Returns how
+    /// many entries were refused because the bound was reached (the run stops there).
     pub(crate) fn record(&self, slot: u32, keys: &[BlockKey], now: Instant) -> usize {
+        if keys.is_empty() {
+            return 0;
+        }
         if self.count.load(Ordering::Relaxed) + keys.len() > self.max_entries {
             self.purge_expired(now);
         }
-        let expires = now + self.ttl;
-        let mut refused = 0;
-        for key in keys {
+        let Some(run) = self.runs.start(now + self.ttl) else {
+            return keys.len();
+        };
+        let mut written = 0u32;
+        for (offset, key) in (0u32..).zip(keys) {
             let mut entry = self.entries.entry(*key).or_default();
-            if let Some(existing) = entry.iter_mut().find(|(s, _)| *s == slot) {
-                existing.1 = expires;
+            if let Some(existing) = entry.iter_mut().find(|e| e.slot == slot) {
+                let old = *existing;
+                *existing = SpecEntry { slot, run, offset };
+                self.runs.joined(run);
+                self.runs.left(old.run, old.offset);
+                written += 1;
                 continue;
             }
             if self.count.load(Ordering::Relaxed) >= self.max_entries {
-                refused += 1;
-                continue;
+                break;
             }
-            entry.push((slot, expires));
+            self.runs.joined(run);
+            entry.push(SpecEntry { slot, run, offset });
             self.count_in(key, 1);
             self.count.fetch_add(1, Ordering::Relaxed);
+            written += 1;
         }
-        refused
+        self.runs.finish(run, written);
+        keys.len() - written as usize
     }
 
-    /// Calls `visit(slot)` for each live speculative holder of `key`; false when it has none.
-    pub(crate) fn visit(&self, key: &BlockKey, now: Instant, mut visit: impl FnMut(u32)) -> bool {
+    /// Calls `visit` with each live speculative holder of `key`; false when it has none.
+    pub(crate) fn visit(
+        &self,
+        key: &BlockKey,
+        now: Instant,
+        mut visit: impl FnMut(SpeculativeHolder),
+    ) -> bool {
         if !self.may_hold(key) {
             return false;
         }
         let Some(entry) = self.entries.get(key) else {
             return false;
         };
+        let now = self.runs.nanos(now);
         let mut any = false;
-        for (slot, expires) in entry.iter() {
-            if *expires > now {
-                visit(*slot);
+        for e in entry.iter() {
+            if self.runs.alive(e.run, now) {
+                let intact = self.runs.intact(e.run);
+                let (run_back, run_ahead) = if intact > e.offset {
+                    (e.offset + 1, (intact - 1 - e.offset).min(1 << 20))
+                } else {
+                    (1, 0)
+                };
+                visit(SpeculativeHolder {
+                    slot: e.slot,
+                    run_back,
+                    run_ahead,
+                });
                 any = true;
             }
         }
@@ -136,9 +317,16 @@ impl Speculative {
             return;
         }
         if let dashmap::Entry::Occupied(mut occupied) = self.entries.entry(*key) {
-            let before = occupied.get().len();
-            occupied.get_mut().retain(|(s, _)| *s != slot);
-            let removed = before - occupied.get().len();
+            let list = occupied.get_mut();
+            let before = list.len();
+            list.retain(|e| {
+                let keep = e.slot != slot;
+                if !keep {
+                    self.runs.left(e.run, e.offset);
+                }
+                keep
+            });
+            let removed = before - list.len();
             self.count_out(key, removed);
             self.count.fetch_sub(removed, Ordering::Relaxed);
             if occupied.get().is_empty() {
@@ -149,19 +337,26 @@ impl Speculative {
 
     /// Drops expired entries.
     pub(crate) fn purge_expired(&self, now: Instant) {
-        self.retain(|_, expires| expires > now);
+        let now = self.runs.nanos(now);
+        self.retain(|e| self.runs.alive(e.run, now));
     }
 
     /// Drops every entry of a slot (the pod left).
     pub(crate) fn remove_slot(&self, slot: u32) {
-        self.retain(|s, _| s != slot);
+        self.retain(|e| e.slot != slot);
     }
 
-    fn retain(&self, keep: impl Fn(u32, Instant) -> bool) {
+    fn retain(&self, keep: impl Fn(&SpecEntry) -> bool) {
         let mut removed = 0;
         self.entries.retain(|key, list| {
             let before = list.len();
-            list.retain(|(s, e)| keep(*s, *e));
+            list.retain(|e| {
+                let kept = keep(e);
+                if !kept {
+                    self.runs.left(e.run, e.offset);
+                }
+                kept
+            });
             self.count_out(key, before - list.len());
             removed += before - list.len();
             !list.is_empty()
@@ -179,6 +374,12 @@ impl Speculative {
 mod tests {
     use super::*;
 
+    fn holders(s: &Speculative, key: BlockKey, now: Instant) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        s.visit(&key, now, |h| out.push((h.slot, h.run_back)));
+        out
+    }
+
     #[test]
     fn the_filter_says_none_only_when_there_is_none() {
         let speculative = Speculative::new(Duration::from_secs(2), 100);
@@ -195,7 +396,7 @@ mod tests {
         assert!(speculative.may_hold(&a) && speculative.may_hold(&b));
         assert!(!speculative.may_hold(&c));
         let mut slots = Vec::new();
-        assert!(speculative.visit(&a, now, |s| slots.push(s)));
+        assert!(speculative.visit(&a, now, |h| slots.push(h.slot)));
         assert_eq!(slots, vec![3, 4]);
         assert!(!speculative.visit(&c, now, |_| {}));
         // Confirming and purging take the counts back down to zero.
@@ -209,5 +410,39 @@ mod tests {
         speculative.record(5, &[c], now);
         speculative.purge_expired(now + Duration::from_secs(3));
         assert!(!speculative.may_hold(&c));
+    }
+
+    #[test]
+    fn runs_say_how_far_back_a_holder_holds_in_a_row() {
+        let speculative = Speculative::new(Duration::from_secs(2), 100);
+        let now = Instant::now();
+        let keys: Vec<BlockKey> = (1..=6u64).map(|i| BlockKey(i << 24 | i)).collect();
+        assert_eq!(speculative.record(7, &keys, now), 0);
+        assert_eq!(holders(&speculative, keys[5], now), vec![(7, 6)]);
+        // A block of the run confirmed: the entries after it no longer prove the ones before.
+        speculative.confirm(&keys[2], 7);
+        assert_eq!(holders(&speculative, keys[1], now), vec![(7, 2)]);
+        assert_eq!(holders(&speculative, keys[5], now), vec![(7, 1)]);
+        // A newer record takes the entries it covers into its own run.
+        speculative.record(7, &keys[3..], now);
+        assert_eq!(holders(&speculative, keys[5], now), vec![(7, 3)]);
+        // Expired runs hold nothing; purged, their ids are reused and start afresh.
+        let later = now + Duration::from_secs(3);
+        assert!(holders(&speculative, keys[5], later).is_empty());
+        speculative.purge_expired(later);
+        assert_eq!(speculative.len(), 0);
+        speculative.record(8, &keys[..2], later);
+        assert_eq!(holders(&speculative, keys[1], later), vec![(8, 2)]);
+    }
+
+    #[test]
+    fn the_bound_stops_a_run() {
+        let speculative = Speculative::new(Duration::from_secs(2), 3);
+        let now = Instant::now();
+        let keys: Vec<BlockKey> = (1..=5u64).map(|i| BlockKey(i << 24)).collect();
+        assert_eq!(speculative.record(1, &keys, now), 2);
+        assert_eq!(speculative.len(), 3);
+        assert_eq!(holders(&speculative, keys[2], now), vec![(1, 3)]);
+        assert!(holders(&speculative, keys[3], now).is_empty());
     }
 }
