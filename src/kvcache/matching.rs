@@ -289,7 +289,13 @@ impl PrefixIndex {
     ) -> Vec<PrefixMatch> {
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(keys.len());
-        walk.run(self, &blocks, &mut Keys::Fixed(keys), keys.len());
+        walk.run(
+            self,
+            &blocks,
+            &mut Keys::Fixed(keys),
+            keys.len(),
+            candidates,
+        );
         walk.finish(candidates, keys.len(), block_size).0
     }
 
@@ -309,7 +315,13 @@ impl PrefixIndex {
                 let keys = chain.keys();
                 let mut walk = Walk::new(self, candidates);
                 let blocks = self.blocks.reader(keys.len());
-                walk.run(self, &blocks, &mut Keys::Fixed(keys), keys.len());
+                walk.run(
+                    self,
+                    &blocks,
+                    &mut Keys::Fixed(keys),
+                    keys.len(),
+                    candidates,
+                );
                 let (matches, from) = walk.finish(candidates, keys.len(), size);
                 (matches, from, LookupChain::Shared(Arc::clone(chain)))
             }
@@ -333,7 +345,13 @@ impl PrefixIndex {
         let block_size = chain.block_size();
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(total);
-        walk.run(self, &blocks, &mut Keys::Chain { chain, tokens }, total);
+        walk.run(
+            self,
+            &blocks,
+            &mut Keys::Chain { chain, tokens },
+            total,
+            candidates,
+        );
         walk.finish(candidates, total, block_size)
     }
 }
@@ -381,7 +399,8 @@ struct Walk {
     /// Blocks the surviving candidates have run through.
     walked: usize,
     speculation: Option<Instant>,
-    /// Per candidate position: its pod's entry (for span intact lengths), if indexed.
+    /// Per candidate position: its pod's entry (for span intact lengths), if indexed; filled
+    /// by the first gallop (a walk that never gallops does not pay for it).
     pods: Vec<Option<Arc<PodEntry>>>,
     /// The first block after which a gallop may be tried.
     next_gallop: usize,
@@ -405,7 +424,6 @@ impl Walk {
         let words;
         let mut alive;
         let mut alive_count = 0;
-        let mut pods = vec![None; candidates.len()];
         {
             let table = index.table_read();
             position_of_slot.resize(table.slots.len(), u32::MAX);
@@ -419,9 +437,6 @@ impl Walk {
                     *cell = position as u32;
                     *w |= 1u64 << (entry.slot % 64);
                     alive_count += 1;
-                    if let Some(pod) = pods.get_mut(position) {
-                        *pod = Some(entry.clone());
-                    }
                 }
             }
         }
@@ -446,7 +461,7 @@ impl Walk {
             previous_valid: false,
             walked: 0,
             speculation: (!index.speculative.is_empty()).then(Instant::now),
-            pods,
+            pods: Vec::new(),
             next_gallop: if index.config().gallop { 0 } else { usize::MAX },
             proven: vec![0; words],
         }
@@ -459,6 +474,7 @@ impl Walk {
         blocks: &BlockMapReader<'_>,
         keys: &mut Keys<'_>,
         total: usize,
+        candidates: &[PodId],
     ) {
         let mut i = 0;
         while i < total {
@@ -486,6 +502,7 @@ impl Walk {
                     return;
                 }
                 if j >= self.next_gallop && self.may_gallop() {
+                    self.load_pods(index, candidates);
                     let reached = self.gallop(index, blocks, keys, j, total);
                     self.next_gallop = if reached > j {
                         reached + 1 + MIN_JUMP / 4
@@ -500,6 +517,27 @@ impl Walk {
             }
             i = next;
         }
+    }
+
+    /// Fills [`Self::pods`] (once).
+    fn load_pods(&mut self, index: &PrefixIndex, candidates: &[PodId]) {
+        if !self.pods.is_empty() {
+            return;
+        }
+        let table = index.table_read();
+        // NOTE: a pod purged and re-added since the walk began has another slot; its entry
+        // must not vouch for the old slot's holders.
+        let position_of_slot = &self.position_of_slot;
+        self.pods = candidates
+            .iter()
+            .enumerate()
+            .map(|(position, pod)| {
+                table.by_id.get(pod).filter(|entry| {
+                    position_of_slot.get(entry.slot as usize).copied() == Some(position as u32)
+                })
+            })
+            .map(|entry| entry.cloned())
+            .collect();
     }
 
     /// Whether a gallop can apply: candidates are on their run, all in the GPU class.

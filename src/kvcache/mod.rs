@@ -8,6 +8,11 @@
 //! recorded too: as short-lived speculative holders on pods that publish events (so a burst
 //! of one prefix does not scatter before the events arrive), or in a per pod LRU set for pods
 //! without events (the approximate mode). Concurrency rules: see [`index`].
+//!
+//! Why matching is fast on long prompts: holders carry their place in a *span* (a chain the
+//! pod stored one block after another, see `span`) and routing records write speculative
+//! *runs*, both with an intact length; a walk proves with one probe that every candidate
+//! still on its run holds many blocks ahead, and gallops (`matching`).
 
 mod approx;
 mod blockmap;

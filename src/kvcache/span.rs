@@ -33,9 +33,14 @@ use std::sync::atomic::{AtomicU16, Ordering};
 
 /// Bits of a span id (see [`SpanRef`]).
 pub(crate) const SPAN_BITS: u32 = 17;
-const CHUNK_BITS: u32 = 10;
-const CHUNK: usize = 1 << CHUNK_BITS;
-const CHUNKS: usize = 1 << (SPAN_BITS - CHUNK_BITS);
+/// Intact lengths live in chunks of growing size (64, 128, 256, … ids), so a pod with few
+/// spans costs a few hundred bytes, and ids up to 2^17 fit in 11 chunks.
+const FIRST_CHUNK: usize = 64;
+const CHUNKS: usize = 11;
+/// Span ids a pod can use (what the chunks hold; below [`SpanRef::NONE`]).
+const MAX_SPANS: usize = FIRST_CHUNK * ((1 << CHUNKS) - 1);
+const _: () = assert!(MAX_SPANS < (1 << SPAN_BITS) - 1);
+
 /// The longest span (offsets are below it, so they fit a `u16`).
 const MAX_LEN: u16 = u16::MAX;
 
@@ -61,22 +66,32 @@ impl SpanRef {
 
 /// Per pod, span id → intact length, readable without locks.
 pub(crate) struct SpanIntact {
-    chunks: Box<[OnceLock<Box<[AtomicU16; CHUNK]>>]>,
+    chunks: [OnceLock<Box<[AtomicU16]>>; CHUNKS],
 }
 
 impl Default for SpanIntact {
     fn default() -> Self {
         Self {
-            chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
+            chunks: std::array::from_fn(|_| OnceLock::new()),
         }
     }
+}
+
+/// The chunk of span `id` and its index there: chunk `k` holds ids
+/// `64·(2^k − 1) .. 64·(2^(k+1) − 1)`.
+#[inline]
+fn chunk_of(id: u32) -> (usize, usize) {
+    let scaled = id as usize / FIRST_CHUNK + 1;
+    let chunk = (usize::BITS - 1 - scaled.leading_zeros()) as usize;
+    let start = FIRST_CHUNK * ((1 << chunk) - 1);
+    (chunk, id as usize - start)
 }
 
 impl SpanIntact {
     /// Leading blocks of span `id` all still held (0 for an unknown span).
     #[inline]
     pub(crate) fn intact(&self, id: u32) -> u32 {
-        let (chunk, at) = (id as usize >> CHUNK_BITS, id as usize & (CHUNK - 1));
+        let (chunk, at) = chunk_of(id);
         self.chunks
             .get(chunk)
             .and_then(|c| c.get())
@@ -85,10 +100,14 @@ impl SpanIntact {
     }
 
     fn cell(&self, id: u32) -> Option<&AtomicU16> {
-        let (chunk, at) = (id as usize >> CHUNK_BITS, id as usize & (CHUNK - 1));
+        let (chunk, at) = chunk_of(id);
         self.chunks
             .get(chunk)?
-            .get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU16::new(0))))
+            .get_or_init(|| {
+                (0..FIRST_CHUNK << chunk)
+                    .map(|_| AtomicU16::new(0))
+                    .collect()
+            })
             .get(at)
     }
 
@@ -132,7 +151,7 @@ impl SpanBook {
         }
         match self.free.last() {
             Some(id) => SpanRef { id: *id, offset: 0 },
-            None if self.meta.len() < SpanRef::NONE.id as usize => SpanRef {
+            None if self.meta.len() < MAX_SPANS => SpanRef {
                 id: self.meta.len() as u32,
                 offset: 0,
             },
@@ -206,6 +225,28 @@ mod tests {
     /// Whether `span` is intact through its own offset.
     fn covers(intact: &SpanIntact, span: SpanRef) -> bool {
         span.is_some() && intact.intact(span.id) > u32::from(span.offset)
+    }
+
+    #[test]
+    fn chunks_cover_every_id_once() {
+        let mut expected = (0, 0);
+        for id in 0..MAX_SPANS as u32 {
+            let (chunk, at) = chunk_of(id);
+            if chunk != expected.0 {
+                assert_eq!(
+                    (chunk, at, expected.1),
+                    (expected.0 + 1, 0, FIRST_CHUNK << expected.0)
+                );
+                expected = (chunk, 0);
+            }
+            assert_eq!(at, expected.1);
+            expected.1 += 1;
+        }
+        assert_eq!(chunk_of(MAX_SPANS as u32).0, CHUNKS);
+        let intact = SpanIntact::default();
+        intact.set(MAX_SPANS as u32 - 1, 3);
+        assert_eq!(intact.intact(MAX_SPANS as u32 - 1), 3);
+        assert_eq!(intact.intact(SpanRef::NONE.id), 0);
     }
 
     #[test]
