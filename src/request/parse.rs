@@ -1,8 +1,10 @@
 //! Body → [`InferenceRequest`] for each supported API.
 //!
 //! The body is first bounded by [`super::scan`] (depth, array sizes), then parsed by serde_json
-//! into a tree (`preserve_order`, so tool schemas keep their key order for `tojson`). Unknown
-//! fields are ignored: the lead forwards the body untouched.
+//! into a tree (`preserve_order`, so tool schemas keep their key order for `tojson`). Long string
+//! values (the prompt text of a large body) are unescaped by the scanner on the way and only
+//! put into the tree afterwards ([`super::strings`]), exactly as serde_json would have built
+//! them. Unknown fields are ignored: the lead forwards the body untouched.
 
 use serde_json::{Map, Value};
 

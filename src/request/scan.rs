@@ -1,7 +1,8 @@
 //! One linear pass over raw JSON bytes that enforces nesting and array bounds *before*
 //! serde_json builds a tree (so a hostile body cannot make us allocate a huge tree or recurse
 //! deeply), and that finds the byte span of the top-level `"model"` string value (so the model
-//! can be rewritten without re-serialising the body).
+//! can be rewritten without re-serialising the body). For [`super::parse`], the same pass also
+//! unescapes the long string values it walks through ([`scan_collecting`]).
 //!
 //! NOTE: the scanner does not validate JSON syntax; serde_json does that afterwards. It only
 //! has to be right on valid JSON and must never panic or loop on invalid input.
