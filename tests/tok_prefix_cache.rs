@@ -155,6 +155,28 @@ fn long_shared_prefix_is_reused_and_memory_is_bounded() {
     }
 }
 
+#[test]
+fn entries_sharing_pieces_stay_within_the_budget() {
+    let tok = MODEL.tokenizer();
+    let enc = MODEL.word_encoder();
+    let prefix: String = (0..300)
+        .map(|i| format!("Row {i}: alpha beta, gamma; delta.\n"))
+        .collect();
+    let budget = prefix.len() * 4;
+    let cache = PrefixTokenCache::new(budget, 64);
+    for i in 0..12 {
+        // Every text reuses the first one's pieces (and extends or branches off the last).
+        let text = format!("{prefix}question {i} {}", "and more ".repeat(i));
+        let got = cache.encode(&enc, &text).unwrap();
+        assert_eq!(got.ids, full(tok, &text), "text {i}");
+        if i > 0 {
+            assert!(got.reused_tokens > 0, "text {i} reused nothing");
+        }
+        assert!(cache.bytes() <= budget, "bytes {} > {budget}", cache.bytes());
+    }
+    assert!(cache.len() < 12, "nothing was evicted ({} entries)", cache.len());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, ..ProptestConfig::default() })]
 
