@@ -172,9 +172,17 @@ fn entries_sharing_pieces_stay_within_the_budget() {
         if i > 0 {
             assert!(got.reused_tokens > 0, "text {i} reused nothing");
         }
-        assert!(cache.bytes() <= budget, "bytes {} > {budget}", cache.bytes());
+        assert!(
+            cache.bytes() <= budget,
+            "bytes {} > {budget}",
+            cache.bytes()
+        );
     }
-    assert!(cache.len() < 12, "nothing was evicted ({} entries)", cache.len());
+    assert!(
+        cache.len() < 12,
+        "nothing was evicted ({} entries)",
+        cache.len()
+    );
 }
 
 proptest! {
