@@ -4,6 +4,8 @@
 //! - `warm95`: the first 95% of the prompt was tokenized before (the last 5% is new).
 //!
 //! Run: `cargo bench --bench tokenize`. A ratio summary is printed at the end.
+//! `TOKENIZE_PROFILE_WARM=N cargo bench --bench tokenize` instead only runs the 400 KB warm
+//! path N times (for `perf record`), with the bodies built beforehand.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -59,6 +61,30 @@ fn run(tok: &Tokenizers, body: &[u8]) -> usize {
     }
 }
 
+/// Only the 400 KB warm path, `n` times, bodies built beforehand (in batches of 64).
+fn profile_warm(tok: &Tokenizers, n: usize) {
+    let size = 400 << 10;
+    let text = corpus(size);
+    let prefix_len = (size * 95 / 100..)
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(size);
+    let (prefix, tail) = text.split_at(prefix_len);
+    let warm_body = |i: usize| body(&format!("{prefix}{i} {tail}"));
+    run(tok, &warm_body(usize::MAX));
+    let mut done = 0;
+    let mut spent = Duration::ZERO;
+    while done < n {
+        let bodies: Vec<Vec<u8>> = (done..(done + 64).min(n)).map(warm_body).collect();
+        let t = Instant::now();
+        for b in &bodies {
+            black_box(run(tok, b));
+        }
+        spent += t.elapsed();
+        done += bodies.len();
+    }
+    println!("warm 400KB: {:.2?} per request over {n}", spent / n as u32);
+}
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -75,6 +101,13 @@ fn main() {
     )
     .expect("tokenizer");
     let model = tok.tokenizer_for("tiny").expect("model");
+    if let Some(n) = std::env::var("TOKENIZE_PROFILE_WARM")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        profile_warm(&tok, n);
+        return;
+    }
     let counter = AtomicUsize::new(0);
     let mut c = Criterion::default()
         .sample_size(10)

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
-use kvpick::tokenize::{ModelTokenizer, PrefixTokenCache, WordEncoder};
+use kvpick::tokenize::{ANCHOR_BYTES, ModelTokenizer, PrefixTokenCache, WordEncoder};
 use proptest::prelude::*;
 use tokenizers::Tokenizer;
 
@@ -155,6 +155,36 @@ fn long_shared_prefix_is_reused_and_memory_is_bounded() {
     }
 }
 
+#[test]
+fn entries_sharing_pieces_stay_within_the_budget() {
+    let tok = MODEL.tokenizer();
+    let enc = MODEL.word_encoder();
+    let prefix: String = (0..300)
+        .map(|i| format!("Row {i}: alpha beta, gamma; delta.\n"))
+        .collect();
+    let budget = prefix.len() * 4;
+    let cache = PrefixTokenCache::new(budget, 64);
+    for i in 0..12 {
+        // Every text reuses the first one's pieces (and extends or branches off the last).
+        let text = format!("{prefix}question {i} {}", "and more ".repeat(i));
+        let got = cache.encode(&enc, &text).unwrap();
+        assert_eq!(got.ids, full(tok, &text), "text {i}");
+        if i > 0 {
+            assert!(got.reused_tokens > 0, "text {i} reused nothing");
+        }
+        assert!(
+            cache.bytes() <= budget,
+            "bytes {} > {budget}",
+            cache.bytes()
+        );
+    }
+    assert!(
+        cache.len() < 12,
+        "nothing was evicted ({} entries)",
+        cache.len()
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -176,6 +206,46 @@ proptest! {
             // The owned path the registry takes for rendered chat prompts.
             let got = MODEL.encode_owned(text, false).map_err(|(e, _)| e).unwrap();
             prop_assert_eq!(got.ids, want);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// A text extended many times (more turns than an entry keeps pieces before flattening),
+    /// with an occasional branch off an earlier turn: every result equals a full
+    /// tokenization, and a text extending a cached one replaces it.
+    #[test]
+    fn long_growing_text_and_branches_equal_full(
+        base in text_strategy(450, 600),
+        turns in prop::collection::vec(text_strategy(1, 30), 20..30),
+        branch in text_strategy(1, 30),
+        at in 0usize..20,
+    ) {
+        let tok = MODEL.tokenizer();
+        let fast = MODEL.word_encoder();
+        let slow = WordEncoder::new(tok, None);
+        for enc in [&fast, &slow] {
+            let cache = PrefixTokenCache::new(8 << 20, 64);
+            let mut text = base.clone();
+            let mut history = Vec::new();
+            for (i, turn) in turns.iter().enumerate() {
+                text.push_str(turn);
+                history.push(text.clone());
+                let got = cache.encode_owned(enc, text.clone()).map_err(|(e, _)| e).unwrap();
+                prop_assert_eq!(&got.ids, &full(tok, &text));
+                if i > 0 && text.len() >= ANCHOR_BYTES + 500 {
+                    prop_assert!(got.reused_tokens > 0, "no reuse at {} bytes", text.len());
+                }
+            }
+            // Each turn extended the previous one, which it replaced.
+            prop_assert!(cache.len() <= 1, "{} entries", cache.len());
+            let forked = format!("{}{}", history[at.min(history.len() - 1)], branch);
+            prop_assert_eq!(cache.encode(enc, &forked).unwrap().ids, full(tok, &forked));
+            // An exact repeat of the last turn is served whole.
+            let again = cache.encode(enc, &text).unwrap();
+            prop_assert_eq!(&again.ids, &full(tok, &text));
         }
     }
 }

@@ -24,6 +24,7 @@ mod responses;
 mod rewrite;
 mod rules;
 mod scan;
+mod strings;
 mod types;
 
 pub use anthropic::BILLING_HEADER;

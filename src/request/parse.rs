@@ -1,15 +1,18 @@
 //! Body → [`InferenceRequest`] for each supported API.
 //!
 //! The body is first bounded by [`super::scan`] (depth, array sizes), then parsed by serde_json
-//! into a tree (`preserve_order`, so tool schemas keep their key order for `tojson`). Unknown
-//! fields are ignored: the lead forwards the body untouched.
+//! into a tree (`preserve_order`, so tool schemas keep their key order for `tojson`). Long string
+//! values (the prompt text of a large body) are unescaped by the scanner on the way and only
+//! put into the tree afterwards ([`super::strings`]), exactly as serde_json would have built
+//! them. Unknown fields are ignored: the lead forwards the body untouched.
 
 use serde_json::{Map, Value};
 
 use super::anthropic::anthropic_prompt;
 use super::error::RequestError;
 use super::responses::responses_prompt;
-use super::scan::{ParseLimits, scan};
+use super::scan::{ParseLimits, scan_collecting};
+use super::strings::parse_with_long_strings;
 use super::types::{
     ApiKind, ChatMessage, ChatPrompt, ContentPart, InferenceRequest, MessageContent, Prompt,
     ToolCall,
@@ -69,15 +72,22 @@ pub fn parse_with_limits(
     })
 }
 
+/// String values at least this long are unescaped outside serde_json ([`super::strings`]).
+const LONG_STRING_BYTES: usize = 1024;
+
 /// Validates UTF-8 and bounds, then builds the JSON tree.
 pub(crate) fn parse_json(body: &[u8], limits: ParseLimits) -> Result<Value, RequestError> {
-    if let Err(e) = std::str::from_utf8(body) {
-        return Err(RequestError::NotUtf8 {
-            offset: e.valid_up_to(),
-        });
+    let text = std::str::from_utf8(body).map_err(|e| RequestError::NotUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    let mut long_strings = Vec::new();
+    scan_collecting(text, limits, LONG_STRING_BYTES, &mut long_strings)?;
+    if !long_strings.is_empty()
+        && let Some(root) = parse_with_long_strings(text, long_strings)
+    {
+        return Ok(root);
     }
-    scan(body, limits)?;
-    serde_json::from_slice::<Value>(body).map_err(|e| {
+    serde_json::from_str::<Value>(text).map_err(|e| {
         if e.classify() == serde_json::error::Category::Eof {
             RequestError::Truncated
         } else {

@@ -1,7 +1,8 @@
 //! One linear pass over raw JSON bytes that enforces nesting and array bounds *before*
 //! serde_json builds a tree (so a hostile body cannot make us allocate a huge tree or recurse
 //! deeply), and that finds the byte span of the top-level `"model"` string value (so the model
-//! can be rewritten without re-serialising the body).
+//! can be rewritten without re-serialising the body). For [`super::parse`], the same pass also
+//! unescapes the long string values it walks through ([`scan_collecting`]).
 //!
 //! NOTE: the scanner does not validate JSON syntax; serde_json does that afterwards. It only
 //! has to be right on valid JSON and must never panic or loop on invalid input.
@@ -9,6 +10,7 @@
 use std::ops::Range;
 
 use super::error::RequestError;
+use super::strings::{LongString, decode_escape, has_control};
 
 /// Bounds applied to request bodies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +48,39 @@ enum Frame {
 
 /// Scans `body`, enforcing `limits`, and returns its [`BodyShape`].
 pub fn scan(body: &[u8], limits: ParseLimits) -> Result<BodyShape, RequestError> {
+    scan_impl(body, limits, None)
+}
+
+/// [`scan`] of a UTF-8 `body`, also collecting the string *values* (not keys) whose raw span
+/// is at least `min_len` bytes, unescaped on the way ([`LongString`]).
+pub(crate) fn scan_collecting(
+    body: &str,
+    limits: ParseLimits,
+    min_len: usize,
+    long_strings: &mut Vec<LongString>,
+) -> Result<BodyShape, RequestError> {
+    let mut collect = Collect {
+        source: body,
+        min_len,
+        scratch: String::new(),
+        found: long_strings,
+    };
+    scan_impl(body.as_bytes(), limits, Some(&mut collect))
+}
+
+/// Where [`scan_collecting`] puts what it finds.
+struct Collect<'a> {
+    source: &'a str,
+    min_len: usize,
+    scratch: String,
+    found: &'a mut Vec<LongString>,
+}
+
+fn scan_impl(
+    body: &[u8],
+    limits: ParseLimits,
+    mut collect: Option<&mut Collect<'_>>,
+) -> Result<BodyShape, RequestError> {
     let mut stack: Vec<Frame> = Vec::with_capacity(16);
     let mut shape = BodyShape::default();
     // At depth 1 inside the top-level object: whether the next string is a key, and whether the
@@ -56,7 +91,10 @@ pub fn scan(body: &[u8], limits: ParseLimits) -> Result<BodyShape, RequestError>
     while let Some(&b) = body.get(i) {
         match b {
             b'"' => {
-                let end = string_end(body, i)?;
+                let end = match collect.as_deref_mut() {
+                    None => string_end(body, i)?,
+                    Some(c) => c.string(body, i)?,
+                };
                 let depth = stack.len();
                 if depth == 1 && matches!(stack.last(), Some(Frame::Object)) {
                     if expect_key {
@@ -147,6 +185,51 @@ fn note_value(stack: &mut [Frame]) {
     }
 }
 
+impl Collect<'_> {
+    /// [`string_end`], unescaping the string on the way into `scratch`, and keeping it when it
+    /// is a long value. The end found is `string_end`'s: an escape is skipped whole only when
+    /// it decodes (its hex digits hold no `"` nor `\\`), else by two bytes as there.
+    fn string(&mut self, body: &[u8], start: usize) -> Result<usize, RequestError> {
+        self.scratch.clear();
+        let mut decodes = true;
+        let mut i = start + 1;
+        let mut run = i;
+        let end = loop {
+            let rest = body.get(i..).ok_or(RequestError::Truncated)?;
+            let pos = memchr::memchr2(b'"', b'\\', rest).ok_or(RequestError::Truncated)?;
+            i += pos;
+            // Runs end before an ASCII byte, so they are whole characters.
+            match self.source.get(run..i) {
+                Some(text) if decodes => self.scratch.push_str(text),
+                _ => decodes = false,
+            }
+            if body.get(i) == Some(&b'"') {
+                break i + 1;
+            }
+            match decode_escape(body, i).filter(|_| decodes) {
+                Some((c, len)) => {
+                    self.scratch.push(c);
+                    i += len;
+                }
+                None => {
+                    decodes = false;
+                    i += 2;
+                }
+            }
+            run = i;
+        };
+        if end - start >= self.min_len && !is_key(body, end) {
+            let raw = body.get(start..end).unwrap_or(&[]);
+            let text = (decodes && !has_control(raw)).then(|| std::mem::take(&mut self.scratch));
+            self.found.push(LongString {
+                span: start..end,
+                text,
+            });
+        }
+        Ok(end)
+    }
+}
+
 /// Index one past the closing quote of the string starting at `start` (which holds `"`).
 fn string_end(body: &[u8], start: usize) -> Result<usize, RequestError> {
     let mut i = start + 1;
@@ -160,6 +243,15 @@ fn string_end(body: &[u8], start: usize) -> Result<usize, RequestError> {
             _ => i += 2, // skip the escaped character
         }
     }
+}
+
+/// Whether the string ending before `end` is an object key (a `:` follows it).
+fn is_key(body: &[u8], end: usize) -> bool {
+    body.get(end..)
+        .unwrap_or(&[])
+        .iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        == Some(&b':')
 }
 
 /// Whether a raw (still escaped) key spells `model`.
