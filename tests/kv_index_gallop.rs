@@ -273,6 +273,21 @@ enum Step {
         doc: usize,
         blocks: usize,
     },
+    /// An offload-style store without tokens naming blocks by hash (possibly with gaps).
+    StoreNoTokens {
+        pod: usize,
+        doc: usize,
+        blocks: Vec<usize>,
+        tier: u8,
+    },
+    /// A hostile or confused publisher: `doc`'s tokens under `other`'s engine hashes.
+    StoreRekeyed {
+        pod: usize,
+        doc: usize,
+        other: usize,
+        start: usize,
+        len: usize,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -280,7 +295,51 @@ fn step() -> impl Strategy<Value = Step> {
         3 => op().prop_map(Step::Event),
         2 => (0..PODS, 0..DOCS, 1..=DOC_BLOCKS)
             .prop_map(|(pod, doc, blocks)| Step::Route { pod, doc, blocks }),
+        1 => (0..PODS, 0..DOCS, proptest::collection::vec(0..DOC_BLOCKS, 1..30), 0..2u8)
+            .prop_map(|(pod, doc, blocks, tier)| Step::StoreNoTokens { pod, doc, blocks, tier }),
+        1 => (0..PODS, 0..DOCS, 0..DOCS, 0..DOC_BLOCKS, 1..60usize)
+            .prop_map(|(pod, doc, other, start, len)| Step::StoreRekeyed { pod, doc, other, start, len }),
     ]
+}
+
+fn apply_step(index: &PrefixIndex, docs: &[Vec<u32>], step: &Step) {
+    match step {
+        Step::Event(op) => apply_op(index, docs, op),
+        Step::Route { .. } => {}
+        Step::StoreNoTokens {
+            pod: p,
+            doc,
+            blocks,
+            tier: t,
+        } => {
+            let stored = BlockStored {
+                block_hashes: blocks
+                    .iter()
+                    .map(|b| engine_hash(&docs[*doc][..(b + 1) * BLOCK]))
+                    .collect(),
+                tier: tier(*t),
+                ..BlockStored::default()
+            };
+            index.apply_batch(pod(*p), MODEL, &batch(KvEvent::BlockStored(stored)));
+        }
+        Step::StoreRekeyed {
+            pod: p,
+            doc,
+            other,
+            start,
+            len,
+        } => {
+            let end = (start + len).min(DOC_BLOCKS);
+            let KvEvent::BlockStored(mut event) = stored(&docs[*doc], *start, end, Tier::Gpu)
+            else {
+                return;
+            };
+            event.block_hashes = (*start..end)
+                .map(|b| engine_hash(&docs[*other][..(b + 1) * BLOCK]))
+                .collect();
+            index.apply_batch(pod(*p), MODEL, &batch(KvEvent::BlockStored(event)));
+        }
+    }
 }
 
 fn apply_op(index: &PrefixIndex, docs: &[Vec<u32>], op: &Op) {
@@ -365,10 +424,6 @@ proptest! {
         let everyone: Vec<PodId> = (0..PODS).map(pod).collect();
         for step in &steps {
             match step {
-                Step::Event(op) => {
-                    apply_op(&galloping, &docs, op);
-                    apply_op(&stepping, &docs, op);
-                }
                 Step::Route { pod: p, doc, blocks } => {
                     let request = &docs[*doc][..blocks * BLOCK];
                     let mut a = galloping.lookup(&context, request, &everyone);
@@ -380,6 +435,10 @@ proptest! {
                     );
                     galloping.record_routed_lookup(pod(*p), &context, request, &mut a);
                     stepping.record_routed_lookup(pod(*p), &context, request, &mut b);
+                }
+                other => {
+                    apply_step(&galloping, &docs, other);
+                    apply_step(&stepping, &docs, other);
                 }
             }
         }
@@ -398,4 +457,72 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn long_chains_are_galloped_over_not_walked() {
+    let docs = documents();
+    let index = PrefixIndex::new(IndexConfig::default());
+    let context = KeyContext::model(MODEL);
+    // Two pods prefill the whole document in chunks (continuations extend one span).
+    for p in 0..2 {
+        apply_op(
+            &index,
+            &docs,
+            &Op::Prefill {
+                pod: p,
+                doc: 0,
+                blocks: DOC_BLOCKS,
+                chunk: 16,
+            },
+        );
+    }
+    let candidates: Vec<PodId> = (0..3).map(pod).collect();
+    let found = index.lookup(&context, &docs[0], &candidates);
+    let matched: Vec<usize> = found.matches.iter().map(|m| m.matched_blocks).collect();
+    assert_eq!(matched, vec![DOC_BLOCKS, DOC_BLOCKS, 0]);
+    assert!(
+        found.galloped_blocks() > DOC_BLOCKS / 2,
+        "galloped {} of {DOC_BLOCKS}",
+        found.galloped_blocks()
+    );
+    // A hole in pod 1's chain ends its run there; pod 0 still gallops to the end.
+    let hole = engine_hash(&docs[0][..50 * BLOCK]);
+    index.apply_batch(pod(1), MODEL, &batch(removed(vec![hole], Tier::Gpu)));
+    let found = index.lookup(&context, &docs[0], &candidates);
+    let matched: Vec<usize> = found.matches.iter().map(|m| m.matched_blocks).collect();
+    assert_eq!(matched, vec![DOC_BLOCKS, 49, 0]);
+    assert!(found.galloped_blocks() > DOC_BLOCKS / 2);
+    // Leaf-first eviction shortens the span; re-storing the tail continues it.
+    let tail: Vec<EngineHash> = (100..DOC_BLOCKS)
+        .rev()
+        .map(|b| engine_hash(&docs[0][..(b + 1) * BLOCK]))
+        .collect();
+    index.apply_batch(pod(0), MODEL, &batch(removed(tail, Tier::Gpu)));
+    index.apply_batch(
+        pod(0),
+        MODEL,
+        &batch(stored(&docs[0], 100, DOC_BLOCKS, Tier::Gpu)),
+    );
+    let found = index.lookup(&context, &docs[0], &[pod(0)]);
+    assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
+    assert!(found.galloped_blocks() >= DOC_BLOCKS - 20);
+    // With galloping off, the same answers, nothing jumped.
+    let stepping = PrefixIndex::new(IndexConfig {
+        gallop: false,
+        ..IndexConfig::default()
+    });
+    apply_op(
+        &stepping,
+        &docs,
+        &Op::Prefill {
+            pod: 0,
+            doc: 0,
+            blocks: DOC_BLOCKS,
+            chunk: 16,
+        },
+    );
+    let found = stepping.lookup(&context, &docs[0], &[pod(0)]);
+    assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
+    assert_eq!(found.galloped_blocks(), 0);
 }

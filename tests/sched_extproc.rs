@@ -16,7 +16,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 use kvpick::config::picker_config::load;
-use kvpick::endpoints::{Datastore, Endpoint, EndpointState};
+use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::extproc::StreamContext;
 use kvpick::extproc::admission::Admission;
 use kvpick::kvcache::{IndexConfig, PrefixIndex};
@@ -34,6 +34,7 @@ struct Harness {
     client: ExternalProcessorClient<tonic::transport::Channel>,
     scheduler: Arc<ConfiguredScheduler>,
     pods: Vec<Arc<EndpointState>>,
+    index: Arc<PrefixIndex>,
 }
 
 /// Pods `10.2.0.{i+1}:8000` with `labels(i)`, waiting `i × 2` requests and KV usage
@@ -43,6 +44,17 @@ async fn start(
     n: usize,
     labels: impl Fn(usize) -> Vec<(&'static str, &'static str)>,
     emit_scores: bool,
+) -> Harness {
+    start_with(config, n, labels, emit_scores, TokenizersConfig::default()).await
+}
+
+/// [`start`] with tokenizers (exact prompts are keyed and recorded in the prefix index).
+async fn start_with(
+    config: SchedulerConfig,
+    n: usize,
+    labels: impl Fn(usize) -> Vec<(&'static str, &'static str)>,
+    emit_scores: bool,
+    tokenizers: TokenizersConfig,
 ) -> Harness {
     let datastore = Arc::new(Datastore::new());
     datastore.set_endpoints(
@@ -67,11 +79,12 @@ async fn start(
             Instant::now() + Duration::from_secs(3600),
         );
     }
+    let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
     let scheduler = Arc::new(
         ConfiguredScheduler::new(
             config,
             SchedulerDeps {
-                index: Arc::new(PrefixIndex::new(IndexConfig::default())),
+                index: Arc::clone(&index),
                 metrics: Arc::clone(&metrics) as Arc<dyn MetricsSource>,
             },
             0,
@@ -82,9 +95,7 @@ async fn start(
     let ctx = Arc::new(StreamContext {
         datastore,
         scheduler: Arc::clone(&scheduler) as _,
-        tokenizers: Arc::new(
-            Tokenizers::new(TokenizersConfig::default(), &registry).expect("no tokenizers"),
-        ),
+        tokenizers: Arc::new(Tokenizers::new(tokenizers, &registry).expect("tokenizers")),
         model_rewrites: Arc::new(ModelRewriteRules::default()),
         objectives: Arc::new(HashMap::new()),
         admission: Arc::new(Admission {
@@ -103,6 +114,7 @@ async fn start(
         client,
         scheduler,
         pods,
+        index,
     }
 }
 
@@ -386,4 +398,79 @@ async fn pd_sends_the_prefill_pod_in_x_prefiller_host_port_above_the_threshold()
     assert!(!r.set.contains_key("x-prefiller-host-port"), "{:?}", r.set);
     assert_eq!(r.removed, ["x-prefiller-host-port"]);
     assert!(!r.namespaces.contains_key("kvpick"));
+}
+
+#[tokio::test]
+async fn the_routing_record_lands_after_the_reply_and_the_prefix_follows() {
+    let tokenizers = TokenizersConfig {
+        models: vec![("tiny".into(), support::repo_root().join("assets/tokenizer"))],
+        ..TokenizersConfig::default()
+    };
+    let mut h = start_with(
+        SchedulerConfig::gie_default(),
+        3,
+        |_| Vec::new(),
+        false,
+        tokenizers,
+    )
+    .await;
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(60);
+    let body = serde_json::json!({"model": "tiny", "prompt": prompt}).to_string();
+    // The first request's stream stays open (the gateway has not sent the response yet): the
+    // record must land right after the reply, not when the stream ends.
+    let (tx, rx) = mpsc::channel(8);
+    let mut replies = h
+        .client
+        .process(ReceiverStream::new(rx))
+        .await
+        .expect("open")
+        .into_inner();
+    for request in [
+        support::extproc::headers(&[(":method", "POST"), (":path", "/v1/completions")], false),
+        Request::RequestBody(HttpBody {
+            body: body.clone().into_bytes(),
+            end_of_stream: true,
+            ..Default::default()
+        }),
+    ] {
+        tx.send(ProcessingRequest {
+            request: Some(request),
+            ..Default::default()
+        })
+        .await
+        .expect("send");
+    }
+    let first = tokio::time::timeout(Duration::from_secs(5), replies.message())
+        .await
+        .expect("reply in time")
+        .expect("no grpc error")
+        .expect("a reply");
+    let picked = reply(&first)
+        .set
+        .get("x-gateway-destination-endpoint")
+        .cloned()
+        .expect("destination");
+    // Poll (bounded) until the index shows the picked pod holding the prompt (these pods
+    // publish no KV events, so the record lands in the pod's approximate set).
+    let index = Arc::clone(&h.index);
+    let pod: PodId = picked.parse().map(PodId).expect("ip:port");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if index.pod_entries(pod) > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "routing record not applied after the reply"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The same prompt again goes where the first one went.
+    for _ in 0..3 {
+        let again = reply(&route(&mut h, &[], body.as_bytes()).await);
+        assert_eq!(
+            again.set.get("x-gateway-destination-endpoint"),
+            Some(&picked)
+        );
+    }
 }

@@ -429,18 +429,43 @@ impl BlockMap {
     }
 
     /// Drops one reference of (slot, tier) from `key` (the block leaves with its last holder);
-    /// returns the references left and the holder's span, `None` when (slot, tier) did not
-    /// hold it.
-    pub(crate) fn remove(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<(u16, SpanRef)> {
-        self.write(key.0)?
-            .remove(key.0, slot, tier.index() as u8, false)
+    /// returns the references left, `None` when (slot, tier) did not hold it. When the holder
+    /// leaves, `left` is called with its span while the shard is still write-locked, so a walk
+    /// holding the shard guards never sees the block gone and its span still intact.
+    pub(crate) fn remove(
+        &self,
+        key: BlockKey,
+        slot: u32,
+        tier: Tier,
+        left: impl FnOnce(SpanRef),
+    ) -> Option<u16> {
+        let mut shard = self.write(key.0)?;
+        let (refs, span) = shard.remove(key.0, slot, tier.index() as u8, false)?;
+        if refs == 0 {
+            left(span);
+        }
+        Some(refs)
     }
 
-    /// Drops (slot, tier) from `key` whatever its references; its span when it was a holder.
-    pub(crate) fn remove_all(&self, key: BlockKey, slot: u32, tier: Tier) -> Option<SpanRef> {
-        self.write(key.0)
-            .and_then(|mut shard| shard.remove(key.0, slot, tier.index() as u8, true))
-            .map(|(_, span)| span)
+    /// Drops (slot, tier) from `key` whatever its references (calling `left` as
+    /// [`Self::remove`] does); false when it was no holder.
+    pub(crate) fn remove_all(
+        &self,
+        key: BlockKey,
+        slot: u32,
+        tier: Tier,
+        left: impl FnOnce(SpanRef),
+    ) -> bool {
+        let Some(mut shard) = self.write(key.0) else {
+            return false;
+        };
+        match shard.remove(key.0, slot, tier.index() as u8, true) {
+            Some((_, span)) => {
+                left(span);
+                true
+            }
+            None => false,
+        }
     }
 
     /// The span of (slot, tier) on `key`, when it holds it.
@@ -616,25 +641,29 @@ mod tests {
         assert_eq!(map.span_of(key, 3, Tier::Cpu), None);
         assert_eq!(holders(&map, key), vec![(1, 1, 1), (1, 2, 0), (2, 2, 0)]);
         assert_eq!(map.tier_refs(key, 2, Tier::Gpu), 2);
-        assert_eq!(map.remove(key, 1, Tier::Gpu), Some((1, span(1))));
-        assert_eq!(map.remove(key, 1, Tier::Gpu), Some((0, span(1)))); // another moves inline
+        let mut left = Vec::new();
+        assert_eq!(map.remove(key, 1, Tier::Gpu, |s| left.push(s)), Some(1));
+        assert!(left.is_empty(), "a reference is left");
+        assert_eq!(map.remove(key, 1, Tier::Gpu, |s| left.push(s)), Some(0)); // another moves inline
+        assert_eq!(left, vec![span(1)]);
         assert_eq!(holders(&map, key), vec![(1, 1, 1), (2, 2, 0)]);
-        assert_eq!(map.remove(key, 9, Tier::Gpu), None);
+        assert_eq!(map.remove(key, 9, Tier::Gpu, |_| {}), None);
         let mut gpu = Vec::new();
         map.reader(1)
             .gpu_spans(key, |slot, span| gpu.push((slot, span)));
         assert_eq!(gpu, vec![(2, span(2))]);
-        assert_eq!(
-            map.remove_all(key, 2, Tier::Gpu),
-            Some(span(2)),
+        let mut left = Vec::new();
+        assert!(
+            map.remove_all(key, 2, Tier::Gpu, |s| left.push(s)),
             "both references at once"
         );
-        assert_eq!(map.remove_all(key, 2, Tier::Gpu), None);
+        assert_eq!(left, vec![span(2)]);
+        assert!(!map.remove_all(key, 2, Tier::Gpu, |_| {}));
         assert_eq!(map.tier_refs(key, 2, Tier::Gpu), 0);
         assert!(map.holds(key, 1));
         assert!(!map.holds(key, 2));
         assert_eq!(map.len(), 1);
-        assert_eq!(map.remove(key, 1, Tier::Cpu), Some((0, span(3))));
+        assert_eq!(map.remove(key, 1, Tier::Cpu, |_| {}), Some(0));
         assert_eq!(map.len(), 0);
         assert!(holders(&map, key).is_empty());
         // The further-holder table is emptied with its block.
@@ -677,10 +706,10 @@ mod tests {
                     map.add(key, slot, tier, SpanRef::NONE);
                 }
                 2 => {
-                    map.remove(key, slot, tier);
+                    map.remove(key, slot, tier, |_| {});
                 }
                 _ => {
-                    map.remove_all(key, slot, tier);
+                    map.remove_all(key, slot, tier, |_| {});
                 }
             }
             let reader = map.reader(1);

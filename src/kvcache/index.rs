@@ -130,6 +130,28 @@ impl ApplyStats {
     }
 }
 
+/// Where a stored block sits in its event's chain, which decides its span.
+#[derive(Clone, Copy, Debug)]
+enum ChainLink {
+    /// Nothing shows which block precedes it: no span.
+    Unchained,
+    /// The first block of a chain whose predecessor the pod does not hold: a new span.
+    Start,
+    /// After a block the pod holds in this span: continue it if that block is its tail.
+    After(SpanRef),
+}
+
+impl ChainLink {
+    /// The link after a block held in `span`: continue it when the block is the chain's own.
+    fn continuing(chained: bool, span: SpanRef, restart: ChainLink) -> ChainLink {
+        if chained && span.is_some() {
+            ChainLink::After(span)
+        } else {
+            restart
+        }
+    }
+}
+
 /// Per pod state guarded by the pod's mutex.
 #[derive(Default)]
 struct PodBlocks {
@@ -187,7 +209,16 @@ pub struct PrefixIndex {
     pub(super) metrics: Option<IndexMetrics>,
     /// The block size last learned from any pod's events (0: none yet).
     learned_block_size: AtomicU32,
+    /// Pods purged recently, and when: a routing record applied after its pod left the pool
+    /// (records trail the reply) must not bring the pod back. Bounded (see `purge_pod`).
+    purged: Mutex<HashMap<PodId, Instant>>,
 }
+
+/// How long a purged pod is not re-created by a late routing record (a pod that returns to
+/// the pool with events is re-registered at once by its subscriber).
+const PURGE_MEMORY: std::time::Duration = std::time::Duration::from_secs(60);
+/// Purged pods remembered at most (beyond it, the oldest are forgotten first).
+const PURGE_MEMORY_PODS: usize = 4096;
 
 impl PrefixIndex {
     /// An empty index.
@@ -199,6 +230,7 @@ impl PrefixIndex {
             config,
             metrics: None,
             learned_block_size: AtomicU32::new(0),
+            purged: Mutex::new(HashMap::new()),
         }
     }
 
@@ -289,7 +321,20 @@ impl PrefixIndex {
 
     /// Registers a pod (idempotent); matching treats unknown pods as holding nothing anyway.
     pub fn ensure_pod(&self, pod: PodId) {
+        self.purged_pods().remove(&pod);
         self.pod_or_insert(pod);
+    }
+
+    fn purged_pods(&self) -> MutexGuard<'_, HashMap<PodId, Instant>> {
+        // NOTE: a plain map; a panic mid-update loses at most a remembered purge.
+        self.purged.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `pod` was purged within [`PURGE_MEMORY`].
+    fn recently_purged(&self, pod: PodId) -> bool {
+        self.purged_pods()
+            .get(&pod)
+            .is_some_and(|at| at.elapsed() < PURGE_MEMORY)
     }
 
     /// Bounds a pod by its learned capacity (`num_gpu_blocks` from `cache_config_info`).
@@ -359,18 +404,23 @@ impl PrefixIndex {
         let tier = stored.tier;
         if stored.token_ids.is_empty() {
             // Offload tiers may omit tokens: the same hash is already keyed in another tier.
-            let mut previous = self.parent_span(entry, state, stored.parent_block_hash, tier);
             for hash in &stored.block_hashes {
                 match state.by_hash.get(hash).copied() {
                     Some(key) => {
-                        previous = self
-                            .insert(entry, state, *hash, key, tier, false, previous, stats)
-                            .1;
+                        // NOTE: without tokens nothing shows that the listed blocks follow one
+                        // another (an offload store may skip blocks it holds): no spans.
+                        self.insert(
+                            entry,
+                            state,
+                            *hash,
+                            key,
+                            tier,
+                            false,
+                            ChainLink::Unchained,
+                            stats,
+                        );
                     }
-                    None => {
-                        stats.orphan_blocks += 1;
-                        previous = None;
-                    }
+                    None => stats.orphan_blocks += 1,
                 }
             }
             return;
@@ -413,7 +463,10 @@ impl PrefixIndex {
         // positive). The cost: two identical physical copies of block 0 stored concurrently are
         // counted once, so the index may forget them one removal early (a false negative).
         let mut reannounce = stored.parent_block_hash.is_none();
-        let mut span = self.parent_span(entry, state, stored.parent_block_hash, tier);
+        let mut link = match self.parent_span(entry, state, stored.parent_block_hash, tier) {
+            Some(span) => ChainLink::After(span),
+            None => ChainLink::Start,
+        };
         for (i, (hash, tokens)) in stored
             .block_hashes
             .iter()
@@ -423,8 +476,8 @@ impl PrefixIndex {
             let opaque = stored.extra.get(i).and_then(|e| e.opaque);
             let key = next_key(previous, tokens, opaque);
             previous = key.0;
-            (reannounce, span) =
-                self.insert(entry, state, *hash, key, tier, reannounce, span, stats);
+            (reannounce, link) =
+                self.insert(entry, state, *hash, key, tier, reannounce, link, stats);
         }
     }
 
@@ -440,9 +493,9 @@ impl PrefixIndex {
         self.blocks.span_of(*key, entry.slot, tier)
     }
 
-    /// Adds one reference of `hash` in `tier`, continuing the span of `previous` (the chain
-    /// predecessor's, when held); returns whether the re-announcement run continues (the block
-    /// was already held) and the block's span when (pod, tier) holds it afterwards.
+    /// Adds one reference of `hash` in `tier`, placed in a span as `link` says; returns
+    /// whether the re-announcement run continues (the block was already held) and the link of
+    /// the chain's next block.
     #[allow(clippy::too_many_arguments)]
     fn insert(
         &self,
@@ -452,17 +505,30 @@ impl PrefixIndex {
         key: BlockKey,
         tier: Tier,
         reannounce: bool,
-        previous: Option<SpanRef>,
+        link: ChainLink,
         stats: &mut ApplyStats,
-    ) -> (bool, Option<SpanRef>) {
+    ) -> (bool, ChainLink) {
         // NOTE: the map of hashes is bounded too: several hashes of one key share one entry.
         let at_limit = state.entries >= state.limit || state.by_hash.len() >= state.limit;
+        // The chain continues through this block only if the hash is keyed as the chain keys it:
+        // a hash the pod already keyed otherwise (reused by the engine, or a hostile
+        // publisher) is held under its old key, which is not this chain's block.
+        let mut chained = !matches!(link, ChainLink::Unchained);
+        // What the next block continues when this one cannot be continued.
+        let restart = if chained {
+            ChainLink::Start
+        } else {
+            ChainLink::Unchained
+        };
         let key = match state.by_hash.get(&hash) {
-            Some(existing) => *existing,
+            Some(existing) => {
+                chained &= *existing == key;
+                *existing
+            }
             None => {
                 if at_limit {
                     stats.capacity_drops += 1;
-                    return (false, None);
+                    return (false, restart);
                 }
                 state.by_hash.insert(hash, key);
                 key
@@ -472,26 +538,33 @@ impl PrefixIndex {
             // Only a read first: a held block is either re-announced or, at the limit, the
             // only kind of store still accepted.
             let held = self.blocks.span_of(key, entry.slot, tier);
-            if held.is_some() && reannounce {
+            if let Some(span) = held
+                && reannounce
+            {
                 stats.reannounced += 1;
-                return (true, held);
+                return (true, ChainLink::continuing(chained, span, restart));
             }
             if held.is_none() && at_limit {
                 stats.capacity_drops += 1;
                 self.forget_hash_if_unheld(entry, state, hash, key);
-                return (false, None);
+                return (false, restart);
             }
         }
-        let next = state.spans.next_after(previous, &entry.spans);
+        let next = match link {
+            _ if !chained => SpanRef::NONE,
+            ChainLink::After(previous) => state.spans.next_after(Some(previous), &entry.spans),
+            _ => state.spans.next_after(None, &entry.spans),
+        };
         let (refs, span) = self.add_holder(key, entry.slot, tier, next);
+        let continued = ChainLink::continuing(chained, span, restart);
         if refs > 1 {
             stats.duplicate_stores += 1;
-            return (false, Some(span));
+            return (false, continued);
         }
         state.spans.commit(span, &entry.spans);
         state.entries += 1;
         stats.blocks_added += 1;
-        (false, Some(span))
+        (false, continued)
     }
 
     /// Drops `hash` from the pod's map when the pod holds its key in no tier.
@@ -519,10 +592,12 @@ impl PrefixIndex {
                 stats.unknown_removals += 1;
                 continue;
             };
-            match self.blocks.remove(key, entry.slot, removed.tier) {
+            let spans = &mut state.spans;
+            match self.blocks.remove(key, entry.slot, removed.tier, |span| {
+                spans.left(span, &entry.spans)
+            }) {
                 None => stats.unknown_removals += 1,
-                Some((0, span)) => {
-                    state.spans.left(span, &entry.spans);
+                Some(0) => {
                     state.entries = state.entries.saturating_sub(1);
                     stats.blocks_removed += 1;
                     self.forget_hash_if_unheld(entry, state, *hash, key);
@@ -596,6 +671,9 @@ impl PrefixIndex {
         mut chain: KeyChain,
         held: usize,
     ) {
+        if self.recently_purged(pod) {
+            return;
+        }
         let entry = self.pod_or_insert(pod);
         if chain.block_size() != self.block_size_for(pod) {
             // The pod's block size changed since the lookup: the chain keys another layout.
@@ -651,19 +729,22 @@ impl PrefixIndex {
         self.speculative.purge_expired(Instant::now());
     }
 
+    /// Drops an approximate-mode holder (those have no span).
     fn remove_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
-        self.blocks.remove(key, slot, tier);
+        self.blocks.remove(key, slot, tier, |_| {});
     }
 
     /// Drops the pod's entries in one tier (or all), keeping the pod registered.
     fn clear_locked(&self, entry: &PodEntry, state: &mut PodBlocks, tier: Option<Tier>) {
         let mut removed = 0usize;
-        state.by_hash.retain(|_, key| {
+        let PodBlocks { by_hash, spans, .. } = state;
+        by_hash.retain(|_, key| {
             for t in Tier::ALL {
                 if tier.is_none_or(|only| only == t)
-                    && let Some(span) = self.blocks.remove_all(*key, entry.slot, t)
+                    && self
+                        .blocks
+                        .remove_all(*key, entry.slot, t, |span| spans.left(span, &entry.spans))
                 {
-                    state.spans.left(span, &entry.spans);
                     removed += 1;
                 }
             }
@@ -699,6 +780,18 @@ impl PrefixIndex {
             self.clear_locked(&entry, &mut state, None);
         }
         self.speculative.remove_slot(entry.slot);
+        {
+            let mut purged = self.purged_pods();
+            if purged.len() >= PURGE_MEMORY_PODS {
+                purged.retain(|_, at| at.elapsed() < PURGE_MEMORY);
+            }
+            if purged.len() >= PURGE_MEMORY_PODS
+                && let Some(oldest) = purged.iter().min_by_key(|(_, at)| **at).map(|(p, _)| *p)
+            {
+                purged.remove(&oldest);
+            }
+            purged.insert(pod, Instant::now());
+        }
         let mut table = self.table_write();
         if let Some(cell) = table.slots.get_mut(entry.slot as usize) {
             *cell = None;
@@ -771,7 +864,9 @@ impl PrefixIndex {
         let hash_entry = std::mem::size_of::<(EngineHash, BlockKey)>() + 1;
         for entry in self.table_read().by_id.values() {
             let state = entry.lock();
-            bytes += state.by_hash.capacity() * hash_entry + state.spans.memory_bytes();
+            bytes += state.by_hash.capacity() * hash_entry
+                + state.spans.memory_bytes()
+                + entry.spans.memory_bytes();
         }
         bytes
     }

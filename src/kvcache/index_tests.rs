@@ -127,3 +127,27 @@ async fn walks_over_many_pods_give_each_its_own_run_and_tier_weight() {
     let found = index.match_prefix(&context, &tokens, &[stranger, pods[9]]);
     assert_eq!((found[0].matched_blocks, found[1].matched_blocks), (0, 10));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_record_landing_after_a_purge_does_not_bring_the_pod_back() {
+    let index = PrefixIndex::new(IndexConfig::default());
+    let context = KeyContext::model("m");
+    index.ensure_pod(pod());
+    index.apply_batch(pod(), "m", &stored(8, Tier::Gpu, true));
+    let tokens: Vec<u32> = (0..64).collect();
+    let mut lookup = index.lookup(&context, &tokens, &[pod()]);
+    // The pod leaves the pool between its pick and the record (applied after the reply).
+    index.purge_pod(pod());
+    index.record_routed_lookup(pod(), &context, &tokens, &mut lookup);
+    assert!(index.pods().is_empty(), "{:?}", index.pods());
+    assert_eq!(index.speculative_entries(), 0);
+    // Back in the pool (its subscriber registers it): records land again.
+    index.ensure_pod(pod());
+    index.record_routed(pod(), &context, &tokens);
+    assert_eq!(index.pods(), vec![pod()]);
+    // A pod without events that was purged long ago is learned again.
+    index.purge_pod(pod());
+    tokio::time::advance(PURGE_MEMORY + std::time::Duration::from_secs(1)).await;
+    index.record_routed(pod(), &context, &tokens);
+    assert_eq!(index.pods(), vec![pod()]);
+}

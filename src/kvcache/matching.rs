@@ -63,6 +63,8 @@ pub struct PrefixLookup {
     /// Per candidate, the first block of its run it held only speculatively (`usize::MAX`
     /// when none): a record must refresh speculation from there.
     speculative_from: Vec<usize>,
+    /// Blocks the walk proved held without visiting them (gallops).
+    galloped: usize,
 }
 
 /// A lookup's key chain: computed by the lookup, or the request's own (shared, copied only
@@ -83,6 +85,12 @@ impl LookupChain {
 }
 
 impl PrefixLookup {
+    /// Blocks the lookup proved held without visiting them one by one (galloping over spans
+    /// and speculative runs).
+    pub fn galloped_blocks(&self) -> usize {
+        self.galloped
+    }
+
     /// Takes the key chain computed at `block_size` (if a candidate had that size).
     pub fn take_chain(&mut self, block_size: u32) -> Option<KeyChain> {
         let position = self
@@ -188,6 +196,7 @@ impl PrefixIndex {
             if let Some(total) = found.matches.iter().map(|m| m.total_blocks).max() {
                 metrics.lookup_blocks.inc_by(total as u64);
             }
+            metrics.galloped_blocks.inc_by(found.galloped as u64);
             let best = found
                 .matches
                 .iter()
@@ -236,17 +245,19 @@ impl PrefixIndex {
         sizes.dedup();
         if let [size] = sizes[..] {
             // The common case: one block size for every candidate.
-            let (matches, speculative_from, chain) =
+            let (walked, chain) =
                 self.match_size(seed, size, precomputed(size), tokens, candidates);
             return PrefixLookup {
-                matches,
+                matches: walked.matches,
                 chains: vec![chain],
-                speculative_from,
+                speculative_from: walked.speculative_from,
+                galloped: walked.galloped,
             };
         }
         let mut out: Vec<Option<PrefixMatch>> = vec![None; candidates.len()];
         let mut speculative_from = vec![usize::MAX; candidates.len()];
         let mut chains = Vec::with_capacity(sizes.len());
+        let mut galloped = 0;
         for size in sizes {
             let group: Vec<(usize, PodId)> = candidates
                 .iter()
@@ -255,9 +266,13 @@ impl PrefixIndex {
                 .map(|(i, pod)| (i, *pod))
                 .collect();
             let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
-            let (found, from, chain) =
-                self.match_size(seed, size, precomputed(size), tokens, &pods);
-            for (((i, _), found), from) in group.iter().zip(found).zip(from) {
+            let (walked, chain) = self.match_size(seed, size, precomputed(size), tokens, &pods);
+            galloped += walked.galloped;
+            for (((i, _), found), from) in group
+                .iter()
+                .zip(walked.matches)
+                .zip(walked.speculative_from)
+            {
                 if let Some(cell) = out.get_mut(*i) {
                     *cell = Some(found);
                 }
@@ -271,6 +286,7 @@ impl PrefixIndex {
             matches: out.into_iter().flatten().collect(),
             chains,
             speculative_from,
+            galloped,
         }
     }
 
@@ -296,7 +312,7 @@ impl PrefixIndex {
             keys.len(),
             candidates,
         );
-        walk.finish(candidates, keys.len(), block_size).0
+        walk.finish(candidates, keys.len(), block_size).matches
     }
 
     /// Matches at one block size: over `precomputed` keys when given, else keying lazily;
@@ -309,7 +325,7 @@ impl PrefixIndex {
         precomputed: Option<&Arc<KeyChain>>,
         tokens: &[u32],
         candidates: &[PodId],
-    ) -> (Vec<PrefixMatch>, Vec<usize>, LookupChain) {
+    ) -> (Walked, LookupChain) {
         match precomputed {
             Some(chain) => {
                 let keys = chain.keys();
@@ -322,25 +338,19 @@ impl PrefixIndex {
                     keys.len(),
                     candidates,
                 );
-                let (matches, from) = walk.finish(candidates, keys.len(), size);
-                (matches, from, LookupChain::Shared(Arc::clone(chain)))
+                let walked = walk.finish(candidates, keys.len(), size);
+                (walked, LookupChain::Shared(Arc::clone(chain)))
             }
             None => {
                 let mut chain = KeyChain::new(seed, size);
-                let (matches, from) = self.match_chain(&mut chain, tokens, candidates);
-                (matches, from, LookupChain::Owned(chain))
+                let walked = self.match_chain(&mut chain, tokens, candidates);
+                (walked, LookupChain::Owned(chain))
             }
         }
     }
 
-    /// Walks `tokens`' blocks, keying them lazily through `chain`; also returns per candidate
-    /// the first block of its run held only speculatively.
-    fn match_chain(
-        &self,
-        chain: &mut KeyChain,
-        tokens: &[u32],
-        candidates: &[PodId],
-    ) -> (Vec<PrefixMatch>, Vec<usize>) {
+    /// Walks `tokens`' blocks, keying them lazily through `chain`.
+    fn match_chain(&self, chain: &mut KeyChain, tokens: &[u32], candidates: &[PodId]) -> Walked {
         let total = chain.total_blocks(tokens);
         let block_size = chain.block_size();
         let mut walk = Walk::new(self, candidates);
@@ -354,6 +364,14 @@ impl PrefixIndex {
         );
         walk.finish(candidates, total, block_size)
     }
+}
+
+/// What a walk found: per candidate its match and the first block of its run held only
+/// speculatively, and how many blocks it galloped over.
+struct Walked {
+    matches: Vec<PrefixMatch>,
+    speculative_from: Vec<usize>,
+    galloped: usize,
 }
 
 /// The state of one walk over a request's blocks, in pod-slot space: a bitset of the
@@ -406,6 +424,8 @@ struct Walk {
     next_gallop: usize,
     /// Scratch of [`Self::verify`]: candidates proven so far.
     proven: Vec<u64>,
+    /// Blocks jumped over.
+    galloped: usize,
 }
 
 /// Calls `f` with each slot whose bit is set in `word` (bit `b` of word `w` = slot `64w + b`).
@@ -464,6 +484,7 @@ impl Walk {
             pods: Vec::new(),
             next_gallop: if index.config().gallop { 0 } else { usize::MAX },
             proven: vec![0; words],
+            galloped: 0,
         }
     }
 
@@ -579,6 +600,8 @@ impl Walk {
             };
             match self.verify(index, blocks, key, t - i - 1) {
                 Some(ahead) => {
+                    // Blocks i+1 .. t-1 were not visited (t itself was probed).
+                    self.galloped += t - i - 1;
                     i = t;
                     self.walked = t + 1;
                     self.previous_valid = false;
@@ -877,12 +900,7 @@ impl Walk {
         on_run
     }
 
-    fn finish(
-        mut self,
-        candidates: &[PodId],
-        total_blocks: usize,
-        block_size: u32,
-    ) -> (Vec<PrefixMatch>, Vec<usize>) {
+    fn finish(mut self, candidates: &[PodId], total_blocks: usize, block_size: u32) -> Walked {
         // Runs still going end where the walk stopped.
         let walked = self.walked;
         self.end_all(walked);
@@ -910,7 +928,11 @@ impl Walk {
                 }
             })
             .collect();
-        (matches, self.speculative_from)
+        Walked {
+            matches,
+            speculative_from: self.speculative_from,
+            galloped: self.galloped,
+        }
     }
 }
 

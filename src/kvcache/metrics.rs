@@ -11,6 +11,8 @@ pub struct IndexMetrics {
     pub lookup_blocks: IntCounter,
     /// Leading blocks held by the best candidate.
     pub hit_blocks: IntCounter,
+    /// Blocks walks proved held without visiting them (galloping over spans and runs).
+    pub galloped_blocks: IntCounter,
 }
 
 impl IndexMetrics {
@@ -33,6 +35,11 @@ impl IndexMetrics {
             "kvpick_prefix_hit_blocks_total",
             "Leading blocks held by the best candidate (hit ratio = hit / lookup)",
         )?;
+        let galloped_blocks = IntCounter::new(
+            "kvpick_prefix_galloped_blocks_total",
+            "Blocks prefix walks proved held without visiting them (jumps over stored chains)",
+        )?;
+        registry.register(Box::new(galloped_blocks.clone()))?;
         registry.register(Box::new(lookup_seconds.clone()))?;
         registry.register(Box::new(lookup_blocks.clone()))?;
         registry.register(Box::new(hit_blocks.clone()))?;
@@ -40,6 +47,7 @@ impl IndexMetrics {
             lookup_seconds,
             lookup_blocks,
             hit_blocks,
+            galloped_blocks,
         })
     }
 }

@@ -99,6 +99,17 @@ impl SpanIntact {
             .map_or(0, |cell| u32::from(cell.load(Ordering::Acquire)))
     }
 
+    /// Bytes of the chunks allocated so far (and the directory).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+            + self
+                .chunks
+                .iter()
+                .filter_map(|c| c.get())
+                .map(|c| c.len() * std::mem::size_of::<AtomicU16>())
+                .sum::<usize>()
+    }
+
     fn cell(&self, id: u32) -> Option<&AtomicU16> {
         let (chunk, at) = chunk_of(id);
         self.chunks
@@ -197,8 +208,16 @@ impl SpanBook {
             *meta = SpanMeta::default();
             self.free.push(span.id);
             intact.set(span.id, 0);
-        } else if intact.intact(span.id) > u32::from(span.offset) {
+            return;
+        }
+        let was_intact = intact.intact(span.id);
+        if was_intact > u32::from(span.offset) {
             intact.set(span.id, span.offset);
+        }
+        // The tail left a span intact up to it (vLLM evicts leaves first): the span ends
+        // there and stays intact, so a re-stored tail continues it.
+        if span.offset + 1 == meta.len && was_intact >= u32::from(span.offset) {
+            meta.len = span.offset;
         }
     }
 
@@ -267,6 +286,13 @@ mod tests {
         let b = book.next_after(Some(a1), &intact);
         assert_eq!((b.id, b.offset), (1, 0));
         book.commit(b, &intact);
+        // The tail leaving shortens an intact span, which a re-stored tail continues.
+        book.left(a2, &intact);
+        assert_eq!(intact.intact(0), 2);
+        let again = book.next_after(Some(a1), &intact);
+        assert_eq!(again, a2);
+        book.commit(again, &intact);
+        assert_eq!(intact.intact(0), 3);
         // Removing the middle block breaks the span after it, not before.
         book.left(a1, &intact);
         assert_eq!(intact.intact(0), 1);

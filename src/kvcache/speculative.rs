@@ -70,7 +70,13 @@ pub(crate) struct Speculative {
     ttl: Duration,
     max_entries: usize,
     runs: Runs,
+    /// When a record last purged expired entries (nanoseconds after the runs' epoch).
+    last_purge: AtomicU64,
 }
+
+/// A record near the bound purges expired entries at most this often: a purge scans the
+/// whole map, and it runs on a request's task.
+const RECORD_PURGE_INTERVAL: Duration = Duration::from_millis(50);
 
 /// Run state, readable without locks (see the module docs).
 struct Runs {
@@ -199,6 +205,7 @@ impl Speculative {
             // Every live run has an entry (or a writer), so runs never outnumber entries
             // (+ concurrent writers, bounded by the small slack).
             runs: Runs::new(max_entries + 1024, Instant::now()),
+            last_purge: AtomicU64::new(0),
         }
     }
 
@@ -241,19 +248,32 @@ impl Speculative {
     }
 
     /// Records `slot` as holding `keys` (consecutive blocks of one prompt) until now + TTL, as
-    /// one run; an entry `slot` already had for one of them moves into this run. Returns how
-    /// many entries were refused because the bound was reached (the run stops there).
+    /// one run; an entry `slot` already had for one of them moves into this run (refreshed).
+    /// Returns how many new entries were refused because the bound was reached (the run's
+    /// intact length stops at the first of them).
     pub(crate) fn record(&self, slot: u32, keys: &[BlockKey], now: Instant) -> usize {
         if keys.is_empty() {
             return 0;
         }
         if self.count.load(Ordering::Relaxed) + keys.len() > self.max_entries {
-            self.purge_expired(now);
+            let at = self.runs.nanos(now);
+            let last = self.last_purge.load(Ordering::Relaxed);
+            let interval = RECORD_PURGE_INTERVAL.as_nanos() as u64;
+            if at.saturating_sub(last) >= interval
+                && self
+                    .last_purge
+                    .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                self.purge_expired(now);
+            }
         }
         let Some(run) = self.runs.start(now + self.ttl) else {
             return keys.len();
         };
-        let mut written = 0u32;
+        // Entries before the first refused one are all present: the run's intact length.
+        let mut contiguous: Option<u32> = None;
+        let mut refused = 0;
         for (offset, key) in (0u32..).zip(keys) {
             let mut entry = self.entries.entry(*key).or_default();
             if let Some(existing) = entry.iter_mut().find(|e| e.slot == slot) {
@@ -261,20 +281,21 @@ impl Speculative {
                 *existing = SpecEntry { slot, run, offset };
                 self.runs.joined(run);
                 self.runs.left(old.run, old.offset);
-                written += 1;
                 continue;
             }
             if self.count.load(Ordering::Relaxed) >= self.max_entries {
-                break;
+                contiguous.get_or_insert(offset);
+                refused += 1;
+                continue;
             }
             self.runs.joined(run);
             entry.push(SpecEntry { slot, run, offset });
             self.count_in(key, 1);
             self.count.fetch_add(1, Ordering::Relaxed);
-            written += 1;
         }
+        let written = contiguous.unwrap_or(u32::try_from(keys.len()).unwrap_or(u32::MAX));
         self.runs.finish(run, written);
-        keys.len() - written as usize
+        refused
     }
 
     /// Calls `visit` with each live speculative holder of `key`; false when it has none.
@@ -444,5 +465,15 @@ mod tests {
         assert_eq!(speculative.len(), 3);
         assert_eq!(holders(&speculative, keys[2], now), vec![(1, 3)]);
         assert!(holders(&speculative, keys[3], now).is_empty());
+        // At the bound, a record still refreshes what it finds; behind a refused block its
+        // entries prove only themselves.
+        speculative.confirm(&keys[0], 1);
+        assert_eq!(speculative.record(1, &keys, now), 2);
+        assert_eq!(holders(&speculative, keys[0], now), vec![(1, 1)]);
+        assert_eq!(holders(&speculative, keys[2], now), vec![(1, 3)]);
+        let new = BlockKey(9 << 24);
+        assert_eq!(speculative.record(1, &[new, keys[1], keys[2]], now), 1);
+        assert!(holders(&speculative, new, now).is_empty());
+        assert_eq!(holders(&speculative, keys[2], now), vec![(1, 1)]);
     }
 }
