@@ -54,7 +54,8 @@ fn body(user: &str) -> Vec<u8> {
 }
 
 fn run(tok: &Tokenizers, body: &[u8]) -> usize {
-    let req = request::parse("/v1/chat/completions", body).expect("parse");
+    let req =
+        request::parse_cached("/v1/chat/completions", body, tok.long_strings()).expect("parse");
     match tok.prompt_tokens(&req) {
         PromptTokens::Exact(ids) => ids.len(),
         other => panic!("not exact: {other:?}"),
@@ -208,7 +209,8 @@ fn main() {
             let i = counter.fetch_add(1, Ordering::Relaxed);
             let b = warm_body(i);
             let t = Instant::now();
-            let req = request::parse("/v1/chat/completions", &b).expect("parse");
+            let req = request::parse_cached("/v1/chat/completions", &b, tok.long_strings())
+                .expect("parse");
             w_parse.push(t.elapsed());
             let Prompt::Chat(chat) = &req.prompt else {
                 panic!("chat")

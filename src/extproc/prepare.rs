@@ -43,7 +43,7 @@ pub fn prepare(
     key_block_size: Option<u32>,
 ) -> Result<Prepared, RequestError> {
     let path = meta.path.split('?').next().unwrap_or_default();
-    let mut parsed = request::parse(path, body)?;
+    let mut parsed = request::parse_cached(path, body, tokenizers.long_strings())?;
     let client_model = parsed.model.clone();
     let target = meta
         .model_rewrite

@@ -29,12 +29,13 @@ mod types;
 
 pub use anthropic::BILLING_HEADER;
 pub use error::RequestError;
-pub use parse::{api_kind_for_path, parse, parse_with_limits};
+pub use parse::{api_kind_for_path, parse, parse_cached, parse_with_limits};
 pub use rewrite::{MAX_SSE_LINE_BYTES, ResponseModelRewriter, rewrite_model};
 pub use rules::{
     ExactModel, MatchType, ModelMatch, ModelRewriteRule, ModelRewriteRules, RewriteTarget,
 };
 pub use scan::{BodyShape, ParseLimits, scan};
+pub use strings::LongStringCache;
 pub use types::{
     ApiKind, ChatMessage, ChatPrompt, ContentPart, InferenceRequest, MessageContent, Prompt,
     ToolCall,

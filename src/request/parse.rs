@@ -12,7 +12,7 @@ use super::anthropic::anthropic_prompt;
 use super::error::RequestError;
 use super::responses::responses_prompt;
 use super::scan::{ParseLimits, scan_collecting};
-use super::strings::parse_with_long_strings;
+use super::strings::{LongStringCache, parse_with_long_strings};
 use super::types::{
     ApiKind, ChatMessage, ChatPrompt, ContentPart, InferenceRequest, MessageContent, Prompt,
     ToolCall,
@@ -23,6 +23,16 @@ pub fn parse(path: &str, body: &[u8]) -> Result<InferenceRequest, RequestError> 
     parse_with_limits(path, body, ParseLimits::default())
 }
 
+/// [`parse`], resuming long strings from ones seen in earlier bodies (`cache`): the same
+/// result, less work when a body repeats an earlier one's beginning.
+pub fn parse_cached(
+    path: &str,
+    body: &[u8],
+    cache: &LongStringCache,
+) -> Result<InferenceRequest, RequestError> {
+    parse_impl(path, body, ParseLimits::default(), Some(cache))
+}
+
 /// Parses `body` sent to `path` (the path decides the API; unknown paths are guessed from the
 /// body's shape).
 pub fn parse_with_limits(
@@ -30,7 +40,16 @@ pub fn parse_with_limits(
     body: &[u8],
     limits: ParseLimits,
 ) -> Result<InferenceRequest, RequestError> {
-    let root = parse_json(body, limits)?;
+    parse_impl(path, body, limits, None)
+}
+
+fn parse_impl(
+    path: &str,
+    body: &[u8],
+    limits: ParseLimits,
+    cache: Option<&LongStringCache>,
+) -> Result<InferenceRequest, RequestError> {
+    let root = parse_json(body, limits, cache)?;
     let Value::Object(mut obj) = root else {
         return Err(RequestError::NotAnObject);
     };
@@ -76,12 +95,16 @@ pub fn parse_with_limits(
 const LONG_STRING_BYTES: usize = 1024;
 
 /// Validates UTF-8 and bounds, then builds the JSON tree.
-pub(crate) fn parse_json(body: &[u8], limits: ParseLimits) -> Result<Value, RequestError> {
+pub(crate) fn parse_json(
+    body: &[u8],
+    limits: ParseLimits,
+    cache: Option<&LongStringCache>,
+) -> Result<Value, RequestError> {
     let text = std::str::from_utf8(body).map_err(|e| RequestError::NotUtf8 {
         offset: e.valid_up_to(),
     })?;
     let mut long_strings = Vec::new();
-    scan_collecting(text, limits, LONG_STRING_BYTES, &mut long_strings)?;
+    scan_collecting(text, limits, LONG_STRING_BYTES, &mut long_strings, cache)?;
     if !long_strings.is_empty()
         && let Some(root) = parse_with_long_strings(text, long_strings)
     {

@@ -10,7 +10,9 @@
 use std::ops::Range;
 
 use super::error::RequestError;
-use super::strings::{LongString, decode_escape, has_control};
+use super::strings::{
+    CHECKPOINT_EVERY, LongString, LongStringCache, MIN_CACHED_STRING, decode_escape, has_control,
+};
 
 /// Bounds applied to request bodies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,12 +60,14 @@ pub(crate) fn scan_collecting(
     limits: ParseLimits,
     min_len: usize,
     long_strings: &mut Vec<LongString>,
+    cache: Option<&LongStringCache>,
 ) -> Result<BodyShape, RequestError> {
     let mut collect = Collect {
         source: body,
         min_len,
         scratch: String::new(),
         found: long_strings,
+        cache,
     };
     scan_impl(body.as_bytes(), limits, Some(&mut collect))
 }
@@ -74,6 +78,8 @@ struct Collect<'a> {
     min_len: usize,
     scratch: String,
     found: &'a mut Vec<LongString>,
+    /// Long strings seen in earlier bodies, to resume from ([`LongStringCache`]).
+    cache: Option<&'a LongStringCache>,
 }
 
 fn scan_impl(
@@ -192,7 +198,24 @@ impl Collect<'_> {
     fn string(&mut self, body: &[u8], start: usize) -> Result<usize, RequestError> {
         self.scratch.clear();
         let mut decodes = true;
-        let mut i = start + 1;
+        let content = start + 1;
+        let mut i = content;
+        // A string with no quote in its first bytes is long: resume from a cached string
+        // sharing its beginning (exact, see `LongStringCache`), and note resume points.
+        let cache = self
+            .cache
+            .filter(|_| is_long_string(body, content, MIN_CACHED_STRING));
+        let mut points: Vec<(u32, u32)> = Vec::new();
+        let mut reused = 0;
+        if let Some(cache) = cache {
+            points.push((0, 0));
+            if let Some(resume) = cache.resume(body.get(content..).unwrap_or_default()) {
+                self.scratch.push_str(resume.text());
+                i = content + resume.raw;
+                reused = resume.raw;
+                points.push((resume.raw as u32, self.scratch.len() as u32));
+            }
+        }
         let mut run = i;
         let end = loop {
             let rest = body.get(i..).ok_or(RequestError::Truncated)?;
@@ -200,7 +223,12 @@ impl Collect<'_> {
             i += pos;
             // Runs end before an ASCII byte, so they are whole characters.
             match self.source.get(run..i) {
-                Some(text) if decodes => self.scratch.push_str(text),
+                Some(text) if decodes => {
+                    if cache.is_some() {
+                        self.note_points(&mut points, content, run, i);
+                    }
+                    self.scratch.push_str(text)
+                }
                 _ => decodes = false,
             }
             if body.get(i) == Some(&b'"') {
@@ -218,6 +246,17 @@ impl Collect<'_> {
             }
             run = i;
         };
+        if let Some(cache) = cache
+            && decodes
+            && !is_key(body, end)
+            // Worth keeping when little of it came from the cache (a string mostly reused
+            // leaves the entry it came from as the better base for the next one).
+            && reused * 10 < (end - content) * 9
+            && let Some(raw) = body.get(content..end - 1)
+            && !has_control(raw)
+        {
+            cache.insert(raw, &self.scratch, points);
+        }
         if end - start >= self.min_len && !is_key(body, end) {
             let raw = body.get(start..end).unwrap_or(&[]);
             let text = (decodes && !has_control(raw)).then(|| std::mem::take(&mut self.scratch));
@@ -228,6 +267,56 @@ impl Collect<'_> {
         }
         Ok(end)
     }
+}
+
+impl Collect<'_> {
+    /// Resume points inside the run `run..end` about to be copied verbatim (raw and text
+    /// advance together there), every [`CHECKPOINT_EVERY`] raw bytes, at character boundaries.
+    fn note_points(&self, points: &mut Vec<(u32, u32)>, content: usize, run: usize, end: usize) {
+        let text_at_run = self.scratch.len();
+        let mut next = points
+            .last()
+            .map_or(content, |(raw, _)| {
+                content + *raw as usize + CHECKPOINT_EVERY
+            })
+            .max(run);
+        while next < end {
+            let mut at = next;
+            while at < end && !self.source.is_char_boundary(at) {
+                at += 1;
+            }
+            if at >= end {
+                break;
+            }
+            let (Ok(raw), Ok(text)) = (
+                u32::try_from(at - content),
+                u32::try_from(text_at_run + (at - run)),
+            ) else {
+                break;
+            };
+            points.push((raw, text));
+            next = at + CHECKPOINT_EVERY;
+        }
+    }
+}
+
+/// Whether the string whose content starts at `content` holds no closing quote in its first
+/// `min` bytes (a quote preceded by an odd run of backslashes is escaped). Cheap for short
+/// strings: it stops at their closing quote.
+fn is_long_string(body: &[u8], content: usize, min: usize) -> bool {
+    let Some(head) = body.get(content..content + min) else {
+        return false;
+    };
+    memchr::memchr_iter(b'"', head).all(|q| {
+        let backslashes = head
+            .get(..q)
+            .unwrap_or_default()
+            .iter()
+            .rev()
+            .take_while(|b| **b == b'\\')
+            .count();
+        backslashes % 2 == 1
+    })
 }
 
 /// Index one past the closing quote of the string starting at `start` (which holds `"`).

@@ -141,6 +141,190 @@ fn restore(
     }
 }
 
+/// Long strings are cached from this many raw bytes on (shorter ones unescape in microseconds).
+pub(crate) const MIN_CACHED_STRING: usize = 8 * 1024;
+/// Bytes compared before a cached string is considered (cheap rejection of unrelated ones).
+const PROBE_BYTES: usize = 256;
+/// Resume points are recorded at least this far apart (raw bytes).
+pub(crate) const CHECKPOINT_EVERY: usize = 4 * 1024;
+/// Strings kept at most, whatever their size.
+const MAX_CACHED_STRINGS: usize = 64;
+
+/// Long string values unescaped before, so that a body repeating one's beginning (a document
+/// followed by a new question, a conversation that grew) copies the unescaped prefix instead
+/// of unescaping it again.
+///
+/// Exact: a cached string is reused only as far as its raw bytes equal the new string's
+/// (compared, never hashed), and only up to a *resume point* — a raw offset where the
+/// unescaper was between escapes — with the text it had produced by then; unescaping is a
+/// left-to-right function of the raw bytes, so it continues from there as if it had read the
+/// prefix itself. Memory is bounded by bytes (raw + text of every entry) and entry count.
+///
+/// Concurrency: one mutex, held to pick candidates and to insert, never while comparing or
+/// copying (entries are shared immutable `Arc`s).
+pub struct LongStringCache {
+    max_bytes: usize,
+    inner: std::sync::Mutex<CacheInner>,
+    /// Raw bytes taken from cached strings instead of unescaped.
+    reused: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    entries: std::collections::VecDeque<std::sync::Arc<CachedString>>,
+    bytes: usize,
+}
+
+/// One cached string: its raw content (between the quotes), its text, and resume points.
+pub(crate) struct CachedString {
+    raw: Box<[u8]>,
+    text: Box<str>,
+    /// `(raw offset, text length)` pairs, ascending, where unescaping may resume.
+    resume: Vec<(u32, u32)>,
+}
+
+/// Where a string can resume from a cached one: raw bytes `..raw` are equal and unescape to
+/// `entry.text[..text]`.
+pub(crate) struct Resume {
+    entry: std::sync::Arc<CachedString>,
+    pub(crate) raw: usize,
+    text: usize,
+}
+
+impl Resume {
+    /// The text the equal raw prefix unescapes to.
+    pub(crate) fn text(&self) -> &str {
+        self.entry.text.get(..self.text).unwrap_or_default()
+    }
+}
+
+impl LongStringCache {
+    /// A cache of at most `max_bytes` (0 disables it).
+    pub fn new(max_bytes: usize) -> Self {
+        Self {
+            max_bytes,
+            inner: std::sync::Mutex::new(CacheInner::default()),
+            reused: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CacheInner> {
+        // NOTE: a panic while holding the lock leaves a consistent list (entries are
+        // immutable); keep serving.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The furthest resume point of a cached string for the string whose raw content starts
+    /// `rest` (to the end of the body); `None` when none shares at least
+    /// [`MIN_CACHED_STRING`] bytes with it.
+    pub(crate) fn resume(&self, rest: &[u8]) -> Option<Resume> {
+        if self.max_bytes == 0 {
+            return None;
+        }
+        let probe = rest.get(..PROBE_BYTES)?;
+        let candidates: Vec<std::sync::Arc<CachedString>> = self
+            .lock()
+            .entries
+            .iter()
+            .filter(|e| e.raw.get(..PROBE_BYTES) == Some(probe))
+            .cloned()
+            .collect();
+        let mut best: Option<Resume> = None;
+        for entry in candidates {
+            let equal = common_prefix(&entry.raw, rest);
+            let at = entry
+                .resume
+                .partition_point(|(raw, _)| *raw as usize <= equal);
+            let Some(&(raw, text)) = at.checked_sub(1).and_then(|i| entry.resume.get(i)) else {
+                continue;
+            };
+            if (raw as usize) >= MIN_CACHED_STRING
+                && best.as_ref().is_none_or(|b| b.raw < raw as usize)
+            {
+                best = Some(Resume {
+                    entry,
+                    raw: raw as usize,
+                    text: text as usize,
+                });
+            }
+        }
+        if let Some(resume) = &best {
+            self.reused
+                .fetch_add(resume.raw as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        best
+    }
+
+    /// Raw bytes of long strings taken from cached ones (instead of unescaped) so far.
+    pub fn reused_bytes(&self) -> u64 {
+        self.reused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Keeps a string just unescaped (raw content `raw`, `text`, its resume points).
+    pub(crate) fn insert(&self, raw: &[u8], text: &str, resume: Vec<(u32, u32)>) {
+        let size = raw.len() + text.len() + resume.len() * 8;
+        if self.max_bytes == 0 || size > self.max_bytes / 2 {
+            return;
+        }
+        let entry = std::sync::Arc::new(CachedString {
+            raw: raw.into(),
+            text: text.into(),
+            resume,
+        });
+        let mut inner = self.lock();
+        inner.entries.push_front(entry);
+        inner.bytes += size;
+        while inner.bytes > self.max_bytes || inner.entries.len() > MAX_CACHED_STRINGS {
+            let Some(old) = inner.entries.pop_back() else {
+                break;
+            };
+            inner.bytes = inner
+                .bytes
+                .saturating_sub(old.raw.len() + old.text.len() + old.resume.len() * 8);
+        }
+    }
+
+    /// Strings held.
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for LongStringCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.lock();
+        f.debug_struct("LongStringCache")
+            .field("strings", &inner.entries.len())
+            .field("bytes", &inner.bytes)
+            .field("max_bytes", &self.max_bytes)
+            .finish()
+    }
+}
+
+/// Length of the common prefix of `a` and `b`, compared a chunk at a time.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const CHUNK: usize = 1024;
+    let n = a.len().min(b.len());
+    let mut at = 0;
+    while at < n {
+        let end = (at + CHUNK).min(n);
+        let (x, y) = (
+            a.get(at..end).unwrap_or_default(),
+            b.get(at..end).unwrap_or_default(),
+        );
+        if x != y {
+            return at + x.iter().zip(y).take_while(|(p, q)| p == q).count();
+        }
+        at = end;
+    }
+    n
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,7 +335,7 @@ mod tests {
     fn unescape(raw: &str) -> Option<String> {
         let body = format!("\"{raw}\"");
         let mut found = Vec::new();
-        scan_collecting(&body, ParseLimits::default(), 0, &mut found).ok()?;
+        scan_collecting(&body, ParseLimits::default(), 0, &mut found, None).ok()?;
         assert_eq!(found.len(), 1);
         found.pop()?.text
     }

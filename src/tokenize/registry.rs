@@ -191,6 +191,9 @@ pub struct Tokenizers {
     lora_bases: DashMap<String, String>,
     metrics: TokenizeMetrics,
     logged: Mutex<HashSet<String>>,
+    /// Long JSON strings of earlier bodies, to resume parsing from (see
+    /// [`crate::request::LongStringCache`]); a quarter of the prefix-cache budget.
+    long_strings: crate::request::LongStringCache,
 }
 
 impl Tokenizers {
@@ -223,7 +226,13 @@ impl Tokenizers {
             lora_bases: config.lora_bases.iter().cloned().collect(),
             metrics,
             logged: Mutex::new(HashSet::new()),
+            long_strings: crate::request::LongStringCache::new(config.prefix_cache_bytes / 4),
         })
+    }
+
+    /// The cache of long request strings bodies are parsed with (`request::parse_cached`).
+    pub fn long_strings(&self) -> &crate::request::LongStringCache {
+        &self.long_strings
     }
 
     /// Declares (or updates) a LoRA adapter's base model.
