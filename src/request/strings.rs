@@ -141,8 +141,11 @@ fn restore(
     }
 }
 
-/// Long strings are cached from this many raw bytes on (shorter ones unescape in microseconds).
-pub(crate) const MIN_CACHED_STRING: usize = 8 * 1024;
+/// Long strings are cached from this many raw bytes on (shorter ones unescape in a few
+/// microseconds, less than looking them up).
+pub(crate) const MIN_CACHED_STRING: usize = 32 * 1024;
+/// Cached strings compared with a new one at most (most recent first).
+const MAX_CANDIDATES: usize = 4;
 /// Bytes compared before a cached string is considered (cheap rejection of unrelated ones).
 const PROBE_BYTES: usize = 256;
 /// Resume points are recorded at least this far apart (raw bytes).
@@ -227,6 +230,7 @@ impl LongStringCache {
             .entries
             .iter()
             .filter(|e| e.raw.get(..PROBE_BYTES) == Some(probe))
+            .take(MAX_CANDIDATES)
             .cloned()
             .collect();
         let mut best: Option<Resume> = None;
@@ -272,6 +276,21 @@ impl LongStringCache {
             resume,
         });
         let mut inner = self.lock();
+        // A string this one extends (same raw bytes, shorter) is no better a base: drop it.
+        let before = inner.entries.len();
+        let mut dropped = 0;
+        inner.entries.retain(|old| {
+            let extended = old.raw.len() <= raw.len()
+                && old.raw.get(..PROBE_BYTES) == raw.get(..PROBE_BYTES)
+                && raw.get(..old.raw.len()) == Some(old.raw.as_ref());
+            if extended {
+                dropped += old.raw.len() + old.text.len() + old.resume.len() * 8;
+            }
+            !extended
+        });
+        if inner.entries.len() != before {
+            inner.bytes = inner.bytes.saturating_sub(dropped);
+        }
         inner.entries.push_front(entry);
         inner.bytes += size;
         while inner.bytes > self.max_bytes || inner.entries.len() > MAX_CACHED_STRINGS {
