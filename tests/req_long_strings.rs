@@ -63,7 +63,15 @@ fn python_ascii_literal(s: &str) -> String {
 }
 
 fn chat_texts(body: &[u8]) -> Result<Vec<String>, RequestError> {
-    let req = request::parse("/v1/chat/completions", body)?;
+    texts_of(request::parse("/v1/chat/completions", body)?)
+}
+
+fn chat_texts_cached(body: &[u8], cache: &LongStringCache) -> Result<Vec<String>, RequestError> {
+    texts_of(request::parse_cached("/v1/chat/completions", body, cache)?)
+}
+
+/// The text of every message of a parsed chat request.
+fn texts_of(req: request::InferenceRequest) -> Result<Vec<String>, RequestError> {
     let Prompt::Chat(chat) = req.prompt else {
         panic!("chat")
     };
@@ -142,21 +150,6 @@ fn bad_long_strings_are_refused_like_short_ones() {
         chat_texts(body.as_bytes()).unwrap(),
         vec!["\0kvpick-0-0".to_string(), long]
     );
-}
-
-fn chat_texts_cached(body: &[u8], cache: &LongStringCache) -> Result<Vec<String>, RequestError> {
-    let req = request::parse_cached("/v1/chat/completions", body, cache)?;
-    let Prompt::Chat(chat) = req.prompt else {
-        panic!("chat")
-    };
-    Ok(chat
-        .messages
-        .into_iter()
-        .map(|m| match m.content {
-            MessageContent::Text(t) => t,
-            other => panic!("{other:?}"),
-        })
-        .collect())
 }
 
 proptest! {

@@ -303,6 +303,11 @@ impl PrefixIndex {
         block_size: u32,
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
+        self.walk_keys(keys, block_size, candidates).matches
+    }
+
+    /// Walks keys already computed at `block_size`.
+    fn walk_keys(&self, keys: &[BlockKey], block_size: u32, candidates: &[PodId]) -> Walked {
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(keys.len());
         walk.run(
@@ -312,7 +317,7 @@ impl PrefixIndex {
             keys.len(),
             candidates,
         );
-        walk.finish(candidates, keys.len(), block_size).matches
+        walk.finish(candidates, keys.len(), block_size)
     }
 
     /// Matches at one block size: over `precomputed` keys when given, else keying lazily;
@@ -328,17 +333,7 @@ impl PrefixIndex {
     ) -> (Walked, LookupChain) {
         match precomputed {
             Some(chain) => {
-                let keys = chain.keys();
-                let mut walk = Walk::new(self, candidates);
-                let blocks = self.blocks.reader(keys.len());
-                walk.run(
-                    self,
-                    &blocks,
-                    &mut Keys::Fixed(keys),
-                    keys.len(),
-                    candidates,
-                );
-                let walked = walk.finish(candidates, keys.len(), size);
+                let walked = self.walk_keys(chain.keys(), size, candidates);
                 (walked, LookupChain::Shared(Arc::clone(chain)))
             }
             None => {
