@@ -3,17 +3,16 @@
 //! in the middle, re-stored, offloaded to CPU, cleared) over several pods give the same
 //! matches as a naive reference that checks every block.
 
-use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use kvpick::endpoints::PodId;
 use kvpick::kvcache::{IndexConfig, KeyChain, KeyContext, PrefixIndex};
-use kvpick::kvevents::{
-    BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
-};
+use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
 use proptest::prelude::*;
+
+mod support;
+use support::kv_reference::{Reference, batch, engine_hash};
 
 const BLOCK: usize = 2;
 /// Blocks per document: long enough for gallops (which try jumps of 16 and more).
@@ -38,12 +37,6 @@ fn documents() -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
-}
-
-fn engine_hash(prefix: &[u32]) -> EngineHash {
-    let mut hasher = DefaultHasher::new();
-    prefix.hash(&mut hasher);
-    EngineHash(hasher.finish())
 }
 
 fn pod(i: usize) -> PodId {
@@ -106,71 +99,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Reference: per pod, engine hash → references per tier; matching walks every block.
-struct Reference {
-    refs: Vec<HashMap<EngineHash, [i64; 2]>>,
-}
-
-impl Reference {
-    fn held_any(&self, pod: usize, hash: EngineHash) -> bool {
-        self.refs[pod]
-            .get(&hash)
-            .is_some_and(|r| r.iter().any(|c| *c > 0))
-    }
-
-    fn store(&mut self, pod: usize, doc: &[u32], start: usize, end: usize, t: usize) {
-        if start > 0 && !self.held_any(pod, engine_hash(&doc[..start * BLOCK])) {
-            return; // unknown parent: cannot be keyed
-        }
-        let mut reannounce = start == 0;
-        for b in start..end {
-            let h = engine_hash(&doc[..(b + 1) * BLOCK]);
-            let entry = self.refs[pod].entry(h).or_default();
-            if entry[t] > 0 && reannounce {
-                continue;
-            }
-            reannounce = false;
-            entry[t] += 1;
-        }
-    }
-
-    fn remove(&mut self, pod: usize, hash: EngineHash, t: usize) {
-        if let Some(r) = self.refs[pod].get_mut(&hash)
-            && r[t] > 0
-        {
-            r[t] -= 1;
-        }
-    }
-
-    fn matched(&self, pod: usize, request: &[u32]) -> (usize, f64) {
-        let mut blocks = 0;
-        let mut weighted = 0.0;
-        for b in 0..request.len() / BLOCK {
-            let h = engine_hash(&request[..(b + 1) * BLOCK]);
-            let Some(r) = self.refs[pod].get(&h) else {
-                break;
-            };
-            if r[0] > 0 {
-                weighted += 1.0;
-            } else if r[1] > 0 {
-                weighted += 0.8;
-            } else {
-                break;
-            }
-            blocks += 1;
-        }
-        (blocks, weighted)
-    }
-}
-
-fn batch(event: KvEvent) -> EventBatch {
-    EventBatch {
-        ts: 0.0,
-        events: vec![event],
-        dp_rank: Some(0),
-    }
-}
-
 fn stored(tokens: &[u32], start: usize, end: usize, t: Tier) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
         block_hashes: (start..end)
@@ -203,7 +131,7 @@ proptest! {
     ) {
         let docs = documents();
         let index = PrefixIndex::new(IndexConfig::default());
-        let mut reference = Reference { refs: vec![HashMap::new(); PODS] };
+        let mut reference = Reference::new(PODS, BLOCK);
         for op in &ops {
             match *op {
                 Op::Store { pod: p, doc, start, len, tier: t } => {

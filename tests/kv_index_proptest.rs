@@ -2,16 +2,15 @@
 //! re-announcements, chains starting at unknown parents, several pods and tiers) applied to
 //! the index and to a naive reference model give the same match answers.
 
-use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::SocketAddr;
 
 use kvpick::endpoints::PodId;
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
-use kvpick::kvevents::{
-    BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
-};
+use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, KvEvent, Tier};
 use proptest::prelude::*;
+
+mod support;
+use support::kv_reference::{Reference, batch, engine_hash};
 
 const BLOCK: usize = 4;
 const PODS: usize = 3;
@@ -34,13 +33,6 @@ fn documents() -> Vec<Vec<u32>> {
         docs.push(tokens);
     }
     docs
-}
-
-/// The engine's hash of a prefix (any deterministic function of the content will do).
-fn engine_hash(prefix: &[u32]) -> EngineHash {
-    let mut hasher = DefaultHasher::new();
-    prefix.hash(&mut hasher);
-    EngineHash(hasher.finish())
 }
 
 fn pod(i: usize) -> PodId {
@@ -93,70 +85,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Reference: per pod, engine hash → references per tier; matching walks prefixes by content.
-#[derive(Default, Clone)]
-struct Reference {
-    refs: Vec<HashMap<EngineHash, [i64; 2]>>,
-}
-
-impl Reference {
-    fn new() -> Self {
-        Self {
-            refs: vec![HashMap::new(); PODS],
-        }
-    }
-
-    fn held_any(&self, pod: usize, hash: EngineHash) -> bool {
-        self.refs[pod]
-            .get(&hash)
-            .is_some_and(|r| r.iter().any(|c| *c > 0))
-    }
-
-    fn store(&mut self, pod: usize, doc: &[u32], start: usize, len: usize, t: usize) {
-        if start > 0 && !self.held_any(pod, engine_hash(&doc[..start * BLOCK])) {
-            return; // unknown parent: cannot be keyed
-        }
-        let mut reannounce = start == 0;
-        for b in start..(start + len).min(6) {
-            let h = engine_hash(&doc[..(b + 1) * BLOCK]);
-            let entry = self.refs[pod].entry(h).or_default();
-            if entry[t] > 0 && reannounce {
-                continue;
-            }
-            reannounce = false;
-            entry[t] += 1;
-        }
-    }
-
-    fn matched(&self, pod: usize, request: &[u32]) -> (usize, f64) {
-        let mut blocks = 0;
-        let mut weighted = 0.0;
-        for b in 0..request.len() / BLOCK {
-            let h = engine_hash(&request[..(b + 1) * BLOCK]);
-            let Some(r) = self.refs[pod].get(&h) else {
-                break;
-            };
-            if r[0] > 0 {
-                weighted += 1.0;
-            } else if r[1] > 0 {
-                weighted += 0.8;
-            } else {
-                break;
-            }
-            blocks += 1;
-        }
-        (blocks, weighted)
-    }
-}
-
-fn batch(event: KvEvent) -> EventBatch {
-    EventBatch {
-        ts: 0.0,
-        events: vec![event],
-        dp_rank: Some(0),
-    }
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
@@ -165,7 +93,7 @@ proptest! {
                                requests in proptest::collection::vec((0..6usize, 1..7usize), 1..6)) {
         let docs = documents();
         let index = PrefixIndex::new(IndexConfig::default());
-        let mut reference = Reference::new();
+        let mut reference = Reference::new(PODS, BLOCK);
         for op in &ops {
             match *op {
                 Op::Store { pod: p, doc, start, len, tier: t } => {
@@ -181,7 +109,7 @@ proptest! {
                         ..BlockStored::default()
                     };
                     index.apply_batch(pod(p), MODEL, &batch(KvEvent::BlockStored(stored)));
-                    reference.store(p, tokens, start, len, t as usize);
+                    reference.store(p, tokens, start, (start + len).min(6), t as usize);
                 }
                 Op::StoreNoTokens { pod: p, doc, block } => {
                     let h = engine_hash(&docs[doc][..(block + 1) * BLOCK]);
@@ -200,11 +128,7 @@ proptest! {
                     let h = engine_hash(&docs[doc][..(block + 1) * BLOCK]);
                     let removed = BlockRemoved { block_hashes: vec![h], tier: tier(t), group_idx: None };
                     index.apply_batch(pod(p), MODEL, &batch(KvEvent::BlockRemoved(removed)));
-                    if let Some(r) = reference.refs[p].get_mut(&h)
-                        && r[t as usize] > 0
-                    {
-                        r[t as usize] -= 1;
-                    }
+                    reference.remove(p, h, t as usize);
                 }
                 Op::ClearAll { pod: p } => {
                     index.apply_batch(pod(p), MODEL, &batch(KvEvent::AllBlocksCleared { tier: None }));

@@ -11,6 +11,7 @@ pub mod backend;
 pub mod envoy;
 pub mod extproc;
 pub mod http;
+pub mod kv_reference;
 pub mod kvpick;
 pub mod metrics;
 
