@@ -120,6 +120,16 @@ async fn start_with(
 
 /// Sends one request (headers `extra` + `body`) and returns the headers reply.
 async fn route(h: &mut Harness, extra: &[(&str, &str)], body: &[u8]) -> ProcessingResponse {
+    send(h, extra, body).await.0
+}
+
+/// Sends one request and returns the headers reply with the stream's sending side, which
+/// keeps the stream open (as a gateway does until the response) while it is held.
+async fn send(
+    h: &mut Harness,
+    extra: &[(&str, &str)],
+    body: &[u8],
+) -> (ProcessingResponse, mpsc::Sender<ProcessingRequest>) {
     let (tx, rx) = mpsc::channel(8);
     let mut replies = h
         .client
@@ -145,11 +155,12 @@ async fn route(h: &mut Harness, extra: &[(&str, &str)], body: &[u8]) -> Processi
         .await
         .expect("send");
     }
-    tokio::time::timeout(Duration::from_secs(5), replies.message())
+    let reply = tokio::time::timeout(Duration::from_secs(5), replies.message())
         .await
         .expect("reply in time")
         .expect("no grpc error")
-        .expect("a reply")
+        .expect("a reply");
+    (reply, tx)
 }
 
 /// What a headers reply set, removed, and put in dynamic metadata.
@@ -418,33 +429,7 @@ async fn the_routing_record_lands_after_the_reply_and_the_prefix_follows() {
     let body = serde_json::json!({"model": "tiny", "prompt": prompt}).to_string();
     // The first request's stream stays open (the gateway has not sent the response yet): the
     // record must land right after the reply, not when the stream ends.
-    let (tx, rx) = mpsc::channel(8);
-    let mut replies = h
-        .client
-        .process(ReceiverStream::new(rx))
-        .await
-        .expect("open")
-        .into_inner();
-    for request in [
-        support::extproc::headers(&[(":method", "POST"), (":path", "/v1/completions")], false),
-        Request::RequestBody(HttpBody {
-            body: body.clone().into_bytes(),
-            end_of_stream: true,
-            ..Default::default()
-        }),
-    ] {
-        tx.send(ProcessingRequest {
-            request: Some(request),
-            ..Default::default()
-        })
-        .await
-        .expect("send");
-    }
-    let first = tokio::time::timeout(Duration::from_secs(5), replies.message())
-        .await
-        .expect("reply in time")
-        .expect("no grpc error")
-        .expect("a reply");
+    let (first, tx) = send(&mut h, &[], body.as_bytes()).await;
     let picked = reply(&first)
         .set
         .get("x-gateway-destination-endpoint")
@@ -473,4 +458,6 @@ async fn the_routing_record_lands_after_the_reply_and_the_prefix_follows() {
             Some(&picked)
         );
     }
+    // Only now does the first request's stream close.
+    drop(tx);
 }
