@@ -8,7 +8,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::{free_port, wait_until};
+use super::free_port;
 
 pub struct Kvpick {
     pub child: Child,
@@ -22,40 +22,61 @@ pub struct Kvpick {
 impl Kvpick {
     /// Starts kvpick on free ports with `pool_yaml` as its endpoints file and waits until
     /// it reports ready.
+    ///
+    /// NOTE: a port found free can be taken by a process of another test before kvpick
+    /// binds it (tests run in parallel); kvpick then exits at once, and it is started again
+    /// on other ports (a few times) instead of failing the test.
     pub async fn start(pool_yaml: &str, extra_args: &[&str]) -> Kvpick {
         let dir = tempfile::tempdir().expect("tempdir");
         let pool_file = dir.path().join("pool.yaml");
         std::fs::write(&pool_file, pool_yaml).expect("write pool");
-        let (grpc_port, health_port, metrics_port) = (free_port(), free_port(), free_port());
-        let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-            .arg("serve")
-            .args(["--bind-address", "127.0.0.1"])
-            .args(["--grpc-port", &grpc_port.to_string()])
-            .args(["--grpc-health-port", &health_port.to_string()])
-            .args(["--metrics-port", &metrics_port.to_string()])
-            .arg("--endpoints-file")
-            .arg(&pool_file)
-            .args(["--endpoints-reload-interval", "100ms"])
-            .args(extra_args)
-            .env("RUST_LOG", "kvpick=debug,info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvpick");
-        let kvpick = Kvpick {
-            child,
-            grpc_port,
-            health_port,
-            metrics_port,
-            pool_file,
-            _dir: dir,
-        };
-        let port = kvpick.health_port;
-        wait_until("kvpick readiness", Duration::from_secs(20), || async move {
-            health(port, "readiness").await == Some(ServingStatus::Serving)
-        })
-        .await;
-        kvpick
+        let mut dir = Some(dir);
+        for attempt in 1..=4 {
+            let (grpc_port, health_port, metrics_port) = (free_port(), free_port(), free_port());
+            let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
+                .arg("serve")
+                .args(["--bind-address", "127.0.0.1"])
+                .args(["--grpc-port", &grpc_port.to_string()])
+                .args(["--grpc-health-port", &health_port.to_string()])
+                .args(["--metrics-port", &metrics_port.to_string()])
+                .arg("--endpoints-file")
+                .arg(&pool_file)
+                .args(["--endpoints-reload-interval", "100ms"])
+                .args(extra_args)
+                .env("RUST_LOG", "kvpick=debug,info")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn kvpick");
+            let mut kvpick = Kvpick {
+                child,
+                grpc_port,
+                health_port,
+                metrics_port,
+                pool_file: pool_file.clone(),
+                _dir: dir.take().expect("the directory, until kvpick owns it"),
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                if health(health_port, "readiness").await == Some(ServingStatus::Serving) {
+                    return kvpick;
+                }
+                if kvpick.child.try_wait().expect("try_wait").is_some() {
+                    break; // exited: most likely a port taken meanwhile
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "timed out waiting for kvpick readiness"
+                );
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            eprintln!("kvpick exited during start (attempt {attempt}); retrying on other ports");
+            dir = Some(std::mem::replace(
+                &mut kvpick._dir,
+                tempfile::tempdir().expect("tempdir"),
+            ));
+        }
+        panic!("kvpick did not start in 4 attempts");
     }
 
     /// Sends SIGTERM.
