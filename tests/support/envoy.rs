@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::kvpick::Kvpick;
-use super::{free_port, repo_root, wait_until};
+use super::{free_port, repo_root};
 
 pub struct Envoy {
     child: Child,
@@ -56,16 +56,12 @@ impl Envoy {
         let (kvpick_grpc_port, kvpick_health_port) = (kvpick.grpc_port, kvpick.health_port);
         let mut config = std::fs::read_to_string(repo_root().join("deploy/envoy/envoy.yaml"))
             .expect("read deploy/envoy/envoy.yaml");
-        let (port, admin_port) = (free_port(), free_port());
-        replace_once(
-            &mut config,
-            "port_value: 9901",
-            &format!("port_value: {admin_port}"),
-        );
+        // Ports are filled in per start attempt (see below).
+        replace_once(&mut config, "port_value: 9901", "port_value: ADMIN_PORT");
         replace_once(
             &mut config,
             "address: 0.0.0.0, port_value: 8081",
-            &format!("address: 127.0.0.1, port_value: {port}"),
+            "address: 127.0.0.1, port_value: LISTEN_PORT",
         );
         replace_once(
             &mut config,
@@ -120,38 +116,56 @@ impl Envoy {
                 ),
             );
         }
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("envoy.yaml");
-        std::fs::write(&path, &config).expect("write envoy config");
-        let child = Command::new(envoy_binary())
-            .arg("-c")
-            .arg(&path)
-            .args([
-                "--disable-hot-restart",
-                "-l",
-                "warning",
-                "--concurrency",
-                "1",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn envoy");
-        let envoy = Envoy {
-            child,
-            port,
-            admin_port,
-            _dir: dir,
-        };
-        let ready = format!("http://127.0.0.1:{admin_port}/ready");
-        wait_until("envoy readiness", Duration::from_secs(30), || {
-            let ready = ready.clone();
-            async move {
-                matches!(super::http::send("GET", &ready, &[], Vec::new()).await, Ok(r) if r.status == 200)
+        // NOTE: a port found free can be taken by another test's process before Envoy binds
+        // it (tests run in parallel); Envoy then exits, and it is started again on other
+        // ports (a few times) instead of failing the test.
+        for attempt in 1..=4 {
+            let (port, admin_port) = (free_port(), free_port());
+            let config = config
+                .replacen("ADMIN_PORT", &admin_port.to_string(), 1)
+                .replacen("LISTEN_PORT", &port.to_string(), 1);
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join("envoy.yaml");
+            std::fs::write(&path, &config).expect("write envoy config");
+            let child = Command::new(envoy_binary())
+                .arg("-c")
+                .arg(&path)
+                .args([
+                    "--disable-hot-restart",
+                    "-l",
+                    "warning",
+                    "--concurrency",
+                    "1",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn envoy");
+            let mut envoy = Envoy {
+                child,
+                port,
+                admin_port,
+                _dir: dir,
+            };
+            let ready = format!("http://127.0.0.1:{admin_port}/ready");
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                if matches!(super::http::send("GET", &ready, &[], Vec::new()).await, Ok(r) if r.status == 200)
+                {
+                    return envoy;
+                }
+                if envoy.child.try_wait().expect("try_wait").is_some() {
+                    break; // exited: most likely a port taken meanwhile
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "timed out waiting for envoy readiness"
+                );
+                tokio::time::sleep(Duration::from_millis(25)).await;
             }
-        })
-        .await;
-        envoy
+            eprintln!("envoy exited during start (attempt {attempt}); retrying on other ports");
+        }
+        panic!("envoy did not start in 4 attempts");
     }
 
     pub fn url(&self, path: &str) -> String {
