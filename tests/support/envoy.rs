@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::kvpick::Kvpick;
-use super::{free_port, repo_root};
+use super::{free_port, ready_or_exited, repo_root};
 
 pub struct Envoy {
     child: Child,
@@ -119,7 +119,7 @@ impl Envoy {
         // NOTE: a port found free can be taken by another test's process before Envoy binds
         // it (tests run in parallel); Envoy then exits, and it is started again on other
         // ports (a few times) instead of failing the test.
-        for attempt in 1..=4 {
+        for _ in 0..4 {
             let (port, admin_port) = (free_port(), free_port());
             let config = config
                 .replacen("ADMIN_PORT", &admin_port.to_string(), 1)
@@ -127,7 +127,7 @@ impl Envoy {
             let dir = tempfile::tempdir().expect("tempdir");
             let path = dir.path().join("envoy.yaml");
             std::fs::write(&path, &config).expect("write envoy config");
-            let child = Command::new(envoy_binary())
+            let mut child = Command::new(envoy_binary())
                 .arg("-c")
                 .arg(&path)
                 .args([
@@ -141,29 +141,27 @@ impl Envoy {
                 .stderr(Stdio::inherit())
                 .spawn()
                 .expect("spawn envoy");
-            let mut envoy = Envoy {
-                child,
-                port,
-                admin_port,
-                _dir: dir,
-            };
             let ready = format!("http://127.0.0.1:{admin_port}/ready");
-            let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            loop {
-                if matches!(super::http::send("GET", &ready, &[], Vec::new()).await, Ok(r) if r.status == 200)
-                {
-                    return envoy;
-                }
-                if envoy.child.try_wait().expect("try_wait").is_some() {
-                    break; // exited: most likely a port taken meanwhile
-                }
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "timed out waiting for envoy readiness"
-                );
-                tokio::time::sleep(Duration::from_millis(25)).await;
+            let started = ready_or_exited(
+                "envoy readiness",
+                &mut child,
+                Duration::from_secs(30),
+                || {
+                    let ready = ready.clone();
+                    async move {
+                        matches!(super::http::send("GET", &ready, &[], Vec::new()).await, Ok(r) if r.status == 200)
+                    }
+                },
+            )
+            .await;
+            if started {
+                return Envoy {
+                    child,
+                    port,
+                    admin_port,
+                    _dir: dir,
+                };
             }
-            eprintln!("envoy exited during start (attempt {attempt}); retrying on other ports");
         }
         panic!("envoy did not start in 4 attempts");
     }

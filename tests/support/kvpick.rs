@@ -8,7 +8,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::free_port;
+use super::{free_port, ready_or_exited};
 
 pub struct Kvpick {
     pub child: Child,
@@ -30,10 +30,9 @@ impl Kvpick {
         let dir = tempfile::tempdir().expect("tempdir");
         let pool_file = dir.path().join("pool.yaml");
         std::fs::write(&pool_file, pool_yaml).expect("write pool");
-        let mut dir = Some(dir);
-        for attempt in 1..=4 {
+        for _ in 0..4 {
             let (grpc_port, health_port, metrics_port) = (free_port(), free_port(), free_port());
-            let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
+            let mut child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
                 .arg("serve")
                 .args(["--bind-address", "127.0.0.1"])
                 .args(["--grpc-port", &grpc_port.to_string()])
@@ -48,33 +47,26 @@ impl Kvpick {
                 .stderr(Stdio::inherit())
                 .spawn()
                 .expect("spawn kvpick");
-            let mut kvpick = Kvpick {
-                child,
-                grpc_port,
-                health_port,
-                metrics_port,
-                pool_file: pool_file.clone(),
-                _dir: dir.take().expect("the directory, until kvpick owns it"),
-            };
-            let deadline = std::time::Instant::now() + Duration::from_secs(20);
-            loop {
-                if health(health_port, "readiness").await == Some(ServingStatus::Serving) {
-                    return kvpick;
-                }
-                if kvpick.child.try_wait().expect("try_wait").is_some() {
-                    break; // exited: most likely a port taken meanwhile
-                }
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "timed out waiting for kvpick readiness"
-                );
-                tokio::time::sleep(Duration::from_millis(25)).await;
+            let ready =
+                ready_or_exited(
+                    "kvpick readiness",
+                    &mut child,
+                    Duration::from_secs(20),
+                    || async move {
+                        health(health_port, "readiness").await == Some(ServingStatus::Serving)
+                    },
+                )
+                .await;
+            if ready {
+                return Kvpick {
+                    child,
+                    grpc_port,
+                    health_port,
+                    metrics_port,
+                    pool_file,
+                    _dir: dir,
+                };
             }
-            eprintln!("kvpick exited during start (attempt {attempt}); retrying on other ports");
-            dir = Some(std::mem::replace(
-                &mut kvpick._dir,
-                tempfile::tempdir().expect("tempdir"),
-            ));
         }
         panic!("kvpick did not start in 4 attempts");
     }

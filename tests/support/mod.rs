@@ -32,6 +32,32 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// Polls `check` until it is true (`true`) or `child` exits (`false`: e.g. a port found free
+/// was taken by another test's process before the child bound it); panics after `limit`.
+pub async fn ready_or_exited<F, Fut>(
+    what: &str,
+    child: &mut std::process::Child,
+    limit: Duration,
+    mut check: F,
+) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if child.try_wait().expect("try_wait").is_some() {
+            eprintln!("{what}: the process exited while starting");
+            return false;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// Polls `check` until it is true or `limit` passes; readiness of real processes only.
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
 where
