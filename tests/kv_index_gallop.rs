@@ -3,7 +3,6 @@
 //! in the middle, re-stored, offloaded to CPU, cleared) over several pods give the same
 //! matches as a naive reference that checks every block.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use kvpick::endpoints::PodId;
@@ -12,7 +11,7 @@ use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, EngineHash, KvEven
 use proptest::prelude::*;
 
 mod support;
-use support::kv_reference::{Reference, batch, engine_hash};
+use support::kv_reference::{Reference, batch, engine_hash, pod, tier};
 
 const BLOCK: usize = 2;
 /// Blocks per document: long enough for gallops (which try jumps of 16 and more).
@@ -37,14 +36,6 @@ fn documents() -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
-}
-
-fn pod(i: usize) -> PodId {
-    PodId(SocketAddr::from(([127, 0, 0, 1], 9100 + i as u16)))
-}
-
-fn tier(i: u8) -> Tier {
-    if i == 0 { Tier::Gpu } else { Tier::Cpu }
 }
 
 #[derive(Clone, Debug)]

@@ -2,15 +2,13 @@
 //! re-announcements, chains starting at unknown parents, several pods and tiers) applied to
 //! the index and to a naive reference model give the same match answers.
 
-use std::net::SocketAddr;
-
 use kvpick::endpoints::PodId;
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
 use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, KvEvent, Tier};
 use proptest::prelude::*;
 
 mod support;
-use support::kv_reference::{Reference, batch, engine_hash};
+use support::kv_reference::{Reference, batch, engine_hash, pod, tier};
 
 const BLOCK: usize = 4;
 const PODS: usize = 3;
@@ -33,14 +31,6 @@ fn documents() -> Vec<Vec<u32>> {
         docs.push(tokens);
     }
     docs
-}
-
-fn pod(i: usize) -> PodId {
-    PodId(SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16)))
-}
-
-fn tier(i: u8) -> Tier {
-    if i == 0 { Tier::Gpu } else { Tier::Cpu }
 }
 
 #[derive(Clone, Debug)]

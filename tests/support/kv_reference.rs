@@ -4,7 +4,20 @@
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use kvpick::kvevents::{EngineHash, EventBatch, KvEvent};
+use std::net::SocketAddr;
+
+use kvpick::endpoints::PodId;
+use kvpick::kvevents::{EngineHash, EventBatch, KvEvent, Tier};
+
+/// Test pod `i` (a loopback address; no socket is opened).
+pub fn pod(i: usize) -> PodId {
+    PodId(SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16)))
+}
+
+/// Tier `0` is GPU, anything else CPU.
+pub fn tier(i: u8) -> Tier {
+    if i == 0 { Tier::Gpu } else { Tier::Cpu }
+}
 
 /// The engine's hash of a token prefix (any deterministic function of the content will do).
 pub fn engine_hash(prefix: &[u32]) -> EngineHash {
