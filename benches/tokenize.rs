@@ -5,7 +5,8 @@
 //!
 //! Run: `cargo bench --bench tokenize`. A ratio summary is printed at the end.
 //! `TOKENIZE_PROFILE_WARM=N cargo bench --bench tokenize` instead only runs the 400 KB warm
-//! path N times (for `perf record`), with the bodies built beforehand.
+//! path N times (for `perf record`), with the bodies built beforehand;
+//! `TOKENIZE_PROFILE_COLD=N` the same for the cold path.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -62,20 +63,26 @@ fn run(tok: &Tokenizers, body: &[u8]) -> usize {
     }
 }
 
-/// Only the 400 KB warm path, `n` times, bodies built beforehand (in batches of 64).
-fn profile_warm(tok: &Tokenizers, n: usize) {
+/// Only the 400 KB warm (or cold) path, `n` times, bodies built beforehand (in batches of 64).
+fn profile(tok: &Tokenizers, n: usize, warm: bool) {
     let size = 400 << 10;
     let text = corpus(size);
     let prefix_len = (size * 95 / 100..)
         .find(|&i| text.is_char_boundary(i))
         .unwrap_or(size);
     let (prefix, tail) = text.split_at(prefix_len);
-    let warm_body = |i: usize| body(&format!("{prefix}{i} {tail}"));
-    run(tok, &warm_body(usize::MAX));
+    let make_body = |i: usize| {
+        if warm {
+            body(&format!("{prefix}{i} {tail}"))
+        } else {
+            body(&format!("{i} {text}"))
+        }
+    };
+    run(tok, &body(&format!("{prefix}{} {tail}", usize::MAX)));
     let mut done = 0;
     let mut spent = Duration::ZERO;
     while done < n {
-        let bodies: Vec<Vec<u8>> = (done..(done + 64).min(n)).map(warm_body).collect();
+        let bodies: Vec<Vec<u8>> = (done..(done + 64).min(n)).map(make_body).collect();
         let t = Instant::now();
         for b in &bodies {
             black_box(run(tok, b));
@@ -83,7 +90,11 @@ fn profile_warm(tok: &Tokenizers, n: usize) {
         spent += t.elapsed();
         done += bodies.len();
     }
-    println!("warm 400KB: {:.2?} per request over {n}", spent / n as u32);
+    let name = if warm { "warm" } else { "cold" };
+    println!(
+        "{name} 400KB: {:.2?} per request over {n}",
+        spent / n as u32
+    );
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -102,12 +113,17 @@ fn main() {
     )
     .expect("tokenizer");
     let model = tok.tokenizer_for("tiny").expect("model");
-    if let Some(n) = std::env::var("TOKENIZE_PROFILE_WARM")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        profile_warm(&tok, n);
-        return;
+    for (var, warm) in [
+        ("TOKENIZE_PROFILE_WARM", true),
+        ("TOKENIZE_PROFILE_COLD", false),
+    ] {
+        if let Some(n) = std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            profile(&tok, n, warm);
+            return;
+        }
     }
     let counter = AtomicUsize::new(0);
     let mut c = Criterion::default()

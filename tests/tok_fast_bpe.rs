@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
-use kvpick::tokenize::{ModelTokenizer, WordEncoder};
+use kvpick::tokenize::{FastEncoder, ModelTokenizer, WordEncoder};
 use proptest::prelude::*;
 
 static MODEL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
@@ -30,6 +30,38 @@ fn assert_same(text: &str) {
 #[test]
 fn fast_path_is_active_for_the_shared_tokenizer() {
     assert!(MODEL.has_fast_path());
+}
+
+/// The crate alone: the word encoder without the fast path.
+fn crate_encode(text: &str) -> kvpick::tokenize::WordEncoding {
+    WordEncoder::new(MODEL.tokenizer(), None)
+        .encode(text)
+        .unwrap()
+}
+
+/// The word cache memoises, hits and evicts without changing a single id: the corpus twice
+/// through a cache far too small for it (shards clear all the time), through no cache, and
+/// through the default one (which then holds its words).
+#[test]
+fn the_word_cache_never_changes_ids() {
+    let corpus = std::fs::read_to_string(fixtures().join("corpus.txt")).unwrap();
+    let expected = crate_encode(&corpus);
+    let tiny = FastEncoder::new(MODEL.tokenizer())
+        .unwrap()
+        .with_word_cache_capacity(64);
+    let none = FastEncoder::new(MODEL.tokenizer())
+        .unwrap()
+        .with_word_cache_capacity(0);
+    let default = FastEncoder::new(MODEL.tokenizer()).unwrap();
+    for round in 0..2 {
+        for (name, enc) in [("tiny", &tiny), ("none", &none), ("default", &default)] {
+            let got = enc.encode(MODEL.tokenizer(), &corpus).unwrap();
+            assert_eq!(got, expected, "{name} cache, round {round}");
+        }
+    }
+    assert_eq!(none.cached_words(), 0);
+    assert!(tiny.cached_words() <= 64, "{}", tiny.cached_words());
+    assert!(default.cached_words() > 1000, "{}", default.cached_words());
 }
 
 #[test]
@@ -146,5 +178,56 @@ proptest! {
         let slow = WordEncoder::new(MODEL.tokenizer(), None).encode(&text).unwrap();
         let fast = MODEL.word_encoder().encode(&text).unwrap();
         prop_assert_eq!(fast, slow);
+    }
+}
+
+/// The shared tokenizer with extra added tokens whose first bytes are `[`, `{`, `#`, `@` and
+/// `<` (more than memchr3 covers), overlapping each other and the built-in ones.
+static MANY_ADDED: LazyLock<tokenizers::Tokenizer> = LazyLock::new(|| {
+    let mut tok = MODEL.tokenizer().clone();
+    let extra = ["[A]", "[A]]", "{B}", "#C", "@@", "@@@", "<|x|>", "<|im"];
+    let added: Vec<_> = extra
+        .iter()
+        .map(|t| tokenizers::AddedToken::from(*t, true))
+        .collect();
+    tok.add_special_tokens(&added);
+    tok
+});
+
+const ADDED_PIECES: &[&str] = &[
+    "[A]",
+    "[A]]",
+    "[A",
+    "{B}",
+    "{B",
+    "#C",
+    "#",
+    "@",
+    "@@",
+    "@@@@",
+    "<|x|>",
+    "<|im",
+    "<|im_end|>",
+    "<|",
+    "<",
+    " ",
+    "text",
+    "\n",
+    "é",
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Leftmost-longest added-token matching equals the crate's for any set of first bytes.
+    #[test]
+    fn added_tokens_with_many_first_bytes_match_the_crate(
+        pieces in prop::collection::vec(prop::sample::select(ADDED_PIECES), 0..40)
+    ) {
+        let text = pieces.concat();
+        let fast = FastEncoder::new(&MANY_ADDED).expect("fast layout");
+        let (ids, _) = fast.encode(&MANY_ADDED, &text).unwrap();
+        let slow = MANY_ADDED.encode(text.as_str(), false).unwrap();
+        prop_assert_eq!(ids, slow.get_ids().to_vec());
     }
 }

@@ -5,21 +5,24 @@
 //! encoder splits added (special) tokens itself, and for every segment that is pure ASCII runs
 //! a hand-written scanner that implements the regex's leftmost-first alternation exactly on
 //! ASCII (where `\p{L}` = `[A-Za-z]`, `\p{N}` = `[0-9]`, `\s` = `[\t\n\v\f\r ]`, and NFC is the
-//! identity), then hands each pre-token, byte-level mapped, to the crate's own BPE model (so
-//! merges, `ignore_merges` and its word cache are the crate's). Segments with any non-ASCII
+//! identity), then takes each pre-token's ids from a [`WordCache`] of earlier results, or hands
+//! the pre-token, byte-level mapped, to the crate's own BPE model (so merges and
+//! `ignore_merges` are the crate's) and memoises what it returns. Segments with any non-ASCII
 //! byte go through the crate's full pipeline. [`FastEncoder::new`] returns `None` for any other
 //! tokenizer layout, which then always uses the crate.
 //!
 //! Equivalence is tested against the crate on the fixtures, the 400 KB corpus and random text
 //! (`tests/tok_fast_bpe.rs`).
 //!
-//! Concurrency: immutable; the crate's BPE cache is internally synchronised.
+//! Concurrency: shared by all encodes of a model; the word cache and the crate's BPE cache are
+//! internally synchronised.
 
 use serde_json::json;
 use tokenizers::models::ModelWrapper;
 use tokenizers::{Model, Tokenizer};
 
 use super::error::TokenizeError;
+use super::word_cache::{self, WordCache};
 
 /// The Qwen2 / cl100k-style split pattern this scanner implements.
 pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -32,7 +35,12 @@ pub type WordEncoding = (Vec<u32>, Vec<(usize, usize)>);
 pub struct FastEncoder {
     /// Added tokens (content, id), matched leftmost-longest like the crate.
     added: Vec<(String, u32)>,
+    /// The distinct first bytes of the added tokens, as a list and as a table.
+    first_bytes: Vec<u8>,
+    is_first: [bool; 256],
     byte_chars: [char; 256],
+    /// Ids of ASCII pre-tokens seen before.
+    words: WordCache,
 }
 
 impl FastEncoder {
@@ -69,10 +77,61 @@ impl FastEncoder {
             }
             added.push((tok.content.clone(), *id));
         }
+        let mut first_bytes: Vec<u8> = added.iter().filter_map(|(t, _)| t.bytes().next()).collect();
+        first_bytes.sort_unstable();
+        first_bytes.dedup();
+        let mut is_first = [false; 256];
+        for &b in &first_bytes {
+            is_first[usize::from(b)] = true;
+        }
         Some(Self {
             added,
+            first_bytes,
+            is_first,
             byte_chars: byte_chars(),
+            words: WordCache::new(word_cache::DEFAULT_CAPACITY),
         })
+    }
+
+    /// The same encoder with a word cache of `capacity` pre-tokens (0 turns it off).
+    pub fn with_word_cache_capacity(mut self, capacity: usize) -> Self {
+        self.words = WordCache::new(capacity);
+        self
+    }
+
+    /// Pre-tokens memoised by the word cache right now.
+    pub fn cached_words(&self) -> usize {
+        self.words.len()
+    }
+
+    /// The leftmost added token at or after `from`, the longest of those starting there (the
+    /// crate's LeftmostLongest): `(start, index into added)`. One memchr pass over the text for
+    /// the tokens' first bytes, instead of one substring search per token.
+    fn next_added(&self, text: &str, from: usize) -> Option<(usize, usize)> {
+        let bytes = text.as_bytes();
+        let mut at = from;
+        loop {
+            let rest = bytes.get(at..)?;
+            let offset = match self.first_bytes[..] {
+                [] => None,
+                [a] => memchr::memchr(a, rest),
+                [a, b] => memchr::memchr2(a, b, rest),
+                [a, b, c] => memchr::memchr3(a, b, c, rest),
+                _ => rest.iter().position(|&b| self.is_first[usize::from(b)]),
+            }?;
+            let start = at + offset;
+            let tail = bytes.get(start..).unwrap_or(&[]);
+            let longest = self
+                .added
+                .iter()
+                .enumerate()
+                .filter(|(_, (content, _))| tail.starts_with(content.as_bytes()))
+                .max_by_key(|(_, (content, _))| content.len());
+            if let Some((k, _)) = longest {
+                return Some((start, k));
+            }
+            at = start + 1;
+        }
     }
 
     /// Encodes `text` without special tokens, exactly like `tokenizer.encode(text, false)`.
@@ -83,40 +142,8 @@ impl FastEncoder {
         let mut ids = Vec::with_capacity(text.len() / 3);
         let mut words = Vec::with_capacity(text.len() / 4);
         let mut pos = 0;
-        let mut next: Vec<Option<usize>> = self
-            .added
-            .iter()
-            .map(|(t, _)| text.find(t.as_str()))
-            .collect();
         loop {
-            // Leftmost match, longest on ties (the crate's LeftmostLongest).
-            let mut best: Option<(usize, usize)> = None; // (start, index)
-            for (k, slot) in next.iter_mut().enumerate() {
-                let Some((content, _)) = self.added.get(k) else {
-                    continue;
-                };
-                if let Some(start) = *slot
-                    && start < pos
-                {
-                    *slot = text
-                        .get(pos..)
-                        .and_then(|t| t.find(content.as_str()))
-                        .map(|p| p + pos);
-                }
-                if let Some(start) = *slot {
-                    let better = match best {
-                        None => true,
-                        Some((bs, bk)) => {
-                            start < bs
-                                || (start == bs
-                                    && content.len() > self.added.get(bk).map_or(0, |a| a.0.len()))
-                        }
-                    };
-                    if better {
-                        best = Some((start, k));
-                    }
-                }
-            }
+            let best = self.next_added(text, pos);
             let seg_end = best.map_or(text.len(), |(s, _)| s);
             let segment = text.get(pos..seg_end).unwrap_or("");
             if !segment.is_empty() {
@@ -247,14 +274,19 @@ impl FastEncoder {
             if i > 0 {
                 words.push((base + i, ids.len()));
             }
-            mapped.clear();
-            for &b in bytes.get(i..end).unwrap_or(&[]) {
-                mapped.push(self.byte_chars[usize::from(b)]);
+            let word = bytes.get(i..end).unwrap_or(&[]);
+            if !self.words.extend_ids(word, ids) {
+                mapped.clear();
+                for &b in word {
+                    mapped.push(self.byte_chars[usize::from(b)]);
+                }
+                let toks = bpe
+                    .tokenize(&mapped)
+                    .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+                let first = ids.len();
+                ids.extend(toks.iter().map(|t| t.id));
+                self.words.insert(word, ids.get(first..).unwrap_or(&[]));
             }
-            let toks = bpe
-                .tokenize(&mapped)
-                .map_err(|e| TokenizeError::Encode(e.to_string()))?;
-            ids.extend(toks.iter().map(|t| t.id));
             i = end.max(i + 1);
         }
         Ok(())

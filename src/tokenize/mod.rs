@@ -18,6 +18,7 @@ mod prefix_cache;
 mod pyjson;
 mod registry;
 mod template;
+mod word_cache;
 
 pub use error::TokenizeError;
 pub use fast_bpe::{FastEncoder, QWEN2_PATTERN, WordEncoding};

@@ -118,18 +118,33 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let rendered = tmpl
-            .render(Value::from_serialize(RenderContext {
+        // NOTE: the output buffer is sized for the messages' text up front: growing it by
+        // doubling re-copied a 400 KB prompt about once more and faulted in fresh pages.
+        let text_bytes: usize = source_messages
+            .iter()
+            .flat_map(|m| text_parts(&m.content))
+            .map(str::len)
+            .sum();
+        let mut out = Vec::with_capacity(text_bytes.saturating_add(RENDER_SLACK_BYTES));
+        tmpl.render_captured_to(
+            Value::from_serialize(RenderContext {
                 vars: &ctx,
                 messages: &messages,
-            }))
-            .map_err(|e| TokenizeError::Template(error_chain(&e)))?;
+            }),
+            &mut out,
+        )
+        .map_err(|e| TokenizeError::Template(error_chain(&e)))?;
+        let rendered = String::from_utf8(out)
+            .map_err(|e| TokenizeError::Template(format!("rendered prompt is not UTF-8: {e}")))?;
         match final_text {
             Some(text) => cut_after_final_message(rendered, &text),
             None => Ok(rendered),
         }
     }
 }
+
+/// Room for the template's own text (role markers, tools, system prompt) in the output buffer.
+const RENDER_SLACK_BYTES: usize = 16 << 10;
 
 /// vLLM's `AnthropicServingMessages._detect_merge_inline_system`: renders a
 /// `[system, user, system, user]` conversation (string contents `"t"`, no generation prompt)
