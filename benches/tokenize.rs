@@ -3,6 +3,9 @@
 //! - `bare_encode`: the tokenizers crate's `encode` of the same rendered text (the floor);
 //! - `warm95`: the first 95% of the prompt was tokenized before (the last 5% is new).
 //!
+//! The fast encoder's word cache is warm for the corpus' words in `cold` (as it is in a
+//! server after a few requests); the stage table also prints a cold encode without it.
+//!
 //! Run: `cargo bench --bench tokenize`. A ratio summary is printed at the end.
 //! `TOKENIZE_PROFILE_WARM=N cargo bench --bench tokenize` instead only runs the 400 KB warm
 //! path N times (for `perf record`), with the bodies built beforehand;
@@ -15,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion};
 use kvpick::request::{self, Prompt};
-use kvpick::tokenize::{PromptTokens, Tokenizers, TokenizersConfig};
+use kvpick::tokenize::{FastEncoder, PromptTokens, Tokenizers, TokenizersConfig};
 use serde_json::json;
 
 const SIZES: [(&str, usize); 3] = [("8KB", 8 << 10), ("100KB", 100 << 10), ("400KB", 400 << 10)];
@@ -220,7 +223,11 @@ fn main() {
         let mut w_render = Vec::new();
         let mut w_encode = Vec::new();
         let mut c_encode = Vec::new();
+        let mut c_encode_no_words = Vec::new();
         let mut tail_floor = Vec::new();
+        let no_word_cache = FastEncoder::new(model.tokenizer())
+            .expect("fast path")
+            .with_word_cache_capacity(0);
         for _ in 0..reps {
             let i = counter.fetch_add(1, Ordering::Relaxed);
             let b = warm_body(i);
@@ -259,6 +266,13 @@ fn main() {
             let t = Instant::now();
             black_box(model.encode(&text, false).expect("encode").ids.len());
             c_encode.push(t.elapsed());
+            let t = Instant::now();
+            black_box(
+                no_word_cache
+                    .encode(model.tokenizer(), &text)
+                    .expect("encode"),
+            );
+            c_encode_no_words.push(t.elapsed());
         }
         stages.push((
             name,
@@ -267,6 +281,7 @@ fn main() {
             median(w_encode),
             median(tail_floor),
             median(c_encode),
+            median(c_encode_no_words),
         ));
         summary.push((
             name,
@@ -291,11 +306,11 @@ fn main() {
         );
     }
     println!(
-        "\nwarm95 stages: parse  render  encode(prefix cache)  | tail-only encode (floor)  cold encode"
+        "\nwarm95 stages: parse  render  encode(prefix cache)  | tail-only encode (floor)  cold encode  cold encode, word cache off"
     );
-    for (name, parse, render, encode, floor, cold_encode) in stages {
+    for (name, parse, render, encode, floor, cold_encode, no_words) in stages {
         println!(
-            "{name:<6} {parse:>10.2?}  {render:>10.2?}  {encode:>10.2?}  | {floor:>10.2?}  {cold_encode:>10.2?}"
+            "{name:<6} {parse:>10.2?}  {render:>10.2?}  {encode:>10.2?}  | {floor:>10.2?}  {cold_encode:>10.2?}  {no_words:>10.2?}"
         );
     }
 }
