@@ -1,6 +1,6 @@
 //! A shared, bounded memo of short ASCII pre-tokens → their BPE token ids.
 //!
-//! The fast encoder's scanner finds pre-tokens at ~1 GB/s; what it then paid per word was the
+//! Once the fast encoder's scanner has found a pre-token, what it paid per word was the
 //! tokenizers crate's `BPE::tokenize`: the byte-level mapped `String`, a vocab and a cache
 //! lookup keyed by that `String`, and a `Vec<Token>` with one `String` per token. This memo is
 //! keyed by the raw pre-token bytes and holds the ids inline, so a hit is one xxh3 of a few
@@ -9,7 +9,8 @@
 //! Exactness: a slot only ever holds what the crate returned for that very pre-token (BPE
 //! without dropout is a pure function of its input), so a hit equals a miss.
 //!
-//! Memory: at most `capacity` slots of 40 bytes (plus the tables' control bytes).
+//! Memory: at most `capacity` slots of 40 bytes, plus hashbrown's rounding of each shard up to
+//! a power-of-two bucket count (the default capacity fills its buckets exactly: 2.7 MB).
 //! Pre-tokens longer than [`MAX_WORD`] bytes or of more than [`MAX_IDS`] tokens are not memoised.
 //! A full shard is cleared before the next insert.
 //! NOTE: clearing instead of LRU keeps hits lock-light (no recency to update under the read
@@ -27,8 +28,9 @@ use xxhash_rust::xxh3::xxh3_64;
 pub const MAX_WORD: usize = 22;
 /// Most token ids a memoised pre-token may encode to.
 pub const MAX_IDS: usize = 4;
-/// Default number of memoised pre-tokens per tokenizer (about 3 MiB).
-pub const DEFAULT_CAPACITY: usize = 64 * 1024;
+/// Default number of memoised pre-tokens per tokenizer: 1,792 per shard, which is exactly what
+/// hashbrown holds in 2,048 buckets (7/8), so a full cache is 32 × 2,048 × 41 B ≈ 2.7 MB.
+pub const DEFAULT_CAPACITY: usize = SHARDS * 1792;
 
 const SHARDS: usize = 32;
 
@@ -144,6 +146,19 @@ impl WordCache {
         table.insert_unique(hash, slot, |s| xxh3_64(s.word()));
     }
 
+    /// Bytes the shards' tables have allocated.
+    #[cfg(test)]
+    pub fn allocated_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                s.read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .allocation_size()
+            })
+            .sum()
+    }
+
     /// Memoised pre-tokens right now.
     pub fn len(&self) -> usize {
         self.shards
@@ -185,6 +200,17 @@ mod tests {
         let mut out = Vec::new();
         assert!(cache.extend_ids(b"w9999", &mut out));
         assert_eq!(out, [9999]);
+        // The default cache, filled far past its capacity, stays within its documented size.
+        let full = WordCache::new(DEFAULT_CAPACITY);
+        for i in 0..(4 * DEFAULT_CAPACITY as u32) {
+            full.insert(format!("{i:x}").as_bytes(), &[i]);
+        }
+        assert!(full.len() > DEFAULT_CAPACITY / 2, "{}", full.len());
+        assert!(
+            full.allocated_bytes() <= 2_750_000,
+            "{}",
+            full.allocated_bytes()
+        );
         let off = WordCache::new(0);
         off.insert(b"w", &[1]);
         assert_eq!(off.len(), 0);
