@@ -100,6 +100,45 @@ fn profile(tok: &Tokenizers, n: usize, warm: bool) {
     );
 }
 
+/// About `len` bytes of Chinese: sentences of 3–12 CJK words drawn from the vocabulary (a fixed
+/// seed), ended by full-width punctuation, sometimes a space or a newline.
+fn cjk_text(tokenizer: &tokenizers::Tokenizer, len: usize) -> String {
+    // GPT-2's byte-level alphabet, inverted: printable bytes map to themselves, the others to
+    // U+0100 onwards in order.
+    let mut decode = std::collections::HashMap::new();
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let c = if printable {
+            char::from(b)
+        } else {
+            next += 1;
+            char::from_u32(next - 1).expect("char")
+        };
+        decode.insert(c, b);
+    }
+    let mut words: Vec<String> = tokenizer
+        .get_vocab(false)
+        .keys()
+        .filter_map(|t| {
+            let bytes: Option<Vec<u8>> = t.chars().map(|c| decode.get(&c).copied()).collect();
+            String::from_utf8(bytes?).ok()
+        })
+        .filter(|w| !w.is_empty() && w.chars().all(|c| ('\u{4e00}'..='\u{9fff}').contains(&c)))
+        .collect();
+    words.sort();
+    let mut rng = fastrand::Rng::with_seed(1);
+    let mut out = String::with_capacity(len + 64);
+    while out.len() < len {
+        for _ in 0..rng.usize(3..=12) {
+            out.push_str(&words[rng.usize(..words.len())]);
+        }
+        out.push(['，', '。', '、', '：', '！', '？', '；'][rng.usize(..7)]);
+        out.push_str(["", "", "", " ", "\n"][rng.usize(..5)]);
+    }
+    out
+}
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -293,6 +332,16 @@ fn main() {
             median(render),
         ));
     }
+    // Non-English text: 400 KB of CJK words from the vocabulary, with full-width punctuation.
+    let cjk = cjk_text(model.tokenizer(), 400 << 10);
+    let mut g = c.benchmark_group("tokenize/400KB-cjk");
+    g.bench_function("bare_encode", |b| {
+        b.iter(|| black_box(model.tokenizer().encode(cjk.as_str(), false).unwrap().len()))
+    });
+    g.bench_function("encode", |b| {
+        b.iter(|| black_box(model.word_encoder().encode(&cjk).expect("encode").0.len()))
+    });
+    g.finish();
     c.final_summary();
     println!(
         "\nsize   body_bytes  bare_encode  cold(parse+template+tokenize)  cold/bare  warm95  cold/warm95  bare/warm95  parse  render"

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
-use kvpick::tokenize::{FastEncoder, ModelTokenizer, WordEncoder};
+use kvpick::tokenize::{FastEncoder, ModelTokenizer, WordEncoder, unicode_pretoken};
 use proptest::prelude::*;
 
 static MODEL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
@@ -229,5 +229,80 @@ proptest! {
         let (ids, _) = fast.encode(&MANY_ADDED, &text).unwrap();
         let slow = MANY_ADDED.encode(text.as_str(), false).unwrap();
         prop_assert_eq!(ids, slow.get_ids().to_vec());
+    }
+}
+
+/// Every non-ASCII character the fast scanner handles, in contexts that reach each alternative
+/// of the split pattern (letter runs, digits, symbol runs, contractions, whitespace before and
+/// after, newlines, CJK and Latin neighbours), equals the crate: ids and word starts. A wrong
+/// class, a character NFC would change, or one the pattern's case folding treats specially
+/// fails here.
+#[test]
+fn every_handled_character_matches_the_crate_in_context() {
+    let chars: Vec<char> = unicode_pretoken::handled_chars().collect();
+    assert!(chars.len() > 40_000, "{}", chars.len());
+    let contexts = [
+        "{c}",
+        "a{c}",
+        "{c}a",
+        " {c}",
+        "{c} ",
+        "1{c}",
+        "{c}1",
+        "'{c}",
+        "{c}'s",
+        "{c}{c}",
+        ".{c}",
+        "{c}.",
+        "\n{c}",
+        "{c}\n",
+        "中{c}",
+        "{c}中",
+        "  {c}",
+        "{c}  x",
+        "é{c}",
+        "\u{3000}{c}",
+    ];
+    for chunk in chars.chunks(2048) {
+        for ctx in contexts {
+            let text: Vec<String> = chunk
+                .iter()
+                .map(|c| ctx.replace("{c}", &c.to_string()))
+                .collect();
+            assert_same(&text.join("|"));
+        }
+        // Neighbours of every kind: the characters back to back, and space-separated.
+        let run: String = chunk.iter().collect();
+        assert_same(&run);
+        let spaced: Vec<String> = chunk.iter().map(char::to_string).collect();
+        assert_same(&spaced.join(" "));
+    }
+}
+
+/// Handled characters, ASCII and unhandled ones (combining marks, `ſ`) mixed: the fast runs
+/// and the crate's runs meet at the right places.
+fn handled_piece() -> impl Strategy<Value = String> {
+    let handled: Vec<char> = unicode_pretoken::handled_chars().collect();
+    prop_oneof![
+        prop::sample::select(handled).prop_map(String::from),
+        prop::sample::select(ASCII_PIECES).prop_map(str::to_owned),
+        prop::sample::select(
+            &[
+                "\u{301}", "\u{3099}", "ſ", "\u{37e}", "\u{fe0f}", "\u{200d}", "\u{2028}"
+            ][..]
+        )
+        .prop_map(str::to_owned),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_handled_unicode_matches_the_crate(pieces in prop::collection::vec(handled_piece(), 0..60)) {
+        let text = pieces.concat();
+        let slow = crate_encode(&text);
+        let fast = MODEL.word_encoder().encode(&text).unwrap();
+        prop_assert_eq!(fast, slow);
     }
 }

@@ -1,18 +1,22 @@
 //! An exactly equivalent faster encoder for the Qwen2-style byte-level BPE layout
 //! (NFC normalizer, `Split(<Qwen2 regex>, Isolated)` + `ByteLevel(use_regex=false)`, BPE).
 //!
-//! The tokenizers crate spends most of its time in the Oniguruma pre-tokenizer regex. This
-//! encoder splits added (special) tokens itself, and for every segment that is pure ASCII runs
-//! a hand-written scanner that implements the regex's leftmost-first alternation exactly on
-//! ASCII (where `\p{L}` = `[A-Za-z]`, `\p{N}` = `[0-9]`, `\s` = `[\t\n\v\f\r ]`, and NFC is the
-//! identity), then takes each pre-token's ids from a [`WordCache`] of earlier results, or hands
-//! the pre-token, byte-level mapped, to the crate's own BPE model (so merges and
-//! `ignore_merges` are the crate's) and memoises what it returns. Segments with any non-ASCII
-//! byte go through the crate's full pipeline. [`FastEncoder::new`] returns `None` for any other
-//! tokenizer layout, which then always uses the crate.
+//! The tokenizers crate spends most of its time in the Oniguruma pre-tokenizer regex (and, for
+//! non-ASCII text, in NFC with offset tracking). This encoder splits added (special) tokens
+//! itself, and for every segment that is pure ASCII runs a hand-written scanner that implements
+//! the regex's leftmost-first alternation exactly on ASCII (where `\p{L}` = `[A-Za-z]`, `\p{N}`
+//! = `[0-9]`, `\s` = `[\t\n\v\f\r ]`, and NFC is the identity). A segment with other
+//! characters is cut where the pattern and NFC cannot act across ([`split_points`]); runs made
+//! only of characters [`unicode_pretoken`] classifies (most Latin, Greek, Cyrillic, CJK, kana,
+//! Hangul, full-width and emoji text) get the same scanner over character classes, and the
+//! remaining runs go through the crate's full pipeline. Each pre-token's ids come from a
+//! [`WordCache`] of earlier results, or from the crate's own BPE model on the byte-level
+//! mapped pre-token (so merges and `ignore_merges` are the crate's), then memoised.
+//! [`FastEncoder::new`] returns `None` for any other tokenizer layout, which then always uses
+//! the crate.
 //!
-//! Equivalence is tested against the crate on the fixtures, the 400 KB corpus and random text
-//! (`tests/tok_fast_bpe.rs`).
+//! Equivalence is tested against the crate on the fixtures, the 400 KB corpus, random text,
+//! and every character of the [`unicode_pretoken`] table in context (`tests/tok_fast_bpe.rs`).
 //!
 //! Concurrency: shared by all encodes of a model; the word cache and the crate's BPE cache are
 //! internally synchronised.
@@ -22,6 +26,7 @@ use tokenizers::models::ModelWrapper;
 use tokenizers::{Model, Tokenizer};
 
 use super::error::TokenizeError;
+use super::unicode_pretoken;
 use super::word_cache::{self, WordCache};
 
 /// The Qwen2 / cl100k-style split pattern this scanner implements.
@@ -175,21 +180,21 @@ impl FastEncoder {
         words: &mut Vec<(usize, usize)>,
     ) -> Result<(), TokenizeError> {
         if !segment.is_ascii() {
-            // Split at guaranteed pre-token boundaries into ASCII runs (scanned here) and
-            // non-ASCII runs (the crate).
+            // Split at guaranteed pre-token boundaries into runs scanned here (ASCII, or only
+            // characters `unicode_pretoken` handles) and runs for the crate.
             let mut run_start = 0;
-            let mut run_ascii = true;
+            let mut run_fast = true;
             let mut piece_start = 0;
             for c in split_points(segment).chain(std::iter::once(segment.len())) {
                 let piece = segment.get(piece_start..c).unwrap_or("");
-                let ascii = piece.is_ascii();
-                if piece_start > run_start && ascii != run_ascii {
+                let fast = piece.is_ascii() || unicode_pretoken::handles(piece);
+                if piece_start > run_start && fast != run_fast {
                     self.encode_run(
                         tokenizer,
                         bpe,
                         segment,
                         run_start..piece_start,
-                        run_ascii,
+                        run_fast,
                         base,
                         ids,
                         words,
@@ -197,7 +202,7 @@ impl FastEncoder {
                     run_start = piece_start;
                 }
                 if piece_start == run_start {
-                    run_ascii = ascii;
+                    run_fast = fast;
                 }
                 piece_start = c;
             }
@@ -207,7 +212,7 @@ impl FastEncoder {
                     bpe,
                     segment,
                     run_start..segment.len(),
-                    run_ascii,
+                    run_fast,
                     base,
                     ids,
                     words,
@@ -226,7 +231,7 @@ impl FastEncoder {
         bpe: &tokenizers::models::bpe::BPE,
         segment: &str,
         range: std::ops::Range<usize>,
-        ascii: bool,
+        fast: bool,
         base: usize,
         ids: &mut Vec<u32>,
         words: &mut Vec<(usize, usize)>,
@@ -236,8 +241,11 @@ impl FastEncoder {
         if start > 0 {
             words.push((base + start, ids.len()));
         }
-        if ascii {
+        if fast && run.is_ascii() {
             return self.encode_ascii(bpe, run, base + start, ids, words);
+        }
+        if fast && let Some(scanned) = unicode_pretoken::scan(run) {
+            return self.encode_scanned(bpe, run, &scanned, base + start, ids, words);
         }
         let enc = tokenizer
             .encode(run, false)
@@ -274,21 +282,60 @@ impl FastEncoder {
             if i > 0 {
                 words.push((base + i, ids.len()));
             }
-            let word = bytes.get(i..end).unwrap_or(&[]);
-            if !self.words.extend_ids(word, ids) {
-                mapped.clear();
-                for &b in word {
-                    mapped.push(self.byte_chars[usize::from(b)]);
-                }
-                let toks = bpe
-                    .tokenize(&mapped)
-                    .map_err(|e| TokenizeError::Encode(e.to_string()))?;
-                let first = ids.len();
-                ids.extend(toks.iter().map(|t| t.id));
-                self.words.insert(word, ids.get(first..).unwrap_or(&[]));
-            }
+            self.encode_word(bpe, bytes.get(i..end).unwrap_or(&[]), &mut mapped, ids)?;
             i = end.max(i + 1);
         }
+        Ok(())
+    }
+
+    /// Encodes a run that [`unicode_pretoken::scan`] classified, with its pre-tokenizer.
+    fn encode_scanned(
+        &self,
+        bpe: &tokenizers::models::bpe::BPE,
+        run: &str,
+        scanned: &[unicode_pretoken::Scanned],
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizeError> {
+        let bytes = run.as_bytes();
+        let offset = |k: usize| scanned.get(k).map_or(bytes.len(), |x| x.0);
+        let mut mapped = String::with_capacity(64);
+        let mut i = 0;
+        while i < scanned.len() {
+            let end = unicode_pretoken::pretoken_end(scanned, i).max(i + 1);
+            if i > 0 {
+                words.push((base + offset(i), ids.len()));
+            }
+            let word = bytes.get(offset(i)..offset(end)).unwrap_or(&[]);
+            self.encode_word(bpe, word, &mut mapped, ids)?;
+            i = end;
+        }
+        Ok(())
+    }
+
+    /// Appends the ids of one pre-token (raw UTF-8 bytes): from the word cache, or from the
+    /// crate's BPE model on its byte-level mapping (then memoised).
+    fn encode_word(
+        &self,
+        bpe: &tokenizers::models::bpe::BPE,
+        word: &[u8],
+        mapped: &mut String,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        if self.words.extend_ids(word, ids) {
+            return Ok(());
+        }
+        mapped.clear();
+        for &b in word {
+            mapped.push(self.byte_chars[usize::from(b)]);
+        }
+        let toks = bpe
+            .tokenize(mapped)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let first = ids.len();
+        ids.extend(toks.iter().map(|t| t.id));
+        self.words.insert(word, ids.get(first..).unwrap_or(&[]));
         Ok(())
     }
 }

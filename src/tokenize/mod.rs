@@ -18,6 +18,7 @@ mod prefix_cache;
 mod pyjson;
 mod registry;
 mod template;
+pub mod unicode_pretoken;
 mod word_cache;
 
 pub use error::TokenizeError;

@@ -1,4 +1,4 @@
-//! A shared, bounded memo of short ASCII pre-tokens → their BPE token ids.
+//! A shared, bounded memo of short pre-tokens (raw UTF-8 bytes) → their BPE token ids.
 //!
 //! Once the fast encoder's scanner has found a pre-token, what it paid per word was the
 //! tokenizers crate's `BPE::tokenize`: the byte-level mapped `String`, a vocab and a cache

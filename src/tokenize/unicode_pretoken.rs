@@ -1,0 +1,259 @@
+//! The fast encoder's pre-tokenizer for text beyond ASCII: Latin-1 and Latin Extended letters,
+//! Greek, Cyrillic, general punctuation and currency, CJK ideographs, kana, Hangul syllables,
+//! full-width forms and emoji — the characters most non-English prompts are made of.
+//!
+//! It runs the same leftmost-first alternation of [`super::QWEN2_PATTERN`] as the ASCII scanner,
+//! over a character class per character. It may only be used on a run whose every character
+//! is in the table below ([`class_of`] is `Some`), because for those characters:
+//! - the class is the character's Unicode general category as the regex sees it (`\p{L}`,
+//!   `\p{N}`, `\s`, or none of them; unassigned code points are none of them too);
+//! - NFC is the identity: each has NFC_Quick_Check = Yes and canonical combining class 0, so
+//!   a run of them is already NFC and nothing composes inside it (combining marks and
+//!   singletons such as U+037E are left out; so is `ſ`, which case-folds to `s`, although this
+//!   engine's `(?i:'s)` does not match it).
+//!
+//! Everything else goes to the tokenizers crate. `tests/tok_fast_bpe.rs` checks every character
+//! of the table, in a dozen contexts each, against the crate.
+
+/// What the split pattern sees of one character.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CharClass {
+    /// `\p{L}`.
+    Letter,
+    /// `\p{N}`.
+    Number,
+    /// `\r` or `\n`.
+    Newline,
+    /// U+0020, the pattern's literal space.
+    Space,
+    /// Any other `\s`.
+    OtherSpace,
+    /// Neither `\s`, `\p{L}` nor `\p{N}`.
+    Other,
+}
+
+use CharClass::{Letter as L, Number as N, Other as O, OtherSpace as W};
+
+/// Non-ASCII characters the scanner handles: inclusive code point ranges, sorted, disjoint.
+const RANGES: &[(u32, u32, CharClass)] = &[
+    (0x00A0, 0x00A0, W),
+    (0x00A1, 0x00A9, O),
+    (0x00AA, 0x00AA, L),
+    (0x00AB, 0x00B1, O),
+    (0x00B2, 0x00B3, N),
+    (0x00B4, 0x00B4, O),
+    (0x00B5, 0x00B5, L),
+    (0x00B6, 0x00B8, O),
+    (0x00B9, 0x00B9, N),
+    (0x00BA, 0x00BA, L),
+    (0x00BB, 0x00BB, O),
+    (0x00BC, 0x00BE, N),
+    (0x00BF, 0x00BF, O),
+    (0x00C0, 0x00D6, L),
+    (0x00D7, 0x00D7, O),
+    (0x00D8, 0x00F6, L),
+    (0x00F7, 0x00F7, O),
+    (0x00F8, 0x017E, L),
+    (0x0180, 0x024F, L),
+    (0x0386, 0x0386, L),
+    (0x0388, 0x038A, L),
+    (0x038C, 0x038C, L),
+    (0x038E, 0x03A1, L),
+    (0x03A3, 0x03CE, L),
+    (0x0400, 0x0481, L),
+    (0x048A, 0x04FF, L),
+    (0x2010, 0x2027, O),
+    (0x2030, 0x205E, O),
+    (0x20A0, 0x20BF, O),
+    (0x3000, 0x3000, W),
+    (0x3001, 0x3004, O),
+    (0x3005, 0x3006, L),
+    (0x3007, 0x3007, N),
+    (0x3008, 0x3020, O),
+    (0x3021, 0x3029, N),
+    (0x3030, 0x3030, O),
+    (0x3031, 0x3035, L),
+    (0x3036, 0x3037, O),
+    (0x3038, 0x303A, N),
+    (0x303B, 0x303C, L),
+    (0x303D, 0x303F, O),
+    (0x3041, 0x3096, L),
+    (0x309B, 0x309C, O),
+    (0x309D, 0x309F, L),
+    (0x30A0, 0x30A0, O),
+    (0x30A1, 0x30FA, L),
+    (0x30FB, 0x30FB, O),
+    (0x30FC, 0x30FF, L),
+    (0x3400, 0x4DBF, L),
+    (0x4E00, 0x9FFF, L),
+    (0xAC00, 0xD7A3, L),
+    (0xFF01, 0xFF0F, O),
+    (0xFF10, 0xFF19, N),
+    (0xFF1A, 0xFF20, O),
+    (0xFF21, 0xFF3A, L),
+    (0xFF3B, 0xFF40, O),
+    (0xFF41, 0xFF5A, L),
+    (0xFF5B, 0xFF65, O),
+    (0xFF66, 0xFF9F, L),
+    (0x1F300, 0x1F5FF, O),
+    (0x1F600, 0x1F64F, O),
+    (0x1F680, 0x1F6FF, O),
+    (0x1F900, 0x1F9FF, O),
+];
+
+/// The class of `c` if the scanner handles it.
+pub fn class_of(c: char) -> Option<CharClass> {
+    if c.is_ascii() {
+        return Some(match c {
+            'A'..='Z' | 'a'..='z' => CharClass::Letter,
+            '0'..='9' => CharClass::Number,
+            '\r' | '\n' => CharClass::Newline,
+            ' ' => CharClass::Space,
+            '\t' | '\u{0B}' | '\u{0C}' => CharClass::OtherSpace,
+            _ => CharClass::Other,
+        });
+    }
+    let cp = u32::from(c);
+    let idx = RANGES.partition_point(|&(_, end, _)| end < cp);
+    match RANGES.get(idx) {
+        Some(&(start, _, class)) if start <= cp => Some(class),
+        _ => None,
+    }
+}
+
+/// True when the scanner handles every character of `text`.
+pub fn handles(text: &str) -> bool {
+    text.chars().all(|c| class_of(c).is_some())
+}
+
+/// Every non-ASCII character the scanner handles (for tests against the crate).
+pub fn handled_chars() -> impl Iterator<Item = char> {
+    RANGES
+        .iter()
+        .flat_map(|&(start, end, _)| (start..=end).filter_map(char::from_u32))
+}
+
+/// One character of a run being scanned: byte offset, the character, its class.
+pub type Scanned = (usize, char, CharClass);
+
+/// `text` with offsets and classes, if the scanner handles all of it.
+pub fn scan(text: &str) -> Option<Vec<Scanned>> {
+    text.char_indices()
+        .map(|(i, c)| class_of(c).map(|class| (i, c, class)))
+        .collect()
+}
+
+fn run_end(t: &[Scanned], mut i: usize, class: impl Fn(CharClass) -> bool) -> usize {
+    while t.get(i).is_some_and(|x| class(x.2)) {
+        i += 1;
+    }
+    i
+}
+
+fn is_space(c: CharClass) -> bool {
+    matches!(
+        c,
+        CharClass::Newline | CharClass::Space | CharClass::OtherSpace
+    )
+}
+
+/// End (in characters) of the pre-token starting at character `i`, following the
+/// alternatives of the pattern in order (the ASCII scanner's logic over classes).
+pub fn pretoken_end(t: &[Scanned], i: usize) -> usize {
+    let class = |k: usize| t.get(k).map(|x| x.2);
+    let lower = |k: usize| t.get(k).map(|x| x.1.to_ascii_lowercase());
+    let Some(c) = class(i) else { return i };
+    // 1. (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if t.get(i).is_some_and(|x| x.1 == '\'') {
+        match (lower(i + 1), lower(i + 2)) {
+            (Some('s' | 't' | 'm' | 'd'), _) => return i + 2,
+            (Some('r'), Some('e')) | (Some('v'), Some('e')) | (Some('l'), Some('l')) => {
+                return i + 3;
+            }
+            _ => {}
+        }
+    }
+    // 2. [^\r\n\p{L}\p{N}]?\p{L}+
+    let letter = |c: CharClass| c == CharClass::Letter;
+    if !matches!(
+        c,
+        CharClass::Newline | CharClass::Letter | CharClass::Number
+    ) && class(i + 1) == Some(CharClass::Letter)
+    {
+        return run_end(t, i + 1, letter);
+    }
+    if c == CharClass::Letter {
+        return run_end(t, i, letter);
+    }
+    // 3. \p{N}
+    if c == CharClass::Number {
+        return i + 1;
+    }
+    // 4. ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+    let punct_start = if c == CharClass::Space && class(i + 1) == Some(CharClass::Other) {
+        Some(i + 1)
+    } else if c == CharClass::Other {
+        Some(i)
+    } else {
+        None
+    };
+    if let Some(p) = punct_start {
+        let e = run_end(t, p, |c| c == CharClass::Other);
+        return run_end(t, e, |c| c == CharClass::Newline);
+    }
+    // Only whitespace remains.
+    let ws_end = run_end(t, i, is_space);
+    // 5. \s*[\r\n]+ : up to and including the last newline of the whitespace run.
+    if let Some(last_nl) = (i..ws_end)
+        .rev()
+        .find(|&k| class(k) == Some(CharClass::Newline))
+    {
+        return last_nl + 1;
+    }
+    // 6. \s+(?!\S)
+    if ws_end == t.len() {
+        return ws_end;
+    }
+    if ws_end - 1 > i {
+        return ws_end - 1;
+    }
+    // 7. \s+
+    ws_end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_sorted_disjoint_and_non_ascii() {
+        let mut last = 0x7F;
+        for &(start, end, _) in RANGES {
+            assert!(start > last && end >= start, "{start:#x}..={end:#x}");
+            last = end;
+        }
+    }
+
+    #[test]
+    fn classes_and_pretokens_of_mixed_text() {
+        assert_eq!(class_of('中'), Some(CharClass::Letter));
+        assert_eq!(class_of('３'), Some(CharClass::Number));
+        assert_eq!(class_of('\u{3000}'), Some(CharClass::OtherSpace));
+        assert_eq!(class_of('\u{301}'), None);
+        assert_eq!(class_of('ſ'), None);
+        let text = "我们 有3个。\n\n  é's";
+        let t = scan(text).unwrap();
+        let mut pieces = Vec::new();
+        let mut i = 0;
+        while i < t.len() {
+            let end = pretoken_end(&t, i).max(i + 1);
+            let (a, b) = (t[i].0, t.get(end).map_or(text.len(), |x| x.0));
+            pieces.push(&text[a..b]);
+            i = end;
+        }
+        assert_eq!(
+            pieces,
+            ["我们", " 有", "3", "个", "。\n\n", " ", " é", "'s"]
+        );
+    }
+}
