@@ -244,8 +244,11 @@ impl FastEncoder {
         if fast && run.is_ascii() {
             return self.encode_ascii(bpe, run, base + start, ids, words);
         }
-        if fast && let Some(scanned) = unicode_pretoken::scan(run) {
-            return self.encode_scanned(bpe, run, &scanned, base + start, ids, words);
+        if fast {
+            // NOTE: the grouping above classified every character of this run already; the
+            // scanner classifies them again as it goes rather than keeping a class per
+            // character, which would cost 24 bytes per character of a long run.
+            return self.encode_scanned(bpe, run, base + start, ids, words);
         }
         let enc = tokenizer
             .encode(run, false)
@@ -288,27 +291,25 @@ impl FastEncoder {
         Ok(())
     }
 
-    /// Encodes a run that [`unicode_pretoken::scan`] classified, with its pre-tokenizer.
+    /// Encodes a run whose every character [`unicode_pretoken::handles`], with its scanner.
     fn encode_scanned(
         &self,
         bpe: &tokenizers::models::bpe::BPE,
         run: &str,
-        scanned: &[unicode_pretoken::Scanned],
         base: usize,
         ids: &mut Vec<u32>,
         words: &mut Vec<(usize, usize)>,
     ) -> Result<(), TokenizeError> {
         let bytes = run.as_bytes();
-        let offset = |k: usize| scanned.get(k).map_or(bytes.len(), |x| x.0);
         let mut mapped = String::with_capacity(64);
         let mut i = 0;
-        while i < scanned.len() {
-            let end = unicode_pretoken::pretoken_end(scanned, i).max(i + 1);
+        while i < bytes.len() {
+            // `max` only guards progress: a pre-token is never empty.
+            let end = unicode_pretoken::pretoken_end(run, i).max(i + 1);
             if i > 0 {
-                words.push((base + offset(i), ids.len()));
+                words.push((base + i, ids.len()));
             }
-            let word = bytes.get(offset(i)..offset(end)).unwrap_or(&[]);
-            self.encode_word(bpe, word, &mut mapped, ids)?;
+            self.encode_word(bpe, bytes.get(i..end).unwrap_or(&[]), &mut mapped, ids)?;
             i = end;
         }
         Ok(())

@@ -133,21 +133,27 @@ pub fn handled_chars() -> impl Iterator<Item = char> {
         .flat_map(|&(start, end, _)| (start..=end).filter_map(char::from_u32))
 }
 
-/// One character of a run being scanned: byte offset, the character, its class.
-pub type Scanned = (usize, char, CharClass);
-
-/// `text` with offsets and classes, if the scanner handles all of it.
-pub fn scan(text: &str) -> Option<Vec<Scanned>> {
-    text.char_indices()
-        .map(|(i, c)| class_of(c).map(|class| (i, c, class)))
-        .collect()
+/// The character at byte `k` of `text` and its class. An unhandled character reads as
+/// [`CharClass::Other`]: callers only scan text that [`handles`] accepted.
+fn at(text: &str, k: usize) -> Option<(char, CharClass)> {
+    let c = text.get(k..)?.chars().next()?;
+    Some((c, class_of(c).unwrap_or(CharClass::Other)))
 }
 
-fn run_end(t: &[Scanned], mut i: usize, class: impl Fn(CharClass) -> bool) -> usize {
-    while t.get(i).is_some_and(|x| class(x.2)) {
-        i += 1;
+fn class(text: &str, k: usize) -> Option<CharClass> {
+    at(text, k).map(|(_, class)| class)
+}
+
+/// Byte offset of the character after the one at `k`.
+fn next(text: &str, k: usize) -> usize {
+    k + at(text, k).map_or(1, |(c, _)| c.len_utf8())
+}
+
+fn run_end(text: &str, mut k: usize, wanted: impl Fn(CharClass) -> bool) -> usize {
+    while class(text, k).is_some_and(&wanted) {
+        k = next(text, k);
     }
-    i
+    k
 }
 
 fn is_space(c: CharClass) -> bool {
@@ -157,18 +163,23 @@ fn is_space(c: CharClass) -> bool {
     )
 }
 
-/// End (in characters) of the pre-token starting at character `i`, following the
-/// alternatives of the pattern in order (the ASCII scanner's logic over classes).
-pub fn pretoken_end(t: &[Scanned], i: usize) -> usize {
-    let class = |k: usize| t.get(k).map(|x| x.2);
-    let lower = |k: usize| t.get(k).map(|x| x.1.to_ascii_lowercase());
-    let Some(c) = class(i) else { return i };
+/// End (a byte offset) of the pre-token starting at byte `i` of `text`, following the
+/// alternatives of the pattern in order (the ASCII scanner's logic over classes). Streams over
+/// the text: nothing is allocated per character, so memory stays flat however long the run.
+/// Every character of `text` must be handled ([`handles`]).
+pub fn pretoken_end(text: &str, i: usize) -> usize {
+    let Some((first, c)) = at(text, i) else {
+        return i;
+    };
+    let i1 = next(text, i);
     // 1. (?i:'s|'t|'re|'ve|'m|'ll|'d)
-    if t.get(i).is_some_and(|x| x.1 == '\'') {
-        match (lower(i + 1), lower(i + 2)) {
-            (Some('s' | 't' | 'm' | 'd'), _) => return i + 2,
+    if first == '\'' {
+        let lower = |k: usize| at(text, k).map(|(c, _)| c.to_ascii_lowercase());
+        let i2 = next(text, i1);
+        match (lower(i1), lower(i2)) {
+            (Some('s' | 't' | 'm' | 'd'), _) => return i2,
             (Some('r'), Some('e')) | (Some('v'), Some('e')) | (Some('l'), Some('l')) => {
-                return i + 3;
+                return next(text, i2);
             }
             _ => {}
         }
@@ -178,47 +189,51 @@ pub fn pretoken_end(t: &[Scanned], i: usize) -> usize {
     if !matches!(
         c,
         CharClass::Newline | CharClass::Letter | CharClass::Number
-    ) && class(i + 1) == Some(CharClass::Letter)
+    ) && class(text, i1) == Some(CharClass::Letter)
     {
-        return run_end(t, i + 1, letter);
+        return run_end(text, i1, letter);
     }
     if c == CharClass::Letter {
-        return run_end(t, i, letter);
+        return run_end(text, i, letter);
     }
     // 3. \p{N}
     if c == CharClass::Number {
-        return i + 1;
+        return i1;
     }
     // 4. ' ?[^\s\p{L}\p{N}]+[\r\n]*'
-    let punct_start = if c == CharClass::Space && class(i + 1) == Some(CharClass::Other) {
-        Some(i + 1)
+    let punct_start = if c == CharClass::Space && class(text, i1) == Some(CharClass::Other) {
+        Some(i1)
     } else if c == CharClass::Other {
         Some(i)
     } else {
         None
     };
     if let Some(p) = punct_start {
-        let e = run_end(t, p, |c| c == CharClass::Other);
-        return run_end(t, e, |c| c == CharClass::Newline);
+        let e = run_end(text, p, |c| c == CharClass::Other);
+        return run_end(text, e, |c| c == CharClass::Newline);
     }
-    // Only whitespace remains.
-    let ws_end = run_end(t, i, is_space);
+    // Only whitespace remains: walk it, remembering its last newline and last character.
+    let (mut k, mut last_newline, mut last_start) = (i, None, i);
+    while let Some(c) = class(text, k).filter(|&c| is_space(c)) {
+        if c == CharClass::Newline {
+            last_newline = Some(k);
+        }
+        last_start = k;
+        k = next(text, k);
+    }
     // 5. \s*[\r\n]+ : up to and including the last newline of the whitespace run.
-    if let Some(last_nl) = (i..ws_end)
-        .rev()
-        .find(|&k| class(k) == Some(CharClass::Newline))
-    {
-        return last_nl + 1;
+    if let Some(newline) = last_newline {
+        return next(text, newline);
     }
-    // 6. \s+(?!\S)
-    if ws_end == t.len() {
-        return ws_end;
+    // 6. \s+(?!\S) : all of it at the end of the text, else all but its last character.
+    if k == text.len() {
+        return k;
     }
-    if ws_end - 1 > i {
-        return ws_end - 1;
+    if last_start > i {
+        return last_start;
     }
     // 7. \s+
-    ws_end
+    k
 }
 
 #[cfg(test)]
@@ -242,13 +257,12 @@ mod tests {
         assert_eq!(class_of('\u{301}'), None);
         assert_eq!(class_of('ſ'), None);
         let text = "我们 有3个。\n\n  é's";
-        let t = scan(text).unwrap();
+        assert!(handles(text));
         let mut pieces = Vec::new();
         let mut i = 0;
-        while i < t.len() {
-            let end = pretoken_end(&t, i).max(i + 1);
-            let (a, b) = (t[i].0, t.get(end).map_or(text.len(), |x| x.0));
-            pieces.push(&text[a..b]);
+        while i < text.len() {
+            let end = pretoken_end(text, i).max(i + 1);
+            pieces.push(&text[i..end]);
             i = end;
         }
         assert_eq!(
