@@ -1,6 +1,8 @@
-//! The fast encoder's pre-tokenizer for text beyond ASCII: Latin-1 and Latin Extended letters,
-//! Greek, Cyrillic, general punctuation and currency, CJK ideographs, kana, Hangul syllables,
-//! full-width forms and emoji — the characters most non-English prompts are made of.
+//! The fast encoder's pre-tokenizer for text beyond ASCII: Latin-1, Latin Extended and
+//! Vietnamese letters, Greek, Cyrillic, Hebrew and Arabic letters, punctuation, currency,
+//! arrows, math operators, box drawing and dingbats, CJK ideographs, kana, Hangul syllables,
+//! full-width forms, emoji with their variation selectors and joiner: the characters most
+//! non-English prompts are made of.
 //!
 //! It runs the same leftmost-first alternation of [`super::QWEN2_PATTERN`] as the ASCII scanner,
 //! over a character class per character. It may only be used on a run whose every character
@@ -62,9 +64,30 @@ const RANGES: &[(u32, u32, CharClass)] = &[
     (0x03A3, 0x03CE, L),
     (0x0400, 0x0481, L),
     (0x048A, 0x04FF, L),
+    (0x05D0, 0x05EA, L),
+    (0x05F0, 0x05F2, L),
+    (0x05F3, 0x05F4, O),
+    (0x060C, 0x060C, O),
+    (0x061B, 0x061B, O),
+    (0x061F, 0x061F, O),
+    (0x0621, 0x063A, L),
+    (0x0640, 0x064A, L),
+    (0x0660, 0x0669, N),
+    (0x066A, 0x066D, O),
+    (0x066E, 0x066F, L),
+    (0x0671, 0x06D3, L),
+    (0x06D4, 0x06D4, O),
+    (0x06D5, 0x06D5, L),
+    (0x1E00, 0x1EFF, L),
+    (0x200D, 0x200D, O),
     (0x2010, 0x2027, O),
     (0x2030, 0x205E, O),
     (0x20A0, 0x20BF, O),
+    (0x2190, 0x22FF, O),
+    (0x2500, 0x2775, O),
+    (0x2776, 0x2793, N),
+    (0x2794, 0x27BF, O),
+    (0x2B00, 0x2BFF, O),
     (0x3000, 0x3000, W),
     (0x3001, 0x3004, O),
     (0x3005, 0x3006, L),
@@ -87,6 +110,7 @@ const RANGES: &[(u32, u32, CharClass)] = &[
     (0x3400, 0x4DBF, L),
     (0x4E00, 0x9FFF, L),
     (0xAC00, 0xD7A3, L),
+    (0xFE00, 0xFE0F, O),
     (0xFF01, 0xFF0F, O),
     (0xFF10, 0xFF19, N),
     (0xFF1A, 0xFF20, O),
@@ -95,10 +119,12 @@ const RANGES: &[(u32, u32, CharClass)] = &[
     (0xFF41, 0xFF5A, L),
     (0xFF5B, 0xFF65, O),
     (0xFF66, 0xFF9F, L),
+    (0x1F1E6, 0x1F1FF, O),
     (0x1F300, 0x1F5FF, O),
     (0x1F600, 0x1F64F, O),
     (0x1F680, 0x1F6FF, O),
     (0x1F900, 0x1F9FF, O),
+    (0x1FA70, 0x1FAFF, O),
 ];
 
 /// The class of `c` if the scanner handles it.
