@@ -278,17 +278,9 @@ impl FastEncoder {
         words: &mut Vec<(usize, usize)>,
     ) -> Result<(), TokenizeError> {
         let bytes = segment.as_bytes();
-        let mut mapped = String::with_capacity(64);
-        let mut i = 0;
-        while i < bytes.len() {
-            let end = ascii_pretoken_end(bytes, i);
-            if i > 0 {
-                words.push((base + i, ids.len()));
-            }
-            self.encode_word(bpe, bytes.get(i..end).unwrap_or(&[]), &mut mapped, ids)?;
-            i = end.max(i + 1);
-        }
-        Ok(())
+        self.encode_pretokens(bpe, segment, base, ids, words, |i| {
+            ascii_pretoken_end(bytes, i)
+        })
     }
 
     /// Encodes a run whose every character [`unicode_pretoken::handles`], with its scanner.
@@ -300,12 +292,28 @@ impl FastEncoder {
         ids: &mut Vec<u32>,
         words: &mut Vec<(usize, usize)>,
     ) -> Result<(), TokenizeError> {
-        let bytes = run.as_bytes();
+        self.encode_pretokens(bpe, run, base, ids, words, |i| {
+            unicode_pretoken::pretoken_end(run, i)
+        })
+    }
+
+    /// Encodes `text` pre-token by pre-token, `pretoken_end(i)` giving the end of the one that
+    /// starts at byte `i`, recording each word start after the first.
+    fn encode_pretokens(
+        &self,
+        bpe: &tokenizers::models::bpe::BPE,
+        text: &str,
+        base: usize,
+        ids: &mut Vec<u32>,
+        words: &mut Vec<(usize, usize)>,
+        pretoken_end: impl Fn(usize) -> usize,
+    ) -> Result<(), TokenizeError> {
+        let bytes = text.as_bytes();
         let mut mapped = String::with_capacity(64);
         let mut i = 0;
         while i < bytes.len() {
             // `max` only guards progress: a pre-token is never empty.
-            let end = unicode_pretoken::pretoken_end(run, i).max(i + 1);
+            let end = pretoken_end(i).max(i + 1);
             if i > 0 {
                 words.push((base + i, ids.len()));
             }
