@@ -220,7 +220,7 @@ impl FastEncoder {
             }
             return Ok(());
         }
-        self.encode_ascii(bpe, segment, base, ids, words)
+        self.encode_pretokens(bpe, segment, true, base, ids, words)
     }
 
     /// Encodes `segment[range]`, a run that starts at a pre-token boundary.
@@ -241,14 +241,11 @@ impl FastEncoder {
         if start > 0 {
             words.push((base + start, ids.len()));
         }
-        if fast && run.is_ascii() {
-            return self.encode_ascii(bpe, run, base + start, ids, words);
-        }
         if fast {
             // NOTE: the grouping above classified every character of this run already; the
-            // scanner classifies them again as it goes rather than keeping a class per
+            // Unicode scanner classifies them again as it goes rather than keeping a class per
             // character, which would cost 24 bytes per character of a long run.
-            return self.encode_scanned(bpe, run, base + start, ids, words);
+            return self.encode_pretokens(bpe, run, run.is_ascii(), base + start, ids, words);
         }
         let enc = tokenizer
             .encode(run, false)
@@ -268,52 +265,29 @@ impl FastEncoder {
         Ok(())
     }
 
-    /// Encodes an all-ASCII segment with the hand-written pre-tokenizer.
-    fn encode_ascii(
-        &self,
-        bpe: &tokenizers::models::bpe::BPE,
-        segment: &str,
-        base: usize,
-        ids: &mut Vec<u32>,
-        words: &mut Vec<(usize, usize)>,
-    ) -> Result<(), TokenizeError> {
-        let bytes = segment.as_bytes();
-        self.encode_pretokens(bpe, segment, base, ids, words, |i| {
-            ascii_pretoken_end(bytes, i)
-        })
-    }
-
-    /// Encodes a run whose every character [`unicode_pretoken::handles`], with its scanner.
-    fn encode_scanned(
-        &self,
-        bpe: &tokenizers::models::bpe::BPE,
-        run: &str,
-        base: usize,
-        ids: &mut Vec<u32>,
-        words: &mut Vec<(usize, usize)>,
-    ) -> Result<(), TokenizeError> {
-        self.encode_pretokens(bpe, run, base, ids, words, |i| {
-            unicode_pretoken::pretoken_end(run, i)
-        })
-    }
-
-    /// Encodes `text` pre-token by pre-token, `pretoken_end(i)` giving the end of the one that
-    /// starts at byte `i`, recording each word start after the first.
+    /// Encodes `text` pre-token by pre-token with the hand-written pre-tokenizer: the byte
+    /// scanner if `ascii`, else the [`unicode_pretoken`] one (every character of `text` must
+    /// then be one it [`unicode_pretoken::handles`]). Records each word start after the first.
     fn encode_pretokens(
         &self,
         bpe: &tokenizers::models::bpe::BPE,
         text: &str,
+        ascii: bool,
         base: usize,
         ids: &mut Vec<u32>,
         words: &mut Vec<(usize, usize)>,
-        pretoken_end: impl Fn(usize) -> usize,
     ) -> Result<(), TokenizeError> {
         let bytes = text.as_bytes();
         let mut mapped = String::with_capacity(64);
         let mut i = 0;
         while i < bytes.len() {
             // `max` only guards progress: a pre-token is never empty.
-            let end = pretoken_end(i).max(i + 1);
+            let end = if ascii {
+                ascii_pretoken_end(bytes, i)
+            } else {
+                unicode_pretoken::pretoken_end(text, i)
+            }
+            .max(i + 1);
             if i > 0 {
                 words.push((base + i, ids.len()));
             }
