@@ -299,9 +299,10 @@ async fn lost_messages_are_replayed_exactly() {
     publisher.socket.send(two_frames).await.unwrap();
     wait_for(&manager, "two malformed", |s| s.malformed == 2).await;
     let status = manager.status(pod()).unwrap();
+    // The undecodable batch's seq is kept (it is not a gap); the 2-frame message has none.
     assert_eq!(
         (status.last_seq, status.clears),
-        (Some(67), 0),
+        (Some(68), 0),
         "{status:?}"
     );
     assert_eq!(
@@ -513,4 +514,81 @@ async fn central_mode_takes_identity_from_the_topic() {
             .pods()
             .contains(&PodId(SocketAddr::from(([127, 0, 0, 1], 7777))))
     );
+}
+
+#[tokio::test]
+async fn a_malformed_batch_is_not_a_gap() {
+    // Without a replay endpoint a gap clears the pod; an undecodable batch must not look like
+    // one, or one bad payload wipes the pod's index.
+    let batches = capture("vllm-0.32-kv-events");
+    let mut publisher = TestPublisher::bind().await;
+    let (index, manager) = manager();
+    manager.sync(&[endpoint(&publisher, false)]).await;
+    wait_for(&manager, "connection", |s| s.connected).await;
+    publish_all(&mut publisher, &manager, &batches[..30], |_| false).await;
+    wait_for(&manager, "first 30 applied", |s| s.last_seq == Some(29)).await;
+    let before = index.pod_entries(pod());
+    assert!(before > 0);
+    let topic = batches[0].0.clone();
+    publisher
+        .publish(30, &topic, &Bytes::from_static(b"\x93\xcb"), false)
+        .await;
+    let (next_topic, next_payload) = batches[30].clone();
+    publisher
+        .publish(31, &next_topic, &next_payload, false)
+        .await;
+    wait_for(&manager, "seq 31 applied", |s| s.last_seq == Some(31)).await;
+    let status = manager.status(pod()).unwrap();
+    assert_eq!(
+        (status.malformed, status.gaps, status.clears),
+        (1, 0, 0),
+        "{status:?}"
+    );
+    let mut expected: Vec<(Bytes, Bytes)> = batches[..30].to_vec();
+    expected.push(batches[30].clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while index.pod_engine_hashes(pod()) != reference(&expected).pod_engine_hashes(pod()) {
+        assert!(tokio::time::Instant::now() < deadline, "index not rebuilt");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn an_engine_restart_signal_clears_at_once_and_the_next_batch_rebuilds() {
+    // The scrape path saw the engine's process start time change: its entries go now, before
+    // any batch of the new life arrives; the new life's first batch (seq > 0 after a lost
+    // start) is then rebuilt from replay.
+    let before = capture("vllm-0.32-kv-events");
+    let after = capture("vllm-0.32-kv-events/restart/after");
+    let mut publisher = TestPublisher::bind().await;
+    let (index, manager) = manager();
+    manager.sync(&[endpoint(&publisher, true)]).await;
+    wait_for(&manager, "connection", |s| s.connected).await;
+    publish_all(&mut publisher, &manager, &before, |_| false).await;
+    wait_for(&manager, "first life applied", |s| s.last_seq == Some(67)).await;
+    assert_eq!(index.pod_entries(pod()), 62);
+
+    manager.engine_restarted(pod());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while index.pod_entries(pod()) != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "not cleared");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(manager.status(pod()).unwrap().last_seq, None);
+
+    // The new life: seq 0 and 1 are lost on the wire, 2 arrives and the gap is replayed.
+    publisher.restart();
+    for (seq, (topic, payload)) in after.iter().enumerate() {
+        publisher.publish(seq as u64, topic, payload, seq < 2).await;
+    }
+    wait_for(&manager, "second life applied", |s| s.last_seq == Some(2)).await;
+    let expected = reference(&after);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while index.pod_engine_hashes(pod()) != expected.pod_engine_hashes(pod()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "second life not rebuilt"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }

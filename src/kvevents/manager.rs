@@ -5,8 +5,11 @@
 //! - One writer task applies every index change from every stream, in channel order; the
 //!   channel is bounded ([`KvEventsConfig::channel_capacity`]).
 //! - Per pod, changes are ordered because one stream produces them (see [`super::stream`]).
-//! - A pod leaving the pool: its task is aborted first, then a purge is queued behind anything
-//!   it already sent, so no batch can re-create the pod after the purge.
+//! - A pod leaving the pool: its task is cancelled and awaited first, then a purge is queued
+//!   behind anything it already sent, so no batch can re-create the pod after the purge.
+//! - Signals from the scrape path ([`KvEventsManager::pod_reachable`],
+//!   [`KvEventsManager::engine_restarted`]) never touch the index: they wake the pod's task,
+//!   which acts on them in stream order.
 //! - `sync` calls are serialized by an async mutex; status reads are lock-free atomics.
 
 use std::collections::HashMap;
@@ -16,14 +19,17 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use prometheus::Registry;
+use tokio::sync::Notify;
 use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinHandle;
-use tracing::info;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
 use super::metrics::KvEventsMetrics;
 use super::status::{KvEventsStatus, PodEventCounters, PodIndexStatus};
 use super::stream::IndexUpdate;
-use super::subscriber::{bind_central, run_central, run_pod_subscriber};
+use super::subscriber::{CentralLimits, PodSignals, bind_central, run_central, run_pod_subscriber};
+use super::transport::{TransportConfig, TransportError};
 use crate::endpoints::{Endpoint, PodId};
 use crate::kvcache::PrefixIndex;
 
@@ -34,12 +40,17 @@ pub struct KvEventsConfig {
     pub channel_capacity: usize,
     /// Upper bound of one replay exchange.
     pub replay_timeout: Duration,
-    /// Upper bound of one connection attempt.
-    pub connect_timeout: Duration,
+    /// Bounds and timeouts of every connection (message size before allocation, connect,
+    /// handshake, mid-message stalls).
+    pub transport: TransportConfig,
     /// First reconnect delay.
     pub backoff_initial: Duration,
-    /// Largest reconnect delay.
+    /// Largest reconnect delay (a restarted engine is resubscribed at most this late).
     pub backoff_max: Duration,
+    /// Most pods connected at once to the central bind socket.
+    pub central_max_peers: usize,
+    /// Bytes the central bind socket's connections may buffer together.
+    pub central_budget_bytes: usize,
     /// Model name used to key blocks when a topic does not name one (vLLM's default topic is
     /// empty; configure `kv@<ip:port>@<model>` as DESIGN §3 says).
     pub fallback_model: String,
@@ -50,9 +61,11 @@ impl Default for KvEventsConfig {
         Self {
             channel_capacity: 4096,
             replay_timeout: Duration::from_secs(3),
-            connect_timeout: Duration::from_secs(5),
+            transport: TransportConfig::default(),
             backoff_initial: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(1),
+            central_max_peers: 1024,
+            central_budget_bytes: 256 * 1024 * 1024,
             fallback_model: String::new(),
         }
     }
@@ -66,7 +79,7 @@ pub enum KvEventsError {
     Metrics(#[from] prometheus::Error),
     /// Binding the central socket failed.
     #[error("binding the central KV-event socket failed: {0}")]
-    Bind(#[from] zeromq::ZmqError),
+    Bind(#[from] TransportError),
 }
 
 /// State shared by the manager, its streams and its writer.
@@ -77,6 +90,10 @@ pub(crate) struct Shared {
     counters: DashMap<PodId, Arc<PodEventCounters>>,
     /// Pods in the pool → their replay endpoint (central mode accepts only these).
     known: RwLock<HashMap<PodId, Option<String>>>,
+    /// Per pod signals from the scrape path (restart seen, reachable again).
+    pub(crate) signals: DashMap<PodId, Arc<PodSignals>>,
+    /// Wakes the central task to look at `signals`.
+    pub(crate) central_nudge: Notify,
 }
 
 impl Shared {
@@ -97,6 +114,7 @@ impl Shared {
 struct PodTask {
     events: String,
     replay: Option<String>,
+    cancel: CancellationToken,
     handle: JoinHandle<()>,
 }
 
@@ -105,8 +123,10 @@ pub struct KvEventsManager {
     shared: Arc<Shared>,
     tx: mpsc::Sender<IndexUpdate>,
     tasks: Mutex<HashMap<PodId, PodTask>>,
-    writer: JoinHandle<()>,
-    central: std::sync::Mutex<Option<JoinHandle<()>>>,
+    writer: std::sync::Mutex<Option<JoinHandle<()>>>,
+    central: std::sync::Mutex<Option<(CancellationToken, JoinHandle<()>)>>,
+    /// Cancels every task of this manager.
+    cancel: CancellationToken,
 }
 
 impl KvEventsManager {
@@ -124,14 +144,17 @@ impl KvEventsManager {
             metrics,
             counters: DashMap::new(),
             known: RwLock::new(HashMap::new()),
+            signals: DashMap::new(),
+            central_nudge: Notify::new(),
         });
         let writer = tokio::spawn(run_writer(shared.clone(), rx));
         Ok(Self {
             shared,
             tx,
             tasks: Mutex::new(HashMap::new()),
-            writer,
+            writer: std::sync::Mutex::new(Some(writer)),
             central: std::sync::Mutex::new(None),
+            cancel: CancellationToken::new(),
         })
     }
 
@@ -169,7 +192,7 @@ impl KvEventsManager {
             .collect();
         for pod in stale {
             if let Some(task) = tasks.remove(&pod) {
-                task.handle.abort();
+                task.cancel.cancel();
                 let _ = task.handle.await;
                 info!(%pod, "KV-event subscriber stopped");
                 if wanted.contains_key(&pod) {
@@ -182,6 +205,7 @@ impl KvEventsManager {
         for pod in removed {
             let _ = self.tx.send(IndexUpdate::Purge { pod }).await;
             self.shared.counters.remove(&pod);
+            self.shared.signals.remove(&pod);
         }
         for endpoint in endpoints {
             let Some(events) = endpoint.kv_events.clone() else {
@@ -191,17 +215,21 @@ impl KvEventsManager {
                 continue;
             }
             self.shared.index.ensure_pod(endpoint.id);
+            let cancel = self.cancel.child_token();
             let handle = tokio::spawn(run_pod_subscriber(
                 endpoint.clone(),
                 events.clone(),
                 self.shared.clone(),
                 self.tx.clone(),
+                self.signals(endpoint.id),
+                cancel.clone(),
             ));
             tasks.insert(
                 endpoint.id,
                 PodTask {
                     events,
                     replay: endpoint.kv_replay.clone(),
+                    cancel,
                     handle,
                 },
             );
@@ -211,17 +239,59 @@ impl KvEventsManager {
     /// Binds the central socket (e.g. `tcp://0.0.0.0:5557`) that pods dial into; returns the
     /// bound endpoint. Only pods in the pool (the last `sync`) are accepted.
     pub async fn bind_central(&self, endpoint: &str) -> Result<String, KvEventsError> {
-        let (socket, bound) = bind_central(endpoint, self.shared.config.connect_timeout).await?;
-        let handle = tokio::spawn(run_central(socket, self.shared.clone(), self.tx.clone()));
+        let (listener, bound) = bind_central(endpoint).await?;
+        let limits = CentralLimits {
+            max_peers: self.shared.config.central_max_peers,
+            budget_bytes: self.shared.config.central_budget_bytes,
+        };
+        let cancel = self.cancel.child_token();
+        let handle = tokio::spawn(run_central(
+            listener,
+            self.shared.clone(),
+            self.tx.clone(),
+            limits,
+            cancel.clone(),
+        ));
         let previous = self
             .central
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .replace(handle);
-        if let Some(previous) = previous {
-            previous.abort();
+            .replace((cancel, handle));
+        if let Some((cancel, _)) = previous {
+            cancel.cancel();
         }
         Ok(bound)
+    }
+
+    fn signals(&self, pod: PodId) -> Arc<PodSignals> {
+        Arc::clone(&self.shared.signals.entry(pod).or_default())
+    }
+
+    /// The pod answered again after failing (its scrape recovered): a subscriber waiting to
+    /// reconnect tries now instead of at the end of its backoff.
+    pub fn pod_reachable(&self, pod: PodId) {
+        if let Some(signals) = self.shared.signals.get(&pod) {
+            signals.nudge.notify_one();
+        }
+    }
+
+    /// The pod's engine process restarted (e.g. its `process_start_time_seconds` changed):
+    /// its cache is gone, so its entries are cleared now, in stream order, rather than when
+    /// its first new batch shows the seq going back.
+    pub fn engine_restarted(&self, pod: PodId) {
+        if self.shared.known_replay(pod).is_none() {
+            return;
+        }
+        let signals = self.signals(pod);
+        signals.restarted.store(true, Ordering::Release);
+        signals.nudge.notify_one();
+        self.shared.central_nudge.notify_one();
+    }
+
+    /// The index writer's task, for a supervisor to watch (once; `None` afterwards). The
+    /// writer ends only if it panics or the manager shuts down.
+    pub fn take_writer(&self) -> Option<JoinHandle<()>> {
+        self.writer.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     /// The event stream state of one pod, when it has one.
@@ -248,22 +318,13 @@ impl KvEventsManager {
             .collect()
     }
 
-    /// Stops every task (also done on drop).
+    /// Stops every task through its cancellation token (also done on drop); the writer ends
+    /// once every sender is gone.
     pub fn shutdown(&self) {
-        if let Ok(mut tasks) = self.tasks.try_lock() {
-            for (_, task) in tasks.drain() {
-                task.handle.abort();
-            }
+        self.cancel.cancel();
+        if let Some(writer) = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            writer.abort();
         }
-        if let Some(central) = self
-            .central
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            central.abort();
-        }
-        self.writer.abort();
     }
 }
 
@@ -278,12 +339,16 @@ async fn run_writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<IndexUpdate>) {
     while let Some(update) = rx.recv().await {
         match update {
             IndexUpdate::Apply { pod, model, batch } => {
-                shared.index.apply_batch(pod, &model, &batch);
+                let stats = shared.index.apply_batch(pod, &model, &batch);
                 let label = pod.to_string();
                 if let Some(counters) = shared.counters.get(&pod) {
                     counters.applied.fetch_add(1, Ordering::Relaxed);
                 }
                 shared.metrics.applied.with_label_values(&[&label]).inc();
+                shared.metrics.count_skipped(&label, &stats);
+                if stats.inconsistent_events > 0 {
+                    warn!(%pod, events = stats.inconsistent_events, "KV events whose token count is not blocks × block size were skipped");
+                }
                 shared
                     .metrics
                     .index_entries

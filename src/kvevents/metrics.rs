@@ -4,6 +4,9 @@ use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 
 use crate::endpoints::PodId;
 
+/// The `reason` values of `kvpick_kv_events_skipped_total`.
+const SKIP_REASONS: [&str; 3] = ["token_count", "orphan", "capacity"];
+
 /// Counters of the event pipeline; registers itself into the registry handed to `new`.
 #[derive(Clone)]
 pub struct KvEventsMetrics {
@@ -23,8 +26,15 @@ pub struct KvEventsMetrics {
     pub clears: IntCounterVec,
     /// (block, tier) entries the index holds per pod.
     pub index_entries: IntGaugeVec,
-    /// Messages from pods that are not in the pool (central mode), by reason.
+    /// Messages from pods that are not in the pool, and connections dropped (central mode),
+    /// by reason.
     pub rejected: IntCounterVec,
+    /// Connections to a pod that failed or ended, by pod and reason (`connect`,
+    /// `message_too_large`, `closed`, …).
+    pub connection_errors: IntCounterVec,
+    /// Parts of applied batches the index could not use, by pod and reason
+    /// (`token_count`: tokens ≠ blocks × block size; `orphan`: unknown parent; `capacity`).
+    pub skipped: IntCounterVec,
 }
 
 fn counter(
@@ -49,6 +59,22 @@ impl KvEventsMetrics {
             &["pod"],
         )?;
         registry.register(Box::new(index_entries.clone()))?;
+        let connection_errors = IntCounterVec::new(
+            Opts::new(
+                "kvpick_kv_events_connection_errors_total",
+                "KV-event connections that failed or were dropped, by reason",
+            ),
+            &["pod", "reason"],
+        )?;
+        registry.register(Box::new(connection_errors.clone()))?;
+        let skipped = IntCounterVec::new(
+            Opts::new(
+                "kvpick_kv_events_skipped_total",
+                "KV-event parts the index skipped (token_count: events whose token count is not blocks × block size; orphan: blocks with an unknown parent; capacity: the pod's block limit)",
+            ),
+            &["pod", "reason"],
+        )?;
+        registry.register(Box::new(skipped.clone()))?;
         Ok(Self {
             received: counter(
                 registry,
@@ -99,7 +125,23 @@ impl KvEventsMetrics {
                 "KV-event messages from unknown publishers",
                 "reason",
             )?,
+            connection_errors,
+            skipped,
         })
+    }
+
+    /// Counts what an applied batch's stats say was skipped.
+    pub fn count_skipped(&self, pod: &str, stats: &crate::kvcache::ApplyStats) {
+        let counts = [
+            stats.inconsistent_events,
+            stats.orphan_blocks,
+            stats.capacity_drops,
+        ];
+        for (reason, count) in SKIP_REASONS.into_iter().zip(counts) {
+            if count > 0 {
+                self.skipped.with_label_values(&[pod, reason]).inc_by(count);
+            }
+        }
     }
 
     /// Removes a pod's series (it left the pool).
@@ -117,5 +159,13 @@ impl KvEventsMetrics {
             let _ = vec.remove_label_values(&[&label]);
         }
         let _ = self.index_entries.remove_label_values(&[&label]);
+        for reason in super::transport::TransportError::REASONS {
+            let _ = self
+                .connection_errors
+                .remove_label_values(&[&label, reason]);
+        }
+        for reason in SKIP_REASONS {
+            let _ = self.skipped.remove_label_values(&[&label, reason]);
+        }
     }
 }

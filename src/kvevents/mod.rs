@@ -1,6 +1,7 @@
 //! vLLM KV-cache events in: ZMQ subscriptions, wire decoding, sequencing and replay.
 //!
-//! Pipeline: [`subscriber`] (one SUB per pod, or one central bound SUB) → `stream` (decode,
+//! Pipeline: [`subscriber`] (one SUB per pod, or one central bound SUB, over our bounded
+//! ZMTP [`transport`]) → `stream` (decode,
 //! seq per (pod, dp rank), gap → [`replay`], restart → clear) → one bounded channel → the
 //! index writer in [`manager`] → [`crate::kvcache::PrefixIndex`]. [`KvEventsManager::sync`]
 //! follows the pool; [`status`] and [`metrics`] report per pod.
@@ -23,6 +24,7 @@ pub mod sequence;
 pub mod status;
 mod stream;
 pub mod subscriber;
+pub mod transport;
 
 pub use manager::{KvEventsConfig, KvEventsError, KvEventsManager};
 pub use status::{KvEventsStatus, PodIndexStatus};

@@ -8,12 +8,16 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use super::decode::decode_seq;
+use super::transport::{Connection, Role, TransportConfig, TransportError};
 
 /// Most batches kept from one replay exchange.
 pub const MAX_REPLAY_BATCHES: u64 = 50_000;
+
+/// Most payload bytes kept from one replay exchange (a hostile replay endpoint must not fill
+/// memory with 50,000 large batches).
+pub const MAX_REPLAY_BYTES: usize = 256 * 1024 * 1024;
 
 /// The end marker's seq frame.
 pub const END_MARKER_SEQ: u64 = u64::MAX;
@@ -23,13 +27,16 @@ pub const END_MARKER_SEQ: u64 = u64::MAX;
 pub enum ReplayError {
     /// Connecting, sending or receiving failed.
     #[error("replay socket error: {0}")]
-    Socket(#[from] zeromq::ZmqError),
+    Socket(#[from] TransportError),
     /// No end marker within the timeout.
     #[error("replay timed out")]
     Timeout,
     /// A reply did not have the 4 expected frames.
     #[error("malformed replay reply with {0} frames")]
     Malformed(usize),
+    /// The replies exceeded [`MAX_REPLAY_BYTES`].
+    #[error("replay replies exceed {MAX_REPLAY_BYTES} bytes")]
+    TooLarge,
 }
 
 /// One replayed batch (payload still encoded: it is byte-identical to the live one).
@@ -62,23 +69,19 @@ async fn fetch_inner(
     until: u64,
     timeout: Duration,
 ) -> Result<Vec<ReplayedBatch>, ReplayError> {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(timeout);
-    let mut socket = DealerSocket::with_options(options);
-    socket.connect(endpoint).await?;
-    let request = ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&from.to_be_bytes()),
-    ])
-    .map_err(|_| ReplayError::Malformed(0))?;
-    socket.send(request).await?;
+    let config = TransportConfig {
+        connect_timeout: timeout,
+        ..TransportConfig::default()
+    };
+    let mut connection = Connection::connect(endpoint, Role::Dealer, config).await?;
+    connection.send(&[b"", &from.to_be_bytes()]).await?;
     // NOTE: bounded by vLLM's replay buffer size (buffer_steps, default 10,000) with room to
     // spare; a larger gap is not coverable anyway and ends in a clear.
     let wanted = until.saturating_sub(from).min(MAX_REPLAY_BATCHES);
     let mut out = Vec::new();
+    let mut bytes = 0usize;
     loop {
-        let reply = socket.recv().await?;
-        let frames = reply.into_vec();
+        let (frames, _budget) = connection.recv().await?;
         let [_, topic, seq, payload] = <[Bytes; 4]>::try_from(frames)
             .map_err(|frames: Vec<Bytes>| ReplayError::Malformed(frames.len()))?;
         let seq = decode_seq(&seq).map_err(|_| ReplayError::Malformed(4))?;
@@ -86,6 +89,10 @@ async fn fetch_inner(
             break;
         }
         if seq >= from && seq < until {
+            bytes = bytes.saturating_add(topic.len() + payload.len());
+            if bytes > MAX_REPLAY_BYTES {
+                return Err(ReplayError::TooLarge);
+            }
             out.push(ReplayedBatch {
                 topic,
                 seq,
@@ -96,6 +103,5 @@ async fn fetch_inner(
             }
         }
     }
-    let _ = socket.close().await;
     Ok(out)
 }

@@ -51,6 +51,8 @@ pub(crate) struct PodStream {
     pending: Option<Pending>,
     /// The subscriber reconnected: the publisher may have restarted meanwhile.
     reconnected: bool,
+    /// The data-parallel rank of the last batch decoded (for batches that cannot be).
+    last_rank: Option<i64>,
 }
 
 #[derive(Debug)]
@@ -78,6 +80,7 @@ impl PodStream {
             tx,
             pending: None,
             reconnected: false,
+            last_rank: None,
         }
     }
 
@@ -87,6 +90,18 @@ impl PodStream {
     /// discontinuity is treated as a restart (clear, then rebuild from seq 0 by replay).
     pub(crate) fn mark_reconnected(&mut self) {
         self.reconnected = true;
+    }
+
+    /// The engine restarted (its scrape says so): its entries are dropped now rather than at
+    /// its next batch, and sequencing starts over, so the next batch (a gap from 0 after the
+    /// reconnect) is rebuilt by replay when the pod has a replay endpoint.
+    pub(crate) async fn engine_restarted(&mut self) {
+        warn!(pod = %self.pod, "engine restarted (process start time changed): clearing its entries");
+        self.clear().await;
+        self.tracker.reset();
+        self.pending = None;
+        self.reconnected = true;
+        self.counters.last_seq.store(u64::MAX, Ordering::Relaxed);
     }
 
     /// Whether a dropped batch still waits for repair.
@@ -136,14 +151,21 @@ impl PodStream {
         let batch = match decode_payload(payload) {
             Ok(batch) => batch,
             Err(error) => {
-                // NOTE: a malformed batch is skipped and its seq accepted: replay would return
-                // the same bytes. Its events are lost, which can leave stale entries until the
-                // next restart or eviction of those blocks.
-                warn!(pod = %self.pod, seq, %error, "malformed KV-event payload skipped");
+                // NOTE: a malformed batch is not a gap: its seq is recorded (as an empty batch
+                // of the last rank seen, since its own rank is unreadable) so the next good batch
+                // is in order, and replay is not asked for bytes it would return unchanged. Its
+                // events are lost, which can leave stale entries until those blocks are evicted
+                // or the engine restarts.
+                warn!(pod = %self.pod, seq, %error, "malformed KV-event payload skipped; its seq is kept");
                 self.malformed();
-                return;
+                EventBatch {
+                    ts: 0.0,
+                    events: Vec::new(),
+                    dp_rank: self.last_rank,
+                }
             }
         };
+        self.last_rank = batch.dp_rank;
         let rank = batch.dp_rank;
         let model: Arc<str> = Arc::from(model);
         let mut verdict = self.tracker.classify(rank, seq);
@@ -191,6 +213,11 @@ impl PodStream {
     }
 
     fn deliver_live(&mut self, model: Arc<str>, rank: Option<i64>, seq: u64, batch: EventBatch) {
+        if batch.events.is_empty() {
+            // Nothing to apply (a skipped malformed batch): only its seq counts.
+            self.record(rank, seq);
+            return;
+        }
         let update = IndexUpdate::Apply {
             pod: self.pod,
             model,
@@ -217,6 +244,10 @@ impl PodStream {
     }
 
     async fn deliver(&mut self, model: Arc<str>, rank: Option<i64>, seq: u64, batch: EventBatch) {
+        if batch.events.is_empty() {
+            self.record(rank, seq);
+            return;
+        }
         let update = IndexUpdate::Apply {
             pod: self.pod,
             model,
@@ -280,11 +311,19 @@ impl PodStream {
             match decode_payload(&reply.payload) {
                 Ok(batch) => {
                     let rank = batch.dp_rank;
+                    self.last_rank = rank;
                     self.deliver(model.clone(), rank, reply.seq, batch).await;
                 }
                 Err(error) => {
-                    warn!(pod = %self.pod, seq = reply.seq, %error, "malformed replayed payload");
+                    warn!(pod = %self.pod, seq = reply.seq, %error, "malformed replayed payload; its seq is kept");
                     self.malformed();
+                    let rank = self.last_rank;
+                    let empty = EventBatch {
+                        ts: 0.0,
+                        events: Vec::new(),
+                        dp_rank: rank,
+                    };
+                    self.deliver(model.clone(), rank, reply.seq, empty).await;
                 }
             }
         }

@@ -14,6 +14,8 @@
 //! Every input here comes from the network: nothing panics on a payload, sizes are bounded
 //! ([`MAX_PAYLOAD_BYTES`], nesting depth) and every failure is a typed [`DecodeError`].
 
+pub mod zmtp;
+
 use rmpv::Value;
 use std::net::SocketAddr;
 
