@@ -5,7 +5,7 @@
 # with the cargo-fuzz install and nightly build). Usage: scripts/test.sh [nextest filters…]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-envoy.sh
+scripts/setup-venv.sh
 if ! command -v cargo-nextest >/dev/null 2>&1; then
   echo "test: installing cargo-nextest" >&2
   cargo install --locked cargo-nextest

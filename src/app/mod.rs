@@ -21,7 +21,7 @@ use crate::endpoints::Datastore;
 use crate::extproc::admission::Admission;
 use crate::extproc::{ExtProcService, StreamContext};
 use crate::kvcache::{IndexConfig, PrefixIndex};
-use crate::kvevents::{KvEventsConfig, KvEventsError, KvEventsManager};
+use crate::kvevents::{KvEventsError, KvEventsManager};
 use crate::scheduling::{
     ConfiguredScheduler, FlowControlConfig, FlowController, MetricsSource, SchedulerDeps,
 };
@@ -105,7 +105,7 @@ pub async fn serve(
     )?);
     let kv_events = Arc::new(KvEventsManager::new(
         Arc::clone(&index),
-        KvEventsConfig::default(),
+        config.kv_events.clone(),
         &registry,
     )?);
     if let Some(endpoint) = &config.kv_events_bind {
@@ -152,7 +152,10 @@ pub async fn serve(
             Arc::clone(&metrics_store),
             ScrapeMetrics::new(&registry)?,
             background.clone(),
-        ),
+        )
+        .with_observer(Arc::new(pool_sync::ScrapeToKvEvents(Arc::clone(
+            &kv_events,
+        )))),
         Arc::clone(&metrics_store),
         Arc::clone(&index),
         background.clone(),

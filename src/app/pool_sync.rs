@@ -11,10 +11,26 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::endpoints::PodId;
 use crate::endpoints::{Endpoint, PoolSnapshot};
 use crate::kvcache::PrefixIndex;
 use crate::kvevents::KvEventsManager;
-use crate::scrape::{MetricsStore, ScrapeManager};
+use crate::scrape::{MetricsStore, ScrapeManager, ScrapeObserver};
+
+/// What the scrapes see that the KV-event subscriptions act on: a pod answering again
+/// (reconnect now rather than at the end of the backoff) and an engine restart (its cache is
+/// gone: clear its entries now rather than at its first new batch).
+pub struct ScrapeToKvEvents(pub Arc<KvEventsManager>);
+
+impl ScrapeObserver for ScrapeToKvEvents {
+    fn recovered(&self, pod: PodId) {
+        self.0.pod_reachable(pod);
+    }
+
+    fn restarted(&self, pod: PodId) {
+        self.0.engine_restarted(pod);
+    }
+}
 
 /// How often cache shapes are copied into the index and speculation is purged.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);

@@ -70,6 +70,17 @@ pub struct ServeArgs {
     /// in addition to subscribing to each endpoint's own `kvEvents` address.
     #[arg(long)]
     pub kv_events_bind: Option<String>,
+    /// Largest KV-event message (all frames together) accepted from a pod or a peer dialing
+    /// in, checked before anything is allocated; a larger one drops the connection.
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    pub kv_events_max_message_bytes: usize,
+    /// Most connections at once on the `--kv-events-bind` socket.
+    #[arg(long, default_value_t = 1024)]
+    pub kv_events_max_peers: usize,
+    /// Bytes the `--kv-events-bind` socket's connections may buffer together; past it,
+    /// reading pauses (TCP pushes back) until the index catches up.
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub kv_events_buffer_bytes: usize,
     /// Interval between scrapes of each endpoint's /metrics.
     #[arg(long, default_value = "50ms", value_parser = parse_duration)]
     pub scrape_interval: Duration,
@@ -122,6 +133,26 @@ fn parse_lora(value: &str) -> Result<(String, String), String> {
             Ok((adapter.trim().to_owned(), base.trim().to_owned()))
         }
         _ => Err(format!("`{value}` is not ADAPTER=BASE")),
+    }
+}
+
+fn kv_events_config(
+    max_message_bytes: usize,
+    max_peers: usize,
+    buffer_bytes: usize,
+) -> crate::kvevents::KvEventsConfig {
+    let defaults = crate::kvevents::KvEventsConfig::default();
+    crate::kvevents::KvEventsConfig {
+        transport: crate::kvevents::transport::TransportConfig {
+            limits: kvpick_kvevents_wire::zmtp::Limits {
+                max_message_bytes,
+                ..defaults.transport.limits
+            },
+            ..defaults.transport
+        },
+        central_max_peers: max_peers.max(1),
+        central_budget_bytes: buffer_bytes,
+        ..defaults
     }
 }
 
@@ -191,6 +222,8 @@ pub struct ServeConfig {
     pub tokenizers: crate::tokenize::TokenizersConfig,
     /// Central KV-event bind endpoint.
     pub kv_events_bind: Option<String>,
+    /// KV-event pipeline bounds (message size, central peers and bytes).
+    pub kv_events: crate::kvevents::KvEventsConfig,
     /// Metrics scraping.
     pub scrape: crate::scrape::ScrapeConfig,
     /// Weighted model rewrite rules.
@@ -229,6 +262,20 @@ impl ServeArgs {
                 flag: "max-body-bytes",
                 min: 1024,
                 value: self.max_body_bytes,
+            });
+        }
+        if self.kv_events_max_message_bytes < 1024 {
+            return Err(ConfigError::TooSmall {
+                flag: "kv-events-max-message-bytes",
+                min: 1024,
+                value: self.kv_events_max_message_bytes,
+            });
+        }
+        if self.kv_events_buffer_bytes < self.kv_events_max_message_bytes {
+            return Err(ConfigError::TooSmall {
+                flag: "kv-events-buffer-bytes",
+                min: self.kv_events_max_message_bytes,
+                value: self.kv_events_buffer_bytes,
             });
         }
         if self.max_buffered_bytes < self.max_body_bytes {
@@ -291,6 +338,11 @@ impl ServeArgs {
             drain_timeout: self.drain_timeout,
             tokenizers,
             kv_events_bind: self.kv_events_bind,
+            kv_events: kv_events_config(
+                self.kv_events_max_message_bytes,
+                self.kv_events_max_peers,
+                self.kv_events_buffer_bytes,
+            ),
             scrape: crate::scrape::ScrapeConfig {
                 interval: self.scrape_interval,
                 timeout: self.scrape_timeout,

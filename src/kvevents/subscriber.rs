@@ -263,8 +263,11 @@ pub(crate) async fn run_central(
                     };
                     let (shared, peer_tx, budget) = (shared.clone(), peer_tx.clone(), budget.clone());
                     connections.spawn(async move {
-                        let _slot = slot;
-                        serve_peer(io, shared, peer_tx, budget).await;
+                        let connection = serve_peer(io, shared, peer_tx, budget).await;
+                        // The slot is free before the peer sees its connection close, so a
+                        // peer that reconnects at once is not refused for its own old slot.
+                        drop(slot);
+                        drop(connection);
                     });
                 }
                 Err(error) => {
@@ -295,13 +298,14 @@ pub(crate) async fn run_central(
     connections.shutdown().await;
 }
 
-/// One accepted connection: handshake, then forward whole messages until it ends.
+/// One accepted connection: handshake, then forward whole messages until it ends; returns
+/// the connection (still open) so the caller decides when it closes.
 async fn serve_peer(
     io: tokio::net::TcpStream,
     shared: Arc<Shared>,
     peer_tx: mpsc::Sender<PeerMessage>,
     budget: ByteBudget,
-) {
+) -> Option<Connection> {
     let peer = io.peer_addr().ok();
     let mut connection =
         match Connection::accept(io, Role::Sub, shared.config.transport, Some(budget)).await {
@@ -313,7 +317,7 @@ async fn serve_peer(
                     .with_label_values(&[error.reason()])
                     .inc();
                 warn!(?peer, %error, "KV-event peer dropped during the handshake");
-                return;
+                return None;
             }
         };
     loop {
@@ -325,12 +329,12 @@ async fn serve_peer(
                     _budget: budget,
                 };
                 if peer_tx.send(message).await.is_err() {
-                    return;
+                    return Some(connection);
                 }
             }
             Err(TransportError::Closed) => {
                 debug!(?peer, "KV-event peer disconnected");
-                return;
+                return Some(connection);
             }
             Err(error) => {
                 shared
@@ -339,7 +343,7 @@ async fn serve_peer(
                     .with_label_values(&[error.reason()])
                     .inc();
                 warn!(?peer, %error, "KV-event peer dropped");
-                return;
+                return Some(connection);
             }
         }
     }

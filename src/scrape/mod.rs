@@ -9,4 +9,6 @@ pub mod prom_text;
 pub mod scraper;
 
 pub use engine::{EngineKind, LoraState, PodMetrics};
-pub use scraper::{MetricsStore, ScrapeConfig, ScrapeManager, ScrapeMetrics, ScrapeStatus};
+pub use scraper::{
+    MetricsStore, ScrapeConfig, ScrapeManager, ScrapeMetrics, ScrapeObserver, ScrapeStatus,
+};

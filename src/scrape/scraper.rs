@@ -172,6 +172,19 @@ pub async fn scrape_once(
     engine: EngineKind,
     config: &ScrapeConfig,
 ) -> Result<PodMetrics, ScrapeError> {
+    scrape_with_start_time(client, pod, engine, config)
+        .await
+        .map(|(metrics, _)| metrics)
+}
+
+/// [`scrape_once`], plus the process's `process_start_time_seconds` when it exports one (the
+/// Prometheus client libraries of vLLM, SGLang and TensorRT-LLM all do).
+async fn scrape_with_start_time(
+    client: &HttpClient,
+    pod: PodId,
+    engine: EngineKind,
+    config: &ScrapeConfig,
+) -> Result<(PodMetrics, Option<f64>), ScrapeError> {
     let fetch = async {
         let uri: hyper::Uri = format!("http://{pod}/metrics")
             .parse()
@@ -198,19 +211,54 @@ pub async fn scrape_once(
     if let Some((line, error)) = exposition.first_error {
         tracing::debug!(%pod, line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
     }
-    Ok(engine.extract(&exposition.samples)?)
+    let start_time = exposition
+        .samples
+        .iter()
+        .find(|s| s.name == "process_start_time_seconds" && s.value.is_finite() && s.value > 0.0)
+        .map(|s| s.value);
+    Ok((engine.extract(&exposition.samples)?, start_time))
+}
+
+/// What the scrape path tells other subsystems about a pod (implemented where they are
+/// wired together, so this module depends on none of them).
+pub trait ScrapeObserver: Send + Sync {
+    /// The pod answered its scrape again after failing.
+    fn recovered(&self, pod: PodId);
+    /// The pod's `process_start_time_seconds` changed: its engine restarted and its cache
+    /// is gone.
+    fn restarted(&self, pod: PodId);
+}
+
+/// Whether two process start times are different processes (Prometheus exports them as
+/// float seconds; allow for formatting jitter).
+fn restarted_between(previous: Option<f64>, now: Option<f64>) -> bool {
+    matches!((previous, now), (Some(a), Some(b)) if (a - b).abs() > 0.5)
+}
+
+/// What every scrape task of a manager shares.
+#[derive(Clone)]
+struct ScrapeContext {
+    client: HttpClient,
+    config: ScrapeConfig,
+    metrics: ScrapeMetrics,
+    observer: Option<Arc<dyn ScrapeObserver>>,
 }
 
 async fn scrape_loop(
     pod: PodId,
     engine: EngineKind,
-    client: HttpClient,
-    config: ScrapeConfig,
+    context: ScrapeContext,
     status: Arc<Mutex<ScrapeStatus>>,
-    metrics: ScrapeMetrics,
     cancel: CancellationToken,
 ) {
+    let ScrapeContext {
+        client,
+        config,
+        metrics,
+        observer,
+    } = context;
     let label = pod.to_string();
+    let mut start_time: Option<f64> = None;
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -221,7 +269,7 @@ async fn scrape_loop(
         let started = Instant::now();
         let result = tokio::select! {
             _ = cancel.cancelled() => return,
-            result = scrape_once(&client, pod, engine, &config) => result,
+            result = scrape_with_start_time(&client, pod, engine, &config) => result,
         };
         metrics
             .duration
@@ -229,9 +277,27 @@ async fn scrape_loop(
             .observe(started.elapsed().as_secs_f64());
         let Ok(mut state) = status.lock() else { return };
         match result {
-            Ok(pod_metrics) => {
-                if state.last_error.is_some() {
+            Ok((pod_metrics, started_at)) => {
+                let recovered = state.last_error.is_some();
+                if recovered {
                     tracing::info!(%pod, "metrics scrape recovered");
+                }
+                let restarted = restarted_between(start_time, started_at);
+                if restarted {
+                    tracing::warn!(%pod, previous = ?start_time, now = ?started_at, "engine process restarted (process_start_time_seconds changed)");
+                }
+                if started_at.is_some() {
+                    start_time = started_at;
+                }
+                if let Some(observer) = &observer {
+                    // NOTE: called under the pod's status lock; observers only signal
+                    // (no locks of their own, no awaits).
+                    if restarted {
+                        observer.restarted(pod);
+                    }
+                    if recovered {
+                        observer.recovered(pod);
+                    }
                 }
                 state.metrics = Some(pod_metrics);
                 state.fetched_at = Some(Instant::now());
@@ -261,6 +327,7 @@ pub struct ScrapeManager {
     client: HttpClient,
     tasks: HashMap<PodId, (EngineKind, CancellationToken)>,
     parent: CancellationToken,
+    observer: Option<Arc<dyn ScrapeObserver>>,
 }
 
 impl ScrapeManager {
@@ -284,7 +351,14 @@ impl ScrapeManager {
             client,
             tasks: HashMap::new(),
             parent,
+            observer: None,
         }
+    }
+
+    /// Tells `observer` when a pod recovers or its engine restarts.
+    pub fn with_observer(mut self, observer: Arc<dyn ScrapeObserver>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     /// Starts tasks for new endpoints and stops those of endpoints that left.
@@ -304,13 +378,17 @@ impl ScrapeManager {
                 continue;
             }
             let cancel = self.parent.child_token();
+            let context = ScrapeContext {
+                client: self.client.clone(),
+                config: self.config.clone(),
+                metrics: self.metrics.clone(),
+                observer: self.observer.clone(),
+            };
             tokio::spawn(scrape_loop(
                 pod,
                 engine,
-                self.client.clone(),
-                self.config.clone(),
+                context,
                 self.store.entry(pod),
-                self.metrics.clone(),
                 cancel.clone(),
             ));
             self.tasks.insert(pod, (engine, cancel));
@@ -331,6 +409,14 @@ fn engine_of(endpoint: &Endpoint) -> EngineKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restart_is_a_changed_start_time() {
+        assert!(!restarted_between(None, Some(1.7e9)));
+        assert!(!restarted_between(Some(1.7e9), None));
+        assert!(!restarted_between(Some(1.7e9), Some(1.7e9 + 0.1)));
+        assert!(restarted_between(Some(1.7e9), Some(1.7e9 + 60.0)));
+    }
 
     #[test]
     fn freshness_needs_a_recent_success_and_no_error() {

@@ -14,6 +14,7 @@ pub mod http;
 pub mod kv_reference;
 pub mod kvpick;
 pub mod metrics;
+pub mod zmtp_peer;
 
 use std::net::TcpListener;
 use std::path::PathBuf;

@@ -1,0 +1,375 @@
+//! Hostile KV-event peers against the real `kvpick` binary, in both modes: kvpick dialing a
+//! pod's PUB (connect mode) and pods dialing kvpick (`--kv-events-bind`). A raw ZMTP peer
+//! sends what no library would — a frame header declaring 2^50 bytes, MORE frames that never
+//! end, more connections than allowed — and then behaves. kvpick must stay up, keep its
+//! memory bounded, drop and count the bad connections, and apply the good peer's events.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use support::http::send;
+use support::kvpick::Kvpick;
+use support::zmtp_peer::{RawPub, long_frame_header, memory_of};
+use support::{free_port, wait_until};
+use tokio::net::TcpListener;
+
+/// Peak RSS kvpick may reach in these tests (it idles at a few tens of MB without
+/// tokenizers; one unbounded 16 MiB message per connection would already show).
+const PEAK_RSS_LIMIT: u64 = 200 * 1024 * 1024;
+
+fn fixtures() -> PathBuf {
+    let local = support::repo_root().join("../shared/fixtures");
+    if local.exists() {
+        local
+    } else {
+        PathBuf::from("/work/shared/fixtures")
+    }
+}
+
+/// The payloads of the real vLLM capture, in seq order.
+fn capture() -> Vec<Vec<u8>> {
+    let dir = fixtures().join("vllm-0.32-kv-events");
+    (0..)
+        .map_while(|i| std::fs::read(dir.join(format!("{i:04}.msgpack"))).ok())
+        .collect()
+}
+
+async fn metrics_text(kvpick: &Kvpick) -> String {
+    send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("/metrics")
+        .text()
+}
+
+async fn index_blocks(kvpick: &Kvpick) -> u64 {
+    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+        .await
+        .expect("/debug/pods")
+        .json();
+    pods["pods"][0]["index_blocks"].as_u64().unwrap_or(0)
+}
+
+/// Sends 1 MiB frames with MORE set until kvpick hangs up; returns the bytes written.
+async fn endless_more_frames(publisher: &mut RawPub) -> usize {
+    let body = vec![0u8; 1024 * 1024];
+    let mut sent = 0;
+    for _ in 0..64 {
+        if publisher
+            .send_raw(&long_frame_header(body.len() as u64, true))
+            .await
+            .is_err()
+            || publisher.send_raw(&body).await.is_err()
+        {
+            break;
+        }
+        sent += body.len();
+    }
+    sent
+}
+
+fn assert_alive_and_bounded(kvpick: &mut Kvpick) {
+    assert!(
+        kvpick.child.try_wait().expect("try_wait").is_none(),
+        "kvpick died"
+    );
+    let (peak, _) = memory_of(kvpick.child.id());
+    assert!(
+        peak < PEAK_RSS_LIMIT,
+        "kvpick peak RSS {} MB",
+        peak / (1024 * 1024)
+    );
+}
+
+fn counted(metrics: &str, name: &str, reason: &str) -> bool {
+    metrics.lines().any(|line| {
+        line.starts_with(name)
+            && line.contains(&format!("reason=\"{reason}\""))
+            && line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_some_and(|v| v >= 1.0)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let events = listener.local_addr().unwrap();
+    let pod = format!("127.0.0.1:{}", free_port());
+    let pool = format!("endpoints:\n  - address: {pod}\n    kvEvents: tcp://{events}\n");
+    let mut kvpick = Kvpick::start(&pool, &[]).await;
+
+    // One header declaring 2^50 bytes: the connection is dropped before anything is reserved.
+    let mut publisher = RawPub::accept(&listener, Duration::from_secs(10)).await;
+    publisher
+        .send_raw(&long_frame_header(1 << 50, false))
+        .await
+        .unwrap();
+    assert!(publisher.closed_within(Duration::from_secs(5)).await);
+    assert_alive_and_bounded(&mut kvpick);
+
+    // MORE frames that never end: dropped at the message bound (16 MiB / 16 frames).
+    let mut publisher = RawPub::accept(&listener, Duration::from_secs(5)).await;
+    let sent = endless_more_frames(&mut publisher).await;
+    assert!(publisher.closed_within(Duration::from_secs(5)).await);
+    assert!(
+        sent < 48 * 1024 * 1024,
+        "kvpick read {sent} bytes of one message"
+    );
+    assert_alive_and_bounded(&mut kvpick);
+
+    // The same pod then behaves: reconnected within the capped backoff, events applied.
+    let mut publisher = RawPub::accept(&listener, Duration::from_secs(3)).await;
+    let topic = format!("kv@{pod}@tiny");
+    for (seq, payload) in capture().iter().enumerate() {
+        publisher
+            .send_batch(topic.as_bytes(), seq as u64, payload)
+            .await;
+    }
+    wait_until("the capture applied", Duration::from_secs(10), || async {
+        index_blocks(&kvpick).await == 62
+    })
+    .await;
+    let metrics = metrics_text(&kvpick).await;
+    for reason in ["message_too_large", "too_many_frames"] {
+        assert!(
+            counted(&metrics, "kvpick_kv_events_connection_errors_total", reason),
+            "{reason} not counted:\n{metrics}"
+        );
+    }
+    assert_alive_and_bounded(&mut kvpick);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
+    let bind = format!("127.0.0.1:{}", free_port());
+    let pod = format!("127.0.0.1:{}", free_port());
+    let pool = format!("endpoints:\n  - address: {pod}\n");
+    let bind_flag = format!("tcp://{bind}");
+    let mut kvpick = Kvpick::start(
+        &pool,
+        &["--kv-events-bind", &bind_flag, "--kv-events-max-peers", "3"],
+    )
+    .await;
+
+    let mut hostile = RawPub::connect(&bind).await;
+    hostile
+        .send_raw(&long_frame_header(1 << 50, true))
+        .await
+        .unwrap();
+    assert!(hostile.closed_within(Duration::from_secs(5)).await);
+
+    let mut hostile = RawPub::connect(&bind).await;
+    let sent = endless_more_frames(&mut hostile).await;
+    assert!(hostile.closed_within(Duration::from_secs(5)).await);
+    assert!(
+        sent < 48 * 1024 * 1024,
+        "kvpick read {sent} bytes of one message"
+    );
+    assert_alive_and_bounded(&mut kvpick);
+
+    // Three idle peers fill the connection limit; a fourth is closed at once.
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(RawPub::connect(&bind).await);
+    }
+    let mut refused = RawPub::try_connect(&bind).await.expect("tcp connect");
+    assert!(refused.closed_within(Duration::from_secs(5)).await);
+    drop(idle);
+
+    // A real pod dialing in (its topic names it) is heard once the idle peers are gone.
+    let topic = format!("kv@{pod}@tiny");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut publisher = loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no connection slot freed"
+        );
+        let mut publisher = RawPub::try_connect(&bind).await.expect("connect");
+        // Refused peers are closed before kvpick's greeting; accepted ones get it.
+        let mut greeting = [0u8; 64];
+        let accepted = tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::io::AsyncReadExt::read_exact(&mut publisher.stream, &mut greeting),
+        )
+        .await
+        .is_ok_and(|read| read.is_ok());
+        if accepted {
+            break publisher;
+        }
+    };
+    for (seq, payload) in capture().iter().enumerate() {
+        publisher
+            .send_batch(topic.as_bytes(), seq as u64, payload)
+            .await;
+    }
+    wait_until("the capture applied", Duration::from_secs(10), || async {
+        index_blocks(&kvpick).await == 62
+    })
+    .await;
+    let metrics = metrics_text(&kvpick).await;
+    for reason in ["message_too_large", "too_many_frames", "too_many_peers"] {
+        assert!(
+            counted(&metrics, "kvpick_kv_events_rejected_total", reason),
+            "{reason} not counted:\n{metrics}"
+        );
+    }
+    assert_alive_and_bounded(&mut kvpick);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_stalling_mid_message_is_dropped_but_an_idle_one_is_not() {
+    use kvpick::kvevents::transport::{Connection, Role, TransportConfig, TransportError};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let config = TransportConfig {
+        message_timeout: Duration::from_millis(300),
+        ..TransportConfig::default()
+    };
+    let (connection, publisher) = tokio::join!(
+        Connection::connect(&endpoint, Role::Sub, config),
+        RawPub::accept(&listener, Duration::from_secs(5)),
+    );
+    let (mut connection, mut publisher) = (connection.expect("handshake"), publisher);
+
+    // Idle for three message timeouts: nothing has started, nothing times out.
+    let idle = tokio::time::timeout(Duration::from_millis(900), connection.recv()).await;
+    assert!(
+        idle.is_err(),
+        "an idle connection must not time out: {idle:?}"
+    );
+
+    // Half a frame, then silence: dropped once the message timeout passes.
+    publisher
+        .send_raw(&long_frame_header(1000, false))
+        .await
+        .unwrap();
+    publisher.send_raw(&[0u8; 400]).await.unwrap();
+    let started = std::time::Instant::now();
+    let stalled = tokio::time::timeout(Duration::from_secs(5), connection.recv())
+        .await
+        .expect("recv returns");
+    assert!(
+        matches!(stalled, Err(TransportError::MessageTimeout)),
+        "{stalled:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// A pod's `/metrics` whose `process_start_time_seconds` the test sets (an engine restart
+/// changes it). Runs until dropped.
+struct FakeEngineMetrics {
+    addr: std::net::SocketAddr,
+    start_time: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakeEngineMetrics {
+    async fn start() -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let start_time = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(1_795_967_548));
+        let served = start_time.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let served = served.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |_req| {
+                        let text = format!(
+                            "vllm:num_requests_waiting{{model_name=\"tiny\"}} 0.0\n\
+                             vllm:num_requests_running{{model_name=\"tiny\"}} 0.0\n\
+                             vllm:kv_cache_usage_perc{{model_name=\"tiny\"}} 0.0\n\
+                             process_start_time_seconds {}.5\n",
+                            served.load(Ordering::Relaxed)
+                        );
+                        async move {
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from(text)),
+                            ))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self {
+            addr,
+            start_time,
+            task,
+        }
+    }
+
+    fn restart(&self) {
+        self.start_time
+            .fetch_add(120, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for FakeEngineMetrics {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_is_cleared_at_once_and_resubscribed_within_the_backoff_cap() {
+    let engine = FakeEngineMetrics::start().await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let events = listener.local_addr().unwrap();
+    let pod = engine.addr;
+    let pool = format!("endpoints:\n  - address: {pod}\n    kvEvents: tcp://{events}\n");
+    let kvpick = Kvpick::start(&pool, &[]).await;
+    let mut publisher = RawPub::accept(&listener, Duration::from_secs(10)).await;
+    let topic = format!("kv@{pod}@tiny");
+    for (seq, payload) in capture().iter().enumerate() {
+        publisher
+            .send_batch(topic.as_bytes(), seq as u64, payload)
+            .await;
+    }
+    wait_until("the capture applied", Duration::from_secs(10), || async {
+        index_blocks(&kvpick).await == 62
+    })
+    .await;
+
+    // The engine restarts: its /metrics shows a new process start time while its event
+    // stream has said nothing yet. Its entries go at once (within a few scrapes).
+    engine.restart();
+    wait_until(
+        "entries cleared on restart",
+        Duration::from_secs(3),
+        || async { index_blocks(&kvpick).await == 0 },
+    )
+    .await;
+
+    // Its KV-event port is gone for 4 s (a slow restart), then listens again: kvpick is
+    // back within the 1 s backoff cap, not tens of seconds later.
+    drop(publisher);
+    drop(listener);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let listener = TcpListener::bind(events).await.unwrap();
+    let back = std::time::Instant::now();
+    let mut publisher = RawPub::accept(&listener, Duration::from_secs(5)).await;
+    let waited = back.elapsed();
+    assert!(
+        waited < Duration::from_millis(2500),
+        "resubscribed after {waited:?}"
+    );
+    publisher
+        .send_batch(topic.as_bytes(), 0, &capture()[0])
+        .await;
+    wait_until(
+        "the new life's first batch",
+        Duration::from_secs(5),
+        || async { index_blocks(&kvpick).await > 0 },
+    )
+    .await;
+}
