@@ -31,11 +31,7 @@ pub struct LivenessInputs {
 }
 
 /// Re-judges every endpoint each `interval` until `cancel`.
-pub async fn track_liveness(
-    inputs: LivenessInputs,
-    interval: Duration,
-    cancel: CancellationToken,
-) {
+pub async fn track_liveness(inputs: LivenessInputs, interval: Duration, cancel: CancellationToken) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut exported: HashSet<String> = HashSet::new();

@@ -97,7 +97,10 @@ mod tests {
 
     #[test]
     fn down_needs_a_refused_scrape_and_no_event_stream() {
-        assert!(judge(&signals(false, true, false)).is_none(), "scrape answers");
+        assert!(
+            judge(&signals(false, true, false)).is_none(),
+            "scrape answers"
+        );
         assert!(
             judge(&signals(true, true, true)).is_none(),
             "events connected"

@@ -357,11 +357,9 @@ impl RequestStream {
     fn candidates(&self) -> Vec<Arc<crate::endpoints::EndpointState>> {
         let pool = self.ctx.datastore.snapshot();
         match &self.subset {
-            Some(hint) => live_candidates(
-                pool.endpoints
-                    .iter()
-                    .filter(|e| hint.allows(e.id().addr())),
-            ),
+            Some(hint) => {
+                live_candidates(pool.endpoints.iter().filter(|e| hint.allows(e.id().addr())))
+            }
             None => live_candidates(&pool.endpoints),
         }
     }
