@@ -37,6 +37,8 @@ wait_for() { # what, command…
 "$BIN/kvpick-sim" --pods 2 --base-port 8101 --events-base-port 5557 --replay-base-port 6557 \
   --tokenizer assets/tokenizer --time-scale 0.1 >"$RUN/sim.log" 2>&1 &
 PIDS+=($!)
+# The same endpoints as the `inference-pool` cluster of deploy/envoy/envoy.yaml: Envoy's
+# override_host policy sends kvpick's pick only to hosts that cluster knows.
 cat >"$RUN/pool.yaml" <<YAML
 endpoints:
   - address: 127.0.0.1:8101
@@ -71,7 +73,8 @@ sleep 0.2 # the access log line is written when the response completes
 ROUTE=$(grep -m1 '/v1/chat/completions' "$RUN/envoy.log" || true)
 echo "demo: envoy access log: $ROUTE" >&2
 echo "demo: kvpick /debug/pods: $(curl -sf localhost:9090/debug/pods)" >&2
-PICKED=$(echo "$ROUTE" | sed -n 's/.* picked=\([^ ]*\) .*/\1/p')
+# kvpick names its pick first, then the fallbacks Envoy retries on (--max-fallbacks).
+PICKED=$(echo "$ROUTE" | sed -n 's/.* picked=\([^ ,]*\)[, ].*/\1/p')
 SERVED=$(echo "$ROUTE" | sed -n 's/.* upstream=\([^ ]*\) .*/\1/p')
 case "$PICKED" in
   127.0.0.1:8101 | 127.0.0.1:8102) ;;

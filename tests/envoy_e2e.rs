@@ -27,7 +27,9 @@ async fn requests_reach_the_picked_backend_with_header_and_metadata_agreeing() {
         Backend::start("127.0.0.1").await,
         Backend::start("127.0.0.1").await,
     );
-    let kvpick = Kvpick::start(&pool_yaml(&[&a, &b]), &[]).await;
+    // No fallbacks: the destination names exactly one endpoint, which each backend can
+    // compare with itself (the fallback list is tested in faults_gateway.rs).
+    let kvpick = Kvpick::start(&pool_yaml(&[&a, &b]), &["--max-fallbacks", "0"]).await;
     let envoy = Envoy::start(
         &kvpick,
         EnvoyOptions {
@@ -195,7 +197,16 @@ async fn pool_file_edits_apply_without_a_restart() {
         Backend::start("127.0.0.1").await,
     );
     let kvpick = Kvpick::start(&pool_yaml(&[&a]), &[]).await;
-    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    // Envoy's pool cluster lists the pool's endpoints (override_host picks among them): b is
+    // known to it before the edit adds it to kvpick's pool, as an EDS update would make it.
+    let envoy = Envoy::start(
+        &kvpick,
+        EnvoyOptions {
+            extra_pool: vec![b.addr],
+            ..Default::default()
+        },
+    )
+    .await;
     assert_eq!(
         post_json(&envoy.url("/x"), BODY).await.json()["backend"],
         a.addr.to_string()

@@ -43,6 +43,16 @@ async fn metrics_text(kvpick: &Kvpick) -> String {
         .text()
 }
 
+/// Whether the whole capture (seqs 0..=67, 62 blocks) has been applied.
+async fn capture_applied(kvpick: &Kvpick) -> bool {
+    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+        .await
+        .expect("/debug/pods")
+        .json();
+    let pod = &pods["pods"][0];
+    pod["index_blocks"] == 62 && pod["kv_events"]["last_seq"] == 67
+}
+
 async fn index_blocks(kvpick: &Kvpick) -> u64 {
     let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
         .await
@@ -130,7 +140,7 @@ async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
             .await;
     }
     wait_until("the capture applied", Duration::from_secs(10), || async {
-        index_blocks(&kvpick).await == 62
+        capture_applied(&kvpick).await
     })
     .await;
     let metrics = metrics_text(&kvpick).await;
@@ -207,7 +217,7 @@ async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
             .await;
     }
     wait_until("the capture applied", Duration::from_secs(10), || async {
-        index_blocks(&kvpick).await == 62
+        capture_applied(&kvpick).await
     })
     .await;
     let metrics = metrics_text(&kvpick).await;
@@ -336,7 +346,7 @@ async fn a_restarted_engine_is_cleared_at_once_and_resubscribed_within_the_backo
             .await;
     }
     wait_until("the capture applied", Duration::from_secs(10), || async {
-        index_blocks(&kvpick).await == 62
+        capture_applied(&kvpick).await
     })
     .await;
 

@@ -121,7 +121,12 @@ async fn emitted_scores_reach_the_model_server_and_forged_copies_do_not() {
         Backend::start("127.0.0.1").await,
         Backend::start("127.0.0.1").await,
     );
-    let kvpick = Kvpick::start(&pool_yaml(&[&a, &b]), &["--emit-endpoint-scores"]).await;
+    // No fallbacks: the destination header is then exactly the picked endpoint.
+    let kvpick = Kvpick::start(
+        &pool_yaml(&[&a, &b]),
+        &["--emit-endpoint-scores", "--max-fallbacks", "0"],
+    )
+    .await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
     let reply = send(
         "POST",

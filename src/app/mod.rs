@@ -1,6 +1,7 @@
 //! `kvpick serve`: builds every part from one [`ServeConfig`] and runs until shutdown.
 //!
-//! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool.
+//! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool;
+//! [`liveness`] marks endpoints down (left out of the candidates) and up again.
 //!
 //! Shutdown order (SIGTERM/SIGINT or the `shutdown` future): readiness goes NOT_SERVING so
 //! the gateway stops opening streams; the ext-proc server stops accepting and lets open
@@ -13,6 +14,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+mod liveness;
 mod pool_sync;
 
 use crate::config::ServeConfig;
@@ -158,6 +160,16 @@ pub async fn serve(
         )))),
         Arc::clone(&metrics_store),
         Arc::clone(&index),
+        background.clone(),
+    ));
+    tokio::spawn(liveness::track_liveness(
+        liveness::LivenessInputs {
+            datastore: Arc::clone(&datastore),
+            scrapes: Arc::clone(&metrics_store),
+            kv_events: Arc::clone(&kv_events),
+            metrics: Arc::clone(&metrics),
+        },
+        config.scrape.interval,
         background.clone(),
     ));
     tokio::spawn(watch_pool_file(

@@ -47,10 +47,11 @@ pub struct ServeArgs {
     pub max_buffered_bytes: usize,
     /// How many fallback endpoints follow the primary in the destination header.
     ///
-    /// 0 by default: Envoy's ORIGINAL_DST cluster (deploy/envoy/envoy.yaml) needs a single
-    /// `ip:port`. Gateways that retry through the list (GIE protocol fallbacks, e.g. Envoy's
-    /// override_host load-balancing policy) can take more.
-    #[arg(long, default_value_t = 0)]
+    /// 1 by default: the reference Envoy config (deploy/envoy/envoy.yaml, override_host
+    /// load-balancing policy) retries a failed connect on the next address of the list, so
+    /// the second-best pod takes over from a pod that died since kvpick last saw it. 0 for
+    /// gateways that accept a single `ip:port` (an ORIGINAL_DST cluster).
+    #[arg(long, default_value_t = 1)]
     pub max_fallbacks: usize,
     /// How long in-flight streams may run after SIGTERM before kvpick exits anyway.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]

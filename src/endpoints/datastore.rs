@@ -4,7 +4,7 @@
 //! - The pool is an immutable [`PoolSnapshot`] behind a `watch` channel. Discovery replaces it
 //!   whole; readers clone the `Arc` (a short read lock) and then work lock-free on their copy,
 //!   so a reload never blocks or changes a scheduling decision already under way.
-//! - An endpoint's [`InFlight`] counter outlives reloads: an endpoint that stays in the pool
+//! - An endpoint's [`InFlight`] counter (and its [`Liveness`]) outlives reloads: an endpoint that stays in the pool
 //!   keeps its counter, so requests picked before a reload are still counted after it. A
 //!   removed endpoint's counter lives on only inside the guards of its last requests.
 //! - Subsystems that follow the pool (event subscribers, scrapers) `subscribe()` and react to
@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::watch;
 
+use super::liveness::Liveness;
 use super::load::InFlight;
 use super::pod::{Endpoint, PodId};
 
@@ -26,6 +27,8 @@ pub struct EndpointState {
     pub endpoint: Endpoint,
     /// Requests in flight to it (kvpick's own count).
     pub in_flight: Arc<InFlight>,
+    /// Whether it is down (left out of the candidates).
+    pub liveness: Arc<Liveness>,
 }
 
 impl EndpointState {
@@ -94,13 +97,15 @@ impl Datastore {
         let endpoints = endpoints
             .into_iter()
             .map(|endpoint| {
-                let in_flight = previous
-                    .get(&endpoint.id)
-                    .map(|state| Arc::clone(&state.in_flight))
-                    .unwrap_or_default();
+                let kept = previous.get(&endpoint.id);
                 Arc::new(EndpointState {
                     endpoint,
-                    in_flight,
+                    in_flight: kept
+                        .map(|state| Arc::clone(&state.in_flight))
+                        .unwrap_or_default(),
+                    liveness: kept
+                        .map(|state| Arc::clone(&state.liveness))
+                        .unwrap_or_default(),
                 })
             })
             .collect();

@@ -1,9 +1,11 @@
 //! The datastore: the pool's endpoints and what kvpick knows about each one.
 
 mod datastore;
+pub mod liveness;
 mod load;
 mod pod;
 
 pub use datastore::{Datastore, EndpointState, PoolSnapshot};
+pub use liveness::{Liveness, live_candidates};
 pub use load::{InFlight, InFlightGuard};
 pub use pod::{ENGINE_TYPE_LABEL, Endpoint, PodId};

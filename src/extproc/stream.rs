@@ -29,7 +29,7 @@ use super::response::ResponseBody;
 use super::scores;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
-use crate::endpoints::{Datastore, InFlightGuard, PodId};
+use crate::endpoints::{Datastore, InFlightGuard, PodId, live_candidates};
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
@@ -352,17 +352,15 @@ impl RequestStream {
         Ok(Some(result?))
     }
 
-    /// The pool's endpoints the gateway's subset hint allows, from the current pool.
+    /// The pool's endpoints the gateway's subset hint allows, from the current pool, less
+    /// those that are down (unless all of them are).
     fn candidates(&self) -> Vec<Arc<crate::endpoints::EndpointState>> {
         let pool = self.ctx.datastore.snapshot();
         match &self.subset {
-            Some(hint) => pool
-                .endpoints
-                .iter()
-                .filter(|e| hint.allows(e.id().addr()))
-                .cloned()
-                .collect(),
-            None => pool.endpoints.clone(),
+            Some(hint) => {
+                live_candidates(pool.endpoints.iter().filter(|e| hint.allows(e.id().addr())))
+            }
+            None => live_candidates(&pool.endpoints),
         }
     }
 

@@ -165,6 +165,7 @@ pub(crate) mod test_support {
         Arc::new(EndpointState {
             endpoint: e,
             in_flight: Arc::default(),
+            liveness: Arc::default(),
         })
     }
 

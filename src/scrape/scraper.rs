@@ -52,7 +52,11 @@ pub enum ScrapeError {
     /// No answer within the timeout.
     #[error("timed out")]
     Timeout,
-    /// Connection or protocol failure.
+    /// The connection was refused, reset or unroutable: nothing listens at the address
+    /// (a slow answer is [`Self::Timeout`], not this).
+    #[error("connection failed: {0}")]
+    Connect(String),
+    /// Any other connection or protocol failure.
     #[error("request failed: {0}")]
     Http(String),
     /// A non-200 status.
@@ -70,6 +74,7 @@ impl ScrapeError {
     fn reason(&self) -> &'static str {
         match self {
             Self::Timeout => "timeout",
+            Self::Connect(_) => "connect",
             Self::Http(_) => "http",
             Self::Status(_) => "status",
             Self::Body(_) => "body",
@@ -95,6 +100,11 @@ impl ScrapeStatus {
     /// How old the last good metrics are at `now` (`None`: never scraped).
     pub fn age(&self, now: Instant) -> Option<Duration> {
         self.fetched_at.map(|at| now.saturating_duration_since(at))
+    }
+
+    /// Whether the last scrape found nothing listening (refused, reset, unroutable).
+    pub fn connection_failed(&self) -> bool {
+        matches!(self.last_error, Some(ScrapeError::Connect(_)))
     }
 
     /// Whether the metrics are recent enough to trust at `now`.
@@ -189,10 +199,7 @@ async fn scrape_with_start_time(
         let uri: hyper::Uri = format!("http://{pod}/metrics")
             .parse()
             .map_err(|e: hyper::http::uri::InvalidUri| ScrapeError::Http(e.to_string()))?;
-        let response = client
-            .get(uri)
-            .await
-            .map_err(|e| ScrapeError::Http(e.to_string()))?;
+        let response = client.get(uri).await.map_err(|e| request_error(&e))?;
         if response.status() != hyper::StatusCode::OK {
             return Err(ScrapeError::Status(response.status().as_u16()));
         }
@@ -242,6 +249,44 @@ struct ScrapeContext {
     config: ScrapeConfig,
     metrics: ScrapeMetrics,
     observer: Option<Arc<dyn ScrapeObserver>>,
+}
+
+/// Whether `error` (or what caused it) says nothing listens at the address: refused, reset,
+/// aborted or unroutable. Timeouts are not: a slow pod is not a gone pod.
+fn is_connection_failure(error: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind;
+    let mut current = Some(error);
+    while let Some(error) = current {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                ErrorKind::ConnectionRefused
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::NotConnected
+                    | ErrorKind::HostUnreachable
+                    | ErrorKind::NetworkUnreachable
+            );
+        }
+        current = error.source();
+    }
+    false
+}
+
+fn request_error(error: &hyper_util::client::legacy::Error) -> ScrapeError {
+    // The legacy client's Display says only "client error (Connect)"; the cause is below.
+    let mut message = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    if is_connection_failure(error) {
+        ScrapeError::Connect(message)
+    } else {
+        ScrapeError::Http(message)
+    }
 }
 
 async fn scrape_loop(
@@ -409,6 +454,39 @@ fn engine_of(endpoint: &Endpoint) -> EngineKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn client() -> HttpClient {
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error_and_a_slow_pod_a_timeout() {
+        // A port that was just free: nothing listens there.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port");
+        let config = ScrapeConfig::default();
+        let error = scrape_once(&client(), PodId(closed), EngineKind::default(), &config)
+            .await
+            .expect_err("nothing listens");
+        assert!(matches!(error, ScrapeError::Connect(_)), "{error:?}");
+        assert_eq!(error.reason(), "connect");
+
+        // Accepts, never answers: slow, not gone.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = silent.local_addr().expect("addr");
+        let config = ScrapeConfig {
+            timeout: Duration::from_millis(100),
+            ..ScrapeConfig::default()
+        };
+        let error = scrape_once(&client(), PodId(addr), EngineKind::default(), &config)
+            .await
+            .expect_err("no answer");
+        assert_eq!(error, ScrapeError::Timeout);
+        drop(silent);
+    }
 
     #[test]
     fn a_restart_is_a_changed_start_time() {

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
 use super::admin::AdminState;
-use crate::endpoints::PodId;
+use crate::endpoints::{PodId, live_candidates};
 use crate::extproc::meta::RequestMeta;
 use crate::extproc::prepare::{Prepared, prepare};
 use crate::kvcache::{DebugPrefixPod, KeyContext};
@@ -40,8 +40,14 @@ pub struct PodLoadView {
 pub struct PodView {
     /// `ip:port`.
     pub address: String,
-    /// Whether the pod's metrics are fresh (a stale or failing pod counts as saturated).
+    /// Whether the pod's metrics are fresh (a stale or failing pod counts as saturated) and
+    /// it is not down.
     pub ready: bool,
+    /// Whether the pod is down: its scrape is refused and its KV-event stream is gone, so it
+    /// is left out of the candidates until it answers.
+    pub down: bool,
+    /// Why it is down.
+    pub down_reason: Option<String>,
     /// (block, tier) entries the prefix index holds for the pod.
     pub index_blocks: usize,
     /// Its KV-event stream, when it has one.
@@ -81,9 +87,12 @@ pub async fn pods(State(state): State<AdminState>) -> axum::Json<PodsView> {
                     .map(|a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX)),
                 error: scrape.last_error.as_ref().map(|e| e.to_string()),
             });
+            let down = endpoint.liveness.is_down();
             PodView {
                 address: id.to_string(),
-                ready: scrape.is_fresh(now, state.staleness),
+                ready: scrape.is_fresh(now, state.staleness) && !down,
+                down,
+                down_reason: endpoint.liveness.reason(),
                 index_blocks: index.index_blocks,
                 kv_events: index.kv_events,
                 metrics,
@@ -150,7 +159,8 @@ pub async fn explain(
         priority: query.priority.unwrap_or(0),
         ..SchedulingRequest::default()
     };
-    let candidates = state.datastore.snapshot().endpoints.clone();
+    // The same candidates as the ext-proc path: down pods are left out.
+    let candidates = live_candidates(&state.datastore.snapshot().endpoints);
     axum::Json(state.scheduler.explain(&request, &candidates)).into_response()
 }
 

@@ -52,6 +52,10 @@ pub struct EppMetrics {
     /// Time requests spent in flow control
     /// (GIE: `inference_extension_flow_control_request_queue_duration_seconds`).
     pub flow_queue_seconds: Histogram,
+    /// 1 while an endpoint is down (scrape refused and event stream gone), by endpoint.
+    pub endpoint_down: IntGaugeVec,
+    /// Times an endpoint went down, by endpoint.
+    pub endpoint_down_total: IntCounterVec,
     /// Pool reloads applied.
     pub pool_reloads: IntCounter,
     /// Pool reloads rejected (unreadable or invalid file).
@@ -172,6 +176,20 @@ impl EppMetrics {
                 )
                 .buckets(prometheus::exponential_buckets(1e-4, 2.0, 20)?),
             )?,
+            endpoint_down: IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_endpoint_down",
+                    "1 while the endpoint is down (its scrape is refused and its KV-event stream is disconnected) and left out of the candidates.",
+                ),
+                &["endpoint"],
+            )?,
+            endpoint_down_total: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_endpoint_down_total",
+                    "Times the endpoint went down.",
+                ),
+                &["endpoint"],
+            )?,
             pool_reloads: IntCounter::new("kvpick_pool_reloads_total", "Pool updates applied.")?,
             pool_reload_errors: IntCounter::new(
                 "kvpick_pool_reload_errors_total",
@@ -195,6 +213,8 @@ impl EppMetrics {
         registry.register(Box::new(metrics.cached_prompt_tokens.clone()))?;
         registry.register(Box::new(metrics.flow_queue_size.clone()))?;
         registry.register(Box::new(metrics.flow_queue_seconds.clone()))?;
+        registry.register(Box::new(metrics.endpoint_down.clone()))?;
+        registry.register(Box::new(metrics.endpoint_down_total.clone()))?;
         registry.register(Box::new(metrics.pool_reloads.clone()))?;
         registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
         Ok(metrics)

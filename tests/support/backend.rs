@@ -3,6 +3,8 @@
 //! `POST /hold` answers headers and a first chunk at once, then holds the rest of the body
 //! until the test calls [`Backend::release`], so a test can keep a request in flight.
 //! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics and is not recorded.
+//! [`Backend::stop`] closes the listener and every open connection (a dead pod: connects
+//! are refused); [`Backend::restart`] listens on the same address again.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -28,6 +30,8 @@ pub struct Seen {
 struct Shared {
     seen: Mutex<Vec<Seen>>,
     released: watch::Sender<bool>,
+    /// Cancelled by `stop`: ends the accept loop and every connection.
+    running: Mutex<tokio_util::sync::CancellationToken>,
 }
 
 /// A running backend.
@@ -45,26 +49,59 @@ impl Backend {
         let shared = Arc::new(Shared {
             seen: Mutex::new(Vec::new()),
             released: watch::Sender::new(false),
+            running: Mutex::new(tokio_util::sync::CancellationToken::new()),
         });
         let backend = Backend {
             addr,
             shared: Arc::clone(&shared),
         };
+        backend.serve(listener);
+        backend
+    }
+
+    fn serve(&self, listener: TcpListener) {
+        let (addr, shared) = (self.addr, Arc::clone(&self.shared));
+        let running = shared.running.lock().expect("lock").clone();
         tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else {
+                let accepted = tokio::select! {
+                    _ = running.cancelled() => return,
+                    accepted = listener.accept() => accepted,
+                };
+                let Ok((stream, _)) = accepted else {
                     return;
                 };
-                let shared = Arc::clone(&shared);
+                let (shared, running) = (Arc::clone(&shared), running.clone());
                 tokio::spawn(async move {
                     let service = service_fn(move |req| handle(addr, Arc::clone(&shared), req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let connection = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service);
+                    tokio::select! {
+                        _ = running.cancelled() => {}
+                        _ = connection => {}
+                    }
                 });
             }
         });
-        backend
+    }
+
+    /// Closes the listener and every connection: from now on connects are refused.
+    pub fn stop(&self) {
+        self.shared.running.lock().expect("lock").cancel();
+    }
+
+    /// Listens again on the same address after [`Backend::stop`].
+    pub async fn restart(&self) {
+        *self.shared.running.lock().expect("lock") = tokio_util::sync::CancellationToken::new();
+        // The old listener is dropped by its task, a moment after `stop`.
+        for _ in 0..250 {
+            if let Ok(listener) = TcpListener::bind(self.addr).await {
+                self.serve(listener);
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("cannot listen on {} again", self.addr);
     }
 
     /// Everything received so far.

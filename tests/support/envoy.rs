@@ -1,5 +1,9 @@
 //! A real Envoy started from the shipped `deploy/envoy/envoy.yaml`, with only its ports and
-//! fallback endpoints substituted (plus optional test-only additions).
+//! endpoints substituted (plus optional test-only additions).
+//!
+//! The `inference-pool` cluster (override_host picks among its hosts) gets the endpoints of
+//! kvpick's pool file as it is when Envoy starts, plus [`EnvoyOptions::extra_pool`]; the
+//! `inference-pool-fallback` cluster gets [`EnvoyOptions::fallback`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -25,10 +29,74 @@ pub struct EnvoyOptions {
     pub subset_hint: Option<Vec<String>>,
     /// Echo the `envoy.lb` destination metadata back as a response header.
     pub echo_metadata: bool,
+    /// Pool endpoints Envoy knows besides those of kvpick's pool file at start (for a pool
+    /// that is edited later).
+    pub extra_pool: Vec<SocketAddr>,
+    /// Echo the upstream host that served and the number of upstream attempts as response
+    /// headers ([`UPSTREAM_ECHO_HEADER`], [`ATTEMPTS_ECHO_HEADER`]).
+    pub echo_upstream: bool,
 }
 
 /// Header the test config adds to responses with the `envoy.lb` destination metadata.
 pub const METADATA_ECHO_HEADER: &str = "x-test-metadata-destination";
+/// Header the test config adds to responses with the upstream host that served.
+pub const UPSTREAM_ECHO_HEADER: &str = "x-test-upstream-host";
+/// Header the test config adds to responses with the number of upstream attempts.
+pub const ATTEMPTS_ECHO_HEADER: &str = "x-test-upstream-attempts";
+
+/// The `address` of every endpoint of a kvpick pool file.
+fn pool_addresses(pool_file: &std::path::Path) -> Vec<SocketAddr> {
+    let text = std::fs::read_to_string(pool_file).expect("read kvpick's pool file");
+    let pool: serde_yaml::Value = serde_yaml::from_str(&text).expect("pool yaml");
+    pool["endpoints"]
+        .as_sequence()
+        .map(|endpoints| {
+            endpoints
+                .iter()
+                .filter_map(|e| e["address"].as_str())
+                .map(|a| a.parse().expect("pool address"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Replaces the endpoints of cluster `name` (when it lists endpoints: a cluster without a
+/// `load_assignment` is left alone).
+fn set_cluster_endpoints(config: &str, name: &str, endpoints: &[SocketAddr]) -> String {
+    let mut root: serde_yaml::Value = serde_yaml::from_str(config).expect("envoy.yaml");
+    let clusters = root["static_resources"]["clusters"]
+        .as_sequence_mut()
+        .expect("clusters");
+    let cluster = clusters
+        .iter_mut()
+        .find(|c| c["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("envoy.yaml has no cluster {name}"));
+    if cluster.get("load_assignment").is_some() {
+        let lb_endpoints: Vec<serde_yaml::Value> = endpoints
+            .iter()
+            .map(|a| {
+                serde_yaml::from_str(&format!(
+                    "endpoint: {{ address: {{ socket_address: {{ address: \"{}\", port_value: {} }} }} }}",
+                    a.ip(),
+                    a.port()
+                ))
+                .expect("endpoint yaml")
+            })
+            .collect();
+        cluster["load_assignment"]["endpoints"] = if lb_endpoints.is_empty() {
+            serde_yaml::Value::Sequence(Vec::new())
+        } else {
+            serde_yaml::from_str::<serde_yaml::Value>("[{lb_endpoints: []}]").expect("yaml")
+        };
+        if let Some(first) = cluster["load_assignment"]["endpoints"]
+            .as_sequence_mut()
+            .and_then(|s| s.first_mut())
+        {
+            first["lb_endpoints"] = serde_yaml::Value::Sequence(lb_endpoints);
+        }
+    }
+    serde_yaml::to_string(&root).expect("envoy yaml")
+}
 
 pub fn envoy_binary() -> PathBuf {
     if let Ok(path) = std::env::var("KVPICK_ENVOY") {
@@ -79,20 +147,8 @@ impl Envoy {
         } else {
             options.fallback.clone()
         };
-        let endpoints: String = fallback
-            .iter()
-            .map(|a| {
-                format!(
-                    "              - endpoint:\n                  address:\n                    socket_address: {{ address: {}, port_value: {} }}\n",
-                    a.ip(),
-                    a.port()
-                )
-            })
-            .collect();
-        let start = config
-            .find("              - endpoint:\n                  address:\n                    socket_address: { address: 127.0.0.1, port_value: 8101 }")
-            .expect("fallback endpoints in envoy.yaml");
-        config.replace_range(start.., &endpoints);
+        let mut pool = pool_addresses(&kvpick.pool_file);
+        pool.extend(options.extra_pool.iter().copied());
         if let Some(subset) = &options.subset_hint {
             let list = subset
                 .iter()
@@ -107,15 +163,27 @@ impl Envoy {
                 ),
             );
         }
+        let mut echoed = Vec::new();
         if options.echo_metadata {
+            echoed.push(format!("                        - header: {{ key: {METADATA_ECHO_HEADER}, value: \"%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%\" }}\n"));
+        }
+        if options.echo_upstream {
+            echoed.push(format!("                        - header: {{ key: {UPSTREAM_ECHO_HEADER}, value: \"%UPSTREAM_HOST%\" }}\n"));
+            echoed.push(format!("                        - header: {{ key: {ATTEMPTS_ECHO_HEADER}, value: \"%UPSTREAM_REQUEST_ATTEMPT_COUNT%\" }}\n"));
+        }
+        if !echoed.is_empty() {
             replace_once(
                 &mut config,
                 "                      domains: [\"*\"]\n",
                 &format!(
-                    "                      domains: [\"*\"]\n                      response_headers_to_add:\n                        - header: {{ key: {METADATA_ECHO_HEADER}, value: \"%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%\" }}\n"
+                    "                      domains: [\"*\"]\n                      response_headers_to_add:\n{}",
+                    echoed.concat()
                 ),
             );
         }
+        // Endpoints last: the edits above are on the file's text, these on its structure.
+        let config = set_cluster_endpoints(&config, "inference-pool", &pool);
+        let config = set_cluster_endpoints(&config, "inference-pool-fallback", &fallback);
         // NOTE: a port found free can be taken by another test's process before Envoy binds
         // it (tests run in parallel); Envoy then exits, and it is started again on other
         // ports (a few times) instead of failing the test.

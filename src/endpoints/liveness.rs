@@ -1,0 +1,144 @@
+//! Whether an endpoint is down: gone from the network, not merely slow or busy.
+//!
+//! An endpoint is down when its `/metrics` scrape finds nothing listening (refused, reset,
+//! unroutable; a timeout is not enough) **and** its KV-event stream is disconnected. For an
+//! endpoint without a configured KV-event endpoint the scrape alone decides. Either signal
+//! coming back (a scrape answers, the event stream reconnects) makes it live again.
+//!
+//! Down endpoints are left out of the candidates, so a dead engine stops getting traffic;
+//! when every candidate is down all are kept ([`live_candidates`]): a pick among doubtful
+//! pods is better than a certain 503, and the gateway retries on the fallbacks.
+//!
+//! One tracker task (`app::liveness`) writes the verdict; requests read it lock-free. It
+//! lives beside the in-flight count in [`super::EndpointState`] and, like it, survives pool
+//! reloads for endpoints that stay.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::EndpointState;
+
+/// One endpoint's down/up verdict and why.
+#[derive(Debug, Default)]
+pub struct Liveness {
+    down: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl Liveness {
+    /// Whether the endpoint is down (left out of the candidates).
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// Why it is down (`None` while it is up).
+    pub fn reason(&self) -> Option<String> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Records a verdict (`Some(reason)`: down); returns whether up/down changed.
+    pub fn set(&self, down: Option<String>) -> bool {
+        let is_down = down.is_some();
+        *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = down;
+        self.down.swap(is_down, Ordering::Relaxed) != is_down
+    }
+}
+
+/// What the verdict is made of, as read from the scraper and the KV-event status.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Signals {
+    /// The last scrape's connection failure (refused/reset/unroutable), if that is how it
+    /// failed.
+    pub scrape_connection_error: Option<String>,
+    /// Whether the pool file names a KV-event endpoint for it.
+    pub kv_events_configured: bool,
+    /// Whether its KV-event stream is connected now.
+    pub kv_events_connected: bool,
+}
+
+/// The verdict: `Some(reason)` when the endpoint is down.
+pub fn judge(signals: &Signals) -> Option<String> {
+    let scrape = signals.scrape_connection_error.as_deref()?;
+    if !signals.kv_events_configured {
+        return Some(format!(
+            "metrics scrape {scrape} (no KV-event endpoint configured)"
+        ));
+    }
+    (!signals.kv_events_connected)
+        .then(|| format!("metrics scrape {scrape}; KV-event stream disconnected"))
+}
+
+/// The endpoints that are not down; all of them when every one is down.
+pub fn live_candidates<'a>(
+    endpoints: impl IntoIterator<Item = &'a Arc<EndpointState>>,
+) -> Vec<Arc<EndpointState>> {
+    let all: Vec<Arc<EndpointState>> = endpoints.into_iter().cloned().collect();
+    if all.iter().all(|e| e.liveness.is_down()) {
+        return all;
+    }
+    all.into_iter().filter(|e| !e.liveness.is_down()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::Endpoint;
+
+    fn signals(refused: bool, configured: bool, connected: bool) -> Signals {
+        Signals {
+            scrape_connection_error: refused.then(|| "connection refused".to_owned()),
+            kv_events_configured: configured,
+            kv_events_connected: connected,
+        }
+    }
+
+    #[test]
+    fn down_needs_a_refused_scrape_and_no_event_stream() {
+        assert!(
+            judge(&signals(false, true, false)).is_none(),
+            "scrape answers"
+        );
+        assert!(
+            judge(&signals(true, true, true)).is_none(),
+            "events connected"
+        );
+        let reason = judge(&signals(true, true, false)).expect("down");
+        assert!(reason.contains("connection refused") && reason.contains("KV-event stream"));
+        let reason = judge(&signals(true, false, false)).expect("down without events");
+        assert!(reason.contains("no KV-event endpoint"), "{reason}");
+    }
+
+    #[test]
+    fn set_reports_transitions_only() {
+        let live = Liveness::default();
+        assert!(!live.set(None));
+        assert!(live.set(Some("gone".into())));
+        assert!(live.is_down());
+        assert!(!live.set(Some("still gone".into())));
+        assert_eq!(live.reason().as_deref(), Some("still gone"));
+        assert!(live.set(None));
+        assert!(!live.is_down() && live.reason().is_none());
+    }
+
+    #[test]
+    fn down_endpoints_are_left_out_unless_none_is_left() {
+        let state = |i: u8| {
+            Arc::new(EndpointState {
+                endpoint: Endpoint::new(format!("10.0.0.{i}:8000").parse().expect("addr")),
+                in_flight: Arc::default(),
+                liveness: Arc::default(),
+            })
+        };
+        let pool = vec![state(1), state(2)];
+        pool[0].liveness.set(Some("gone".into()));
+        let live = live_candidates(&pool);
+        assert_eq!(live.len(), 1);
+        assert_eq!(live[0].id(), pool[1].id());
+        pool[1].liveness.set(Some("gone".into()));
+        assert_eq!(live_candidates(&pool).len(), 2, "all down: keep all");
+        assert!(live_candidates(&[]).is_empty());
+    }
+}
