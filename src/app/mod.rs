@@ -3,8 +3,10 @@
 //! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool.
 //!
 //! Shutdown order (SIGTERM/SIGINT or the `shutdown` future): readiness goes NOT_SERVING so
-//! the gateway stops opening streams; the ext-proc server stops accepting and lets open
-//! streams finish, for at most the drain timeout; then the rest stops and the process exits.
+//! the gateway stops opening streams; new streams are still accepted for the grace period
+//! (until the gateway's next health check has seen NOT_SERVING); then the ext-proc server
+//! stops accepting and lets open streams finish, for at most the drain timeout; then the
+//! rest stops and the process exits.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -232,17 +234,8 @@ pub async fn serve(
     let result = match result {
         Some(joined) => flatten("ext-proc", joined),
         None => {
-            tracing::info!(timeout = ?config.drain_timeout, "shutting down: readiness off, draining streams");
             health::set_ready(&reporter, false).await;
-            drain.cancel();
-            match tokio::time::timeout(config.drain_timeout, &mut grpc_server).await {
-                Ok(joined) => flatten("ext-proc", joined),
-                Err(_) => {
-                    tracing::warn!("drain timeout reached; closing the remaining streams");
-                    grpc_server.abort();
-                    Ok(())
-                }
-            }
+            wind_down(&mut grpc_server, &drain, &config).await
         }
     };
     background.cancel();
@@ -250,6 +243,33 @@ pub async fn serve(
     let _ = admin_server.await;
     tracing::info!("kvpick stopped");
     result
+}
+
+type GrpcServer = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+
+/// With readiness already off: keeps accepting streams for the grace period (the gateway
+/// notices NOT_SERVING only at its next health check and sends streams until then), then
+/// stops accepting and lets open streams finish within the drain timeout.
+async fn wind_down(
+    grpc_server: &mut GrpcServer,
+    drain: &CancellationToken,
+    config: &ServeConfig,
+) -> Result<(), ServeError> {
+    tracing::info!(grace = ?config.shutdown_grace_period, "shutting down: readiness off, still accepting streams");
+    tokio::select! {
+        joined = &mut *grpc_server => return flatten("ext-proc", joined),
+        () = tokio::time::sleep(config.shutdown_grace_period) => {}
+    }
+    tracing::info!(timeout = ?config.drain_timeout, "grace period over: no new streams, draining");
+    drain.cancel();
+    match tokio::time::timeout(config.drain_timeout, &mut *grpc_server).await {
+        Ok(joined) => flatten("ext-proc", joined),
+        Err(_) => {
+            tracing::warn!("drain timeout reached; closing the remaining streams");
+            grpc_server.abort();
+            Ok(())
+        }
+    }
 }
 
 /// How often flow control re-checks capacity for queued requests.

@@ -55,6 +55,15 @@ pub struct ServeArgs {
     /// How long in-flight streams may run after SIGTERM before kvpick exits anyway.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// How long kvpick keeps accepting new ext-proc streams after SIGTERM, with readiness
+    /// already NOT_SERVING, before it stops accepting and drains.
+    ///
+    /// NOTE: 5s by default: longer than the gateway's health-check interval plus its timeout
+    /// (1s + 1s in deploy/envoy/envoy.yaml), so the gateway has seen NOT_SERVING and stopped
+    /// opening streams (falling open) before the listener closes; a shorter grace drops the
+    /// requests that arrive between SIGTERM and the gateway's next health check.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_grace_period: Duration,
     /// Tokenizer directory (HF layout: tokenizer.json + tokenizer_config.json), as
     /// `MODEL=DIR` for one model or `DIR` for every other model. Repeatable. Models without
     /// one are matched approximately (by text).
@@ -187,6 +196,8 @@ pub struct ServeConfig {
     pub max_fallbacks: usize,
     /// Drain timeout on shutdown.
     pub drain_timeout: Duration,
+    /// How long new streams are still accepted after SIGTERM (readiness off).
+    pub shutdown_grace_period: Duration,
     /// Where tokenizers come from.
     pub tokenizers: crate::tokenize::TokenizersConfig,
     /// Central KV-event bind endpoint.
@@ -289,6 +300,7 @@ impl ServeArgs {
             max_fallbacks: self.max_fallbacks,
             emit_endpoint_scores: self.emit_endpoint_scores,
             drain_timeout: self.drain_timeout,
+            shutdown_grace_period: self.shutdown_grace_period,
             tokenizers,
             kv_events_bind: self.kv_events_bind,
             scrape: crate::scrape::ScrapeConfig {
