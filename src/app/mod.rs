@@ -12,7 +12,6 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 mod pool_sync;
@@ -21,7 +20,7 @@ use crate::config::ServeConfig;
 use crate::discovery::{PoolFileError, parse_pool, watch_pool_file};
 use crate::endpoints::Datastore;
 use crate::extproc::admission::Admission;
-use crate::extproc::{ExtProcService, StreamContext};
+use crate::extproc::{BodyBudget, ExtProcService, StreamContext};
 use crate::kvcache::{IndexConfig, PrefixIndex};
 use crate::kvevents::{KvEventsConfig, KvEventsError, KvEventsManager};
 use crate::scheduling::{
@@ -216,13 +215,25 @@ pub async fn serve(
         objectives: Arc::new(config.objectives.clone()),
         admission: Arc::clone(&admission),
         metrics: Arc::clone(&metrics),
-        body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
+        body_budget: Arc::new(BodyBudget::new(
+            config.max_buffered_bytes,
+            config.max_body_bytes,
+        )),
         max_body_bytes: config.max_body_bytes,
+        timeouts: config.stream_timeouts,
     });
+    // The same bound per HTTP/2 connection keeps one client from opening more h2 streams
+    // than the service would take, before the service even sees them.
+    let h2_streams = u32::try_from(config.max_extproc_streams).unwrap_or(u32::MAX);
     let drain = CancellationToken::new();
     let mut grpc_server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(ExtProcService::new(ctx).into_server())
+            .max_concurrent_streams(h2_streams)
+            .add_service(
+                ExtProcService::new(ctx)
+                    .with_max_streams(config.max_extproc_streams)
+                    .into_server(),
+            )
             .serve_with_incoming_shutdown(incoming(grpc_listener), drain.clone().cancelled_owned()),
     );
     health::set_ready(&reporter, datastore.is_synced()).await;
