@@ -418,3 +418,58 @@ async fn idle_streams_are_bounded_and_closed_after_the_headers_timeout() {
     assert_eq!(refused_metric, (60 - bound) as f64);
     assert!(closed_after < Duration::from_secs(4), "{closed_after:?}");
 }
+
+#[tokio::test]
+async fn a_slow_upload_through_envoy_gets_408_while_normal_requests_pass() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let a = Backend::start("127.0.0.1").await;
+    let kvpick = Kvpick::start(&pool_yaml(&[&a]), &["--request-body-timeout", "1s"]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    support::wait_until("routing through kvpick", Duration::from_secs(10), || {
+        let url = url.clone();
+        async move { post(&url).await == 200 }
+    })
+    .await;
+
+    // A client that announces 100 KB and sends 1 KB, then stalls.
+    let mut slow = tokio::net::TcpStream::connect(("127.0.0.1", envoy.port))
+        .await
+        .expect("connect");
+    let started = Instant::now();
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\":\"m\",\"prompt\":\"",
+    )
+    .await
+    .expect("write");
+    slow.write_all(&[b'x'; 1000]).await.expect("write");
+    // Normal requests are not held up meanwhile.
+    assert_eq!(post(&url).await, 200);
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read until the reason has arrived (or Envoy closed the connection).
+    while !String::from_utf8_lossy(&answer).contains("within 1s") {
+        let n = tokio::time::timeout(Duration::from_secs(10), slow.read(&mut buf))
+            .await
+            .expect("an answer to the stalled upload")
+            .expect("read");
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let waited = started.elapsed();
+    let text = String::from_utf8_lossy(&answer);
+    eprintln!("slow upload through Envoy answered after {waited:?}: {text:?}");
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(
+        text.contains("inference error: request body not received within 1s"),
+        "{text}"
+    );
+    assert!(waited >= Duration::from_secs(1) && waited < Duration::from_secs(5));
+    assert!(
+        a.seen().iter().all(|r| r.body.len() != 100_000),
+        "the stalled upload never reached the backend"
+    );
+}
