@@ -17,8 +17,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::EndpointState;
 use kvpick::endpoints::{Datastore, Endpoint};
-use kvpick::extproc::StreamContext;
 use kvpick::extproc::admission::Admission;
+use kvpick::extproc::{BodyBudget, StreamContext, StreamTimeouts};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{LeastInFlight, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use kvpick::scheduling::{MetricsSource, SaturationConfig, SaturationDetector};
@@ -26,7 +26,7 @@ use kvpick::scrape::MetricsStore;
 use kvpick::telemetry::EppMetrics;
 use kvpick::tokenize::PromptTokens;
 use kvpick::tokenize::{Tokenizers, TokenizersConfig};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 use tonic::transport::Channel;
@@ -35,7 +35,7 @@ struct Harness {
     client: ExternalProcessorClient<Channel>,
     datastore: Arc<Datastore>,
     metrics: Arc<EppMetrics>,
-    budget: Arc<Semaphore>,
+    budget: Arc<BodyBudget>,
 }
 
 struct Options {
@@ -48,6 +48,7 @@ struct Options {
     recorder: Option<Arc<Recorder>>,
     /// What the saturation detector reads (empty: every pod unscraped, i.e. saturated).
     scrapes: Arc<MetricsStore>,
+    timeouts: StreamTimeouts,
 }
 
 /// A scheduler that records what it was asked and picks least-in-flight.
@@ -78,6 +79,7 @@ impl Default for Options {
             objectives: HashMap::new(),
             recorder: None,
             scrapes: Arc::new(MetricsStore::default()),
+            timeouts: StreamTimeouts::default(),
         }
     }
 }
@@ -92,7 +94,7 @@ async fn start(options: Options) -> Harness {
             .collect(),
     );
     let metrics = Arc::new(EppMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-    let budget = Arc::new(Semaphore::new(options.budget));
+    let budget = Arc::new(BodyBudget::new(options.budget, options.max_body));
     let registry = prometheus::Registry::new();
     let tokenizers = Arc::new(
         Tokenizers::new(TokenizersConfig::default(), &registry).expect("no tokenizers to load"),
@@ -116,6 +118,7 @@ async fn start(options: Options) -> Harness {
         metrics: Arc::clone(&metrics),
         body_budget: Arc::clone(&budget),
         max_body_bytes: options.max_body,
+        timeouts: options.timeouts,
     });
     let client = support::extproc::serve(ctx).await;
     Harness {
@@ -374,7 +377,7 @@ async fn full_request_and_response_round_trip() {
     assert_eq!(forwarded, big, "body forwarded byte for byte");
     assert_eq!(h.in_flight_total(), 1, "counted from the pick");
     assert_eq!(h.metrics.buffered_bytes.get(), 0, "body budget returned");
-    assert_eq!(h.budget.available_permits(), 4 << 20);
+    assert_eq!(h.budget.available(), 4 << 20);
 
     s.send(Request::ResponseHeaders(HttpHeaders::default()))
         .await;
@@ -504,7 +507,7 @@ async fn oversize_body_gets_413_before_it_is_all_buffered() {
     assert_eq!(status, 413);
     assert!(text.contains("65536"), "{text}");
     assert_eq!(h.metrics.buffered_bytes.get(), 0, "nothing kept after 413");
-    assert_eq!(h.budget.available_permits(), 4 << 20);
+    assert_eq!(h.budget.available(), 4 << 20);
 }
 
 #[tokio::test]
@@ -527,7 +530,7 @@ async fn exhausted_buffer_budget_gets_503_and_is_returned() {
     // The first client goes away mid-body: its share comes back.
     drop(first);
     h.settle().await;
-    assert_eq!(h.budget.available_permits(), 100 * 1024);
+    assert_eq!(h.budget.available(), 100 * 1024);
     assert_eq!(h.metrics.buffered_bytes.get(), 0);
     assert_eq!(
         h.metrics
@@ -637,7 +640,7 @@ async fn a_truncated_request_leaks_nothing() {
     drop(s);
     h.settle().await;
     assert_eq!(h.metrics.buffered_bytes.get(), 0);
-    assert_eq!(h.budget.available_permits(), 4 << 20);
+    assert_eq!(h.budget.available(), 4 << 20);
     assert_eq!(h.in_flight_total(), 0);
 }
 
@@ -912,4 +915,116 @@ async fn sheddable_requests_get_429_when_the_pool_is_saturated() {
     s.send(body(BODY, true)).await;
     decision(&s.recv().await);
     assert_eq!(h.in_flight_total(), 1, "critical requests are not shed");
+}
+
+// NOTE: the timeout tests run in real time with short timeouts rather than tokio's paused
+// clock: the streams go over real loopback sockets, and a paused clock auto-advances past
+// the client's own deadline while the server's reply is still in the socket.
+const SHORT: StreamTimeouts = StreamTimeouts {
+    headers: Duration::from_millis(300),
+    body: Duration::from_millis(300),
+};
+
+#[tokio::test]
+async fn a_body_that_does_not_arrive_in_time_gets_408_and_returns_its_budget() {
+    let mut h = start(Options {
+        timeouts: SHORT,
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    let opened = std::time::Instant::now();
+    s.send(post_headers()).await;
+    s.send(body(&[b' '; 100_000], false)).await;
+    // A byte every 100 ms keeps the stream busy, but the deadline is for the whole body.
+    let trickle = {
+        let tx = s.tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let chunk = ProcessingRequest {
+                    request: Some(body(b" ", false)),
+                    ..Default::default()
+                };
+                if tx.send(chunk).await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let (status, text) = immediate(&s.recv().await);
+    let waited = opened.elapsed();
+    assert_eq!(status, 408);
+    assert_eq!(
+        text,
+        "inference error: request body not received within 300ms"
+    );
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
+    trickle.abort();
+    h.settle().await;
+    assert_eq!(h.budget.available(), 4 << 20, "budget returned");
+    assert_eq!(h.metrics.buffered_bytes.get(), 0);
+    assert_eq!(
+        h.metrics
+            .request_errors
+            .with_label_values(&["", "", "RequestTimeout"])
+            .get(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_stream_that_never_sends_headers_is_closed_with_deadline_exceeded() {
+    let mut h = start(Options {
+        timeouts: SHORT,
+        ..Options::default()
+    })
+    .await;
+    let opened = std::time::Instant::now();
+    let mut s = h.open().await;
+    let status = s.recv_status().await;
+    let waited = opened.elapsed();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+    assert!(
+        status.message().contains("no request headers within 300ms"),
+        "{status:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
+    h.settle().await;
+    assert_eq!(
+        h.metrics
+            .aborted_streams
+            .with_label_values(&["request_headers"])
+            .get(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_fast_request_is_not_cut_by_the_timeouts() {
+    let mut h = start(Options {
+        timeouts: SHORT,
+        ..Options::default()
+    })
+    .await;
+    let mut s = h.open().await;
+    s.send(post_headers()).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    s.send(body(br#"{"model":"m","prompt":"hi"}"#, true)).await;
+    assert!(!decision(&s.recv().await).destination.is_empty());
+    assert!(streamed_body(&s.recv().await).1, "the whole body forwarded");
+    // The response side has no deadline: a response that takes long is not cut.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    s.send(Request::ResponseHeaders(HttpHeaders::default()))
+        .await;
+    assert!(matches!(
+        s.recv().await.response,
+        Some(Response::ResponseHeaders(_))
+    ));
 }

@@ -17,8 +17,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
-use kvpick::extproc::StreamContext;
 use kvpick::extproc::admission::Admission;
+use kvpick::extproc::{BodyBudget, StreamContext, StreamTimeouts};
 use kvpick::kvcache::{IndexConfig, PrefixIndex};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{
@@ -27,7 +27,7 @@ use kvpick::scheduling::{
 };
 use kvpick::telemetry::EppMetrics;
 use kvpick::tokenize::{PromptTokens, Tokenizers, TokenizersConfig};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 struct Harness {
@@ -106,8 +106,9 @@ async fn start_with(
             flow: None,
         }),
         metrics: Arc::new(EppMetrics::new(&registry).expect("metrics")),
-        body_budget: Arc::new(Semaphore::new(1 << 20)),
+        body_budget: Arc::new(BodyBudget::new(1 << 20, 1 << 20)),
         max_body_bytes: 1 << 20,
+        timeouts: StreamTimeouts::default(),
     });
     let client = support::extproc::serve(ctx).await;
     Harness {

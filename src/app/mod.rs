@@ -2,34 +2,40 @@
 //!
 //! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool;
 //! [`liveness`] marks endpoints down (left out of the candidates) and up again.
+//! The background subsystems ([`subsystems`]) run under a [`supervise::Supervisor`]: one
+//! that dies turns readiness off and is restarted, or ends kvpick with an error.
 //!
 //! Shutdown order (SIGTERM/SIGINT or the `shutdown` future): readiness goes NOT_SERVING so
-//! the gateway stops opening streams; the ext-proc server stops accepting and lets open
-//! streams finish, for at most the drain timeout; then the rest stops and the process exits.
+//! the gateway stops opening streams; new streams are still accepted for the grace period
+//! (until the gateway's next health check has seen NOT_SERVING); then the ext-proc server
+//! stops accepting and lets open streams finish, for at most the drain timeout; then the
+//! rest stops and the process exits.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 mod liveness;
 mod pool_sync;
+pub mod subsystems;
+pub mod supervise;
 
 use crate::config::ServeConfig;
-use crate::discovery::{PoolFileError, parse_pool, watch_pool_file};
+use crate::discovery::{PoolFileError, parse_pool};
 use crate::endpoints::Datastore;
 use crate::extproc::admission::Admission;
-use crate::extproc::{ExtProcService, StreamContext};
+use crate::extproc::{BodyBudget, ExtProcService, StreamContext};
 use crate::kvcache::{IndexConfig, PrefixIndex};
 use crate::kvevents::{KvEventsError, KvEventsManager};
 use crate::scheduling::{
     ConfiguredScheduler, FlowControlConfig, FlowController, MetricsSource, SchedulerDeps,
 };
-use crate::scrape::{MetricsStore, ScrapeManager, ScrapeMetrics};
+use crate::scrape::{MetricsStore, ScrapeMetrics};
 use crate::telemetry::{EppMetrics, admin, health};
 use crate::tokenize::{TokenizeError, Tokenizers};
+use supervise::{Policy, SubsystemFailed, Supervisor};
 
 /// Why `kvpick serve` could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +60,9 @@ pub enum ServeError {
     /// The KV-event subsystem could not start.
     #[error("kv events: {0}")]
     KvEvents(#[from] KvEventsError),
+    /// A background subsystem died for good (see [`supervise`]).
+    #[error(transparent)]
+    Subsystem(#[from] SubsystemFailed),
     /// A server failed.
     #[error("{server} server failed: {message}")]
     Server {
@@ -140,46 +149,54 @@ pub async fn serve(
         }
     };
     tracing::info!(profile = %config.picker.scheduler.profile_name, prefill_profile, flow_control = config.picker.scheduler.flow_control, emit_endpoint_scores = config.emit_endpoint_scores, "scheduler ready");
+    let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
     let admission = Arc::new(admission(
         &scheduler,
         config.picker.scheduler.flow_control,
         &datastore,
+        &mut supervisor,
         &background,
     ));
-    tokio::spawn(pool_sync::follow_pool(
-        datastore.subscribe(),
-        Arc::clone(&kv_events),
-        ScrapeManager::new(
-            config.scrape.clone(),
-            Arc::clone(&metrics_store),
-            ScrapeMetrics::new(&registry)?,
+    supervisor.spawn(
+        "pool-follower",
+        Policy::RESTART,
+        subsystems::pool_follower(
+            subsystems::FollowerParts {
+                datastore: Arc::clone(&datastore),
+                kv_events: Arc::clone(&kv_events),
+                scrape: config.scrape.clone(),
+                store: Arc::clone(&metrics_store),
+                scrape_metrics: ScrapeMetrics::new(&registry)?,
+                index: Arc::clone(&index),
+            },
             background.clone(),
-        )
-        .with_observer(Arc::new(pool_sync::ScrapeToKvEvents(Arc::clone(
-            &kv_events,
-        )))),
-        Arc::clone(&metrics_store),
-        Arc::clone(&index),
-        background.clone(),
-    ));
-    tokio::spawn(liveness::track_liveness(
-        liveness::LivenessInputs {
-            datastore: Arc::clone(&datastore),
-            scrapes: Arc::clone(&metrics_store),
-            kv_events: Arc::clone(&kv_events),
-            metrics: Arc::clone(&metrics),
-        },
-        config.scrape.interval,
-        background.clone(),
-    ));
-    tokio::spawn(watch_pool_file(
-        config.endpoints_file.clone(),
-        config.endpoints_reload_interval,
-        Some(initial),
-        Arc::clone(&datastore),
-        Arc::clone(&metrics),
-        background.clone(),
-    ));
+        ),
+    );
+    supervisor.spawn(
+        "liveness",
+        Policy::RESTART,
+        subsystems::liveness(
+            Arc::clone(&datastore),
+            Arc::clone(&metrics_store),
+            Arc::clone(&kv_events),
+            Arc::clone(&metrics),
+            config.scrape.interval,
+            background.clone(),
+        ),
+    );
+    supervisor.spawn(
+        "pool-file-watcher",
+        Policy::RESTART,
+        subsystems::pool_watcher(
+            config.endpoints_file.clone(),
+            config.endpoints_reload_interval,
+            initial,
+            Arc::clone(&datastore),
+            Arc::clone(&metrics),
+            background.clone(),
+        ),
+    );
+    subsystems::supervise_kv_events(&mut supervisor, &kv_events, &background);
 
     let grpc_listener = bind(config.grpc_addr).await?;
     let health_listener = bind(config.health_addr).await?;
@@ -229,42 +246,108 @@ pub async fn serve(
         objectives: Arc::new(config.objectives.clone()),
         admission: Arc::clone(&admission),
         metrics: Arc::clone(&metrics),
-        body_budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
+        body_budget: Arc::new(BodyBudget::new(
+            config.max_buffered_bytes,
+            config.max_body_bytes,
+        )),
         max_body_bytes: config.max_body_bytes,
+        timeouts: config.stream_timeouts,
     });
+    // The same bound per HTTP/2 connection keeps one client from opening more h2 streams
+    // than the service would take, before the service even sees them.
+    let h2_streams = u32::try_from(config.max_extproc_streams).unwrap_or(u32::MAX);
     let drain = CancellationToken::new();
     let mut grpc_server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(ExtProcService::new(ctx).into_server())
+            .max_concurrent_streams(h2_streams)
+            .add_service(
+                ExtProcService::new(ctx)
+                    .with_max_streams(config.max_extproc_streams)
+                    .into_server(),
+            )
             .serve_with_incoming_shutdown(incoming(grpc_listener), drain.clone().cancelled_owned()),
     );
     health::set_ready(&reporter, datastore.is_synced()).await;
 
-    let result = tokio::select! {
-        joined = &mut grpc_server => Some(joined),
-        () = shutdown => None,
-    };
-    let result = match result {
-        Some(joined) => flatten("ext-proc", joined),
-        None => {
-            tracing::info!(timeout = ?config.drain_timeout, "shutting down: readiness off, draining streams");
-            health::set_ready(&reporter, false).await;
-            drain.cancel();
-            match tokio::time::timeout(config.drain_timeout, &mut grpc_server).await {
-                Ok(joined) => flatten("ext-proc", joined),
-                Err(_) => {
-                    tracing::warn!("drain timeout reached; closing the remaining streams");
-                    grpc_server.abort();
-                    Ok(())
+    let ended = {
+        let mut healthy = supervisor.healthy();
+        let supervision = supervisor.run();
+        tokio::pin!(supervision, shutdown);
+        loop {
+            tokio::select! {
+                joined = &mut grpc_server => break Ended::Server(joined),
+                () = &mut shutdown => break Ended::Signal,
+                failed = &mut supervision => break Ended::Subsystem(failed),
+                Ok(()) = healthy.changed() => {
+                    let ready = *healthy.borrow_and_update() && datastore.is_synced();
+                    health::set_ready(&reporter, ready).await;
                 }
             }
         }
     };
+    let result = match ended {
+        Ended::Server(joined) => flatten("ext-proc", joined),
+        Ended::Signal => {
+            health::set_ready(&reporter, false).await;
+            wind_down(&mut grpc_server, &drain, &config).await
+        }
+        Ended::Subsystem(failed) => {
+            // Readiness is already off; in-flight and arriving requests still get served.
+            tracing::error!(%failed, "shutting down: a subsystem failed for good");
+            health::set_ready(&reporter, false).await;
+            if let Err(error) = wind_down(&mut grpc_server, &drain, &config).await {
+                tracing::error!(%error, "while shutting down");
+            }
+            Err(failed.into())
+        }
+    };
     background.cancel();
+    kv_events.shutdown();
+    supervisor.stop(SUBSYSTEM_STOP_TIMEOUT).await;
     let _ = health_server.await;
     let _ = admin_server.await;
     tracing::info!("kvpick stopped");
     result
+}
+
+type GrpcServer = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+
+/// How long the subsystems may take to see the cancellation before they are aborted.
+const SUBSYSTEM_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Why `serve` stops.
+enum Ended {
+    /// The ext-proc server ended by itself (an error).
+    Server(Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>),
+    /// SIGTERM/SIGINT (the `shutdown` future).
+    Signal,
+    /// A subsystem failed for good.
+    Subsystem(SubsystemFailed),
+}
+
+/// With readiness already off: keeps accepting streams for the grace period (the gateway
+/// notices NOT_SERVING only at its next health check and sends streams until then), then
+/// stops accepting and lets open streams finish within the drain timeout.
+async fn wind_down(
+    grpc_server: &mut GrpcServer,
+    drain: &CancellationToken,
+    config: &ServeConfig,
+) -> Result<(), ServeError> {
+    tracing::info!(grace = ?config.shutdown_grace_period, "shutting down: readiness off, still accepting streams");
+    tokio::select! {
+        joined = &mut *grpc_server => return flatten("ext-proc", joined),
+        () = tokio::time::sleep(config.shutdown_grace_period) => {}
+    }
+    tracing::info!(timeout = ?config.drain_timeout, "grace period over: no new streams, draining");
+    drain.cancel();
+    match tokio::time::timeout(config.drain_timeout, &mut *grpc_server).await {
+        Ok(joined) => flatten("ext-proc", joined),
+        Err(_) => {
+            tracing::warn!("drain timeout reached; closing the remaining streams");
+            grpc_server.abort();
+            Ok(())
+        }
+    }
 }
 
 /// How often flow control re-checks capacity for queued requests.
@@ -275,6 +358,7 @@ fn admission(
     scheduler: &ConfiguredScheduler,
     flow_control: bool,
     datastore: &Arc<Datastore>,
+    supervisor: &mut Supervisor,
     background: &CancellationToken,
 ) -> Admission {
     let detector = scheduler.saturation_detector().clone();
@@ -283,9 +367,10 @@ fn admission(
         let flow = FlowController::new(FlowControlConfig::default(), move |pending| {
             detector.has_capacity(&datastore.snapshot().endpoints, pending)
         });
-        tokio::spawn(
-            flow.clone()
-                .run_dispatcher(FLOW_DISPATCH_INTERVAL, background.clone()),
+        supervisor.spawn(
+            "flow-dispatcher",
+            Policy::RESTART,
+            subsystems::flow_dispatcher(flow.clone(), FLOW_DISPATCH_INTERVAL, background.clone()),
         );
         flow
     });

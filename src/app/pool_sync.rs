@@ -72,7 +72,8 @@ pub async fn follow_pool(
             }
         }
     }
-    kv_events.shutdown();
+    // NOTE: the KV-event subscriptions outlive one follower run (a restarted run re-syncs
+    // them); `serve` shuts the manager down when kvpick stops.
 }
 
 async fn sync(

@@ -45,6 +45,18 @@ pub struct ServeArgs {
     /// Bytes of request bodies buffered across all streams at once; past it new bodies get 503.
     #[arg(long, default_value_t = 1024 * 1024 * 1024)]
     pub max_buffered_bytes: usize,
+    /// How long the whole request body may take to arrive, from the request headers; a
+    /// slower body is answered 408 and its share of the buffer budget returned.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub request_body_timeout: Duration,
+    /// How long a new ext-proc stream may wait for its request headers before it is closed
+    /// (DEADLINE_EXCEEDED). Gateways send them at once; only idle clients hit this.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub request_headers_timeout: Duration,
+    /// Ext-proc streams open at once, across all connections (and per HTTP/2 connection);
+    /// past it new streams are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_extproc_streams: usize,
     /// How many fallback endpoints follow the primary in the destination header.
     ///
     /// 1 by default: the reference Envoy config (deploy/envoy/envoy.yaml, override_host
@@ -56,6 +68,15 @@ pub struct ServeArgs {
     /// How long in-flight streams may run after SIGTERM before kvpick exits anyway.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// How long kvpick keeps accepting new ext-proc streams after SIGTERM, with readiness
+    /// already NOT_SERVING, before it stops accepting and drains.
+    ///
+    /// NOTE: 5s by default: longer than the gateway's health-check interval plus its timeout
+    /// (1s + 1s in deploy/envoy/envoy.yaml), so the gateway has seen NOT_SERVING and stopped
+    /// opening streams (falling open) before the listener closes; a shorter grace drops the
+    /// requests that arrive between SIGTERM and the gateway's next health check.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_grace_period: Duration,
     /// Tokenizer directory (HF layout: tokenizer.json + tokenizer_config.json), as
     /// `MODEL=DIR` for one model or `DIR` for every other model. Repeatable. Models without
     /// one are matched approximately (by text).
@@ -215,10 +236,16 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// Global body buffer budget.
     pub max_buffered_bytes: usize,
+    /// Request headers and body timeouts.
+    pub stream_timeouts: crate::extproc::StreamTimeouts,
+    /// Open ext-proc streams bound.
+    pub max_extproc_streams: usize,
     /// Fallbacks after the primary.
     pub max_fallbacks: usize,
     /// Drain timeout on shutdown.
     pub drain_timeout: Duration,
+    /// How long new streams are still accepted after SIGTERM (readiness off).
+    pub shutdown_grace_period: Duration,
     /// Where tokenizers come from.
     pub tokenizers: crate::tokenize::TokenizersConfig,
     /// Central KV-event bind endpoint.
@@ -286,6 +313,26 @@ impl ServeArgs {
                 value: self.max_buffered_bytes,
             });
         }
+        for (flag, value) in [
+            ("request-body-timeout", self.request_body_timeout),
+            ("request-headers-timeout", self.request_headers_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::TooSmall {
+                    flag,
+                    min: 1,
+                    value: 0,
+                });
+            }
+        }
+        // Bounded by what an HTTP/2 SETTINGS frame can say.
+        if self.max_extproc_streams == 0 || u32::try_from(self.max_extproc_streams).is_err() {
+            return Err(ConfigError::TooSmall {
+                flag: "max-extproc-streams",
+                min: 1,
+                value: self.max_extproc_streams,
+            });
+        }
         let mut tokenizers = crate::tokenize::TokenizersConfig {
             lora_bases: self.loras,
             prefix_cache_bytes: self.prefix_token_cache_bytes,
@@ -334,9 +381,15 @@ impl ServeArgs {
             endpoints_reload_interval: self.endpoints_reload_interval,
             max_body_bytes: self.max_body_bytes,
             max_buffered_bytes: self.max_buffered_bytes,
+            stream_timeouts: crate::extproc::StreamTimeouts {
+                headers: self.request_headers_timeout,
+                body: self.request_body_timeout,
+            },
+            max_extproc_streams: self.max_extproc_streams,
             max_fallbacks: self.max_fallbacks,
             emit_endpoint_scores: self.emit_endpoint_scores,
             drain_timeout: self.drain_timeout,
+            shutdown_grace_period: self.shutdown_grace_period,
             tokenizers,
             kv_events_bind: self.kv_events_bind,
             kv_events: kv_events_config(

@@ -24,6 +24,12 @@ pub enum Rejection {
     /// The global body buffer budget is used up by other requests.
     #[error("request body buffer budget exhausted, retry later")]
     BufferBudgetExhausted,
+    /// The body did not arrive in full within `--request-body-timeout`.
+    #[error("request body not received within {limit:?}")]
+    BodyTimeout {
+        /// The configured timeout.
+        limit: std::time::Duration,
+    },
     /// The gateway's subset hint left no endpoint of the pool.
     #[error("no endpoint of the pool is in the gateway's subset hint")]
     EmptySubset,
@@ -47,6 +53,7 @@ impl Rejection {
         match self {
             Self::BadRequest(_) => 400,
             Self::BodyTooLarge { .. } => 413,
+            Self::BodyTimeout { .. } => 408,
             Self::BufferBudgetExhausted | Self::EmptySubset | Self::Schedule(_) => 503,
             Self::Shed => 429,
             Self::Queue(error) => error.http_status(),
@@ -59,6 +66,7 @@ impl Rejection {
         match self {
             Self::BadRequest(_) | Self::BodyTooLarge { .. } => "BadRequest",
             Self::BufferBudgetExhausted => "ResourceExhausted",
+            Self::BodyTimeout { .. } => "RequestTimeout",
             Self::EmptySubset | Self::Schedule(_) => "ServiceUnavailable",
             Self::Shed | Self::Queue(FlowError::QueueFull) => "InferencePoolResourceExhausted",
             Self::Queue(FlowError::TimedOut) => "ServiceUnavailable",
@@ -81,11 +89,20 @@ pub enum ProtocolError {
     /// A `ProcessingRequest` with no request oneof set.
     #[error("processing request carries no message")]
     Empty,
+    /// The stream sent no request headers within `--request-headers-timeout`.
+    #[error("no request headers within {limit:?}")]
+    NoHeaders {
+        /// The configured timeout.
+        limit: std::time::Duration,
+    },
 }
 
 impl From<ProtocolError> for tonic::Status {
     fn from(error: ProtocolError) -> Self {
-        tonic::Status::failed_precondition(error.to_string())
+        match error {
+            ProtocolError::NoHeaders { .. } => tonic::Status::deadline_exceeded(error.to_string()),
+            _ => tonic::Status::failed_precondition(error.to_string()),
+        }
     }
 }
 
@@ -102,6 +119,11 @@ mod tests {
         assert_eq!(Rejection::BodyTooLarge { limit: 1 }.http_status(), 413);
         assert_eq!(Rejection::EmptySubset.http_status(), 503);
         assert_eq!(Rejection::BufferBudgetExhausted.http_status(), 503);
+        let timeout = Rejection::BodyTimeout {
+            limit: std::time::Duration::from_secs(30),
+        };
+        assert_eq!(timeout.http_status(), 408);
+        assert_eq!(timeout.to_string(), "request body not received within 30s");
         assert_eq!(
             Rejection::Schedule(ScheduleError::NoCandidates).http_status(),
             503

@@ -8,10 +8,12 @@
 //! - `response`: the response path, restoring a rewritten model name;
 //! - [`scores`]: the score-tracing and prefill headers (and their `kvpick` metadata);
 //! - [`subset`]: the gateway's subset hint;
+//! - [`budget`]: the shared body buffer budget and each stream's share of it;
 //! - [`admission`]: shedding and flow control before the pick;
 //! - [`error`]: request and protocol errors, mapped to statuses in one place.
 
 pub mod admission;
+pub mod budget;
 pub mod error;
 pub mod meta;
 pub mod mutations;
@@ -23,5 +25,6 @@ pub mod stream;
 pub mod subset;
 pub mod usage;
 
+pub use budget::BodyBudget;
 pub use service::ExtProcService;
-pub use stream::{RequestStream, StreamContext};
+pub use stream::{RequestStream, StreamContext, StreamTimeouts};

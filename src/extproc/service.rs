@@ -1,4 +1,9 @@
 //! The tonic `ExternalProcessor` service: each gRPC stream drives one [`RequestStream`].
+//!
+//! Streams are bounded: at most `--max-extproc-streams` are open at once (across all
+//! connections; past it a new stream is refused with RESOURCE_EXHAUSTED, which a gateway
+//! with FailOpen treats like an unavailable picker), and each read while the request is
+//! still arriving has a deadline ([`RequestStream::read_deadline`]).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -9,6 +14,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::Stream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{RequestStream, Step, StreamContext};
@@ -16,12 +22,22 @@ use super::stream::{RequestStream, Step, StreamContext};
 /// The ext-proc service.
 pub struct ExtProcService {
     ctx: Arc<StreamContext>,
+    streams: Arc<Semaphore>,
 }
 
 impl ExtProcService {
-    /// A service over `ctx`.
+    /// A service over `ctx`, with no bound on open streams (see [`Self::with_max_streams`]).
     pub fn new(ctx: Arc<StreamContext>) -> Self {
-        Self { ctx }
+        Self {
+            ctx,
+            streams: Arc::new(Semaphore::new(Semaphore::MAX_PERMITS)),
+        }
+    }
+
+    /// At most `max` streams open at once; more are refused with RESOURCE_EXHAUSTED.
+    pub fn with_max_streams(mut self, max: usize) -> Self {
+        self.streams = Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS)));
+        self
     }
 
     /// The tonic server wrapper, with message limits that fit a full 62 KB chunk and more.
@@ -47,7 +63,13 @@ impl ExternalProcessor for ExtProcService {
         // connection's own task without a cross-thread wake-up. When the gateway resets the
         // stream, tonic drops this stream and with it the `RequestStream`, whose `Drop`
         // returns the request's in-flight unit and body budget.
+        let Ok(slot) = Arc::clone(&self.streams).try_acquire_owned() else {
+            self.ctx.metrics.refused_streams.inc();
+            tracing::warn!("too many open ext-proc streams; refusing a new one");
+            return Err(Status::resource_exhausted("too many open ext-proc streams"));
+        };
         let state = Driver {
+            _slot: slot,
             inbound: request.into_inner(),
             stream: RequestStream::new(Arc::clone(&self.ctx)),
             pending: VecDeque::new(),
@@ -62,6 +84,8 @@ impl ExternalProcessor for ExtProcService {
 }
 
 struct Driver {
+    /// This stream's place under `--max-extproc-streams`, returned on drop.
+    _slot: OwnedSemaphorePermit,
     inbound: Streaming<ProcessingRequest>,
     stream: RequestStream,
     pending: VecDeque<ProcessingResponse>,
@@ -85,7 +109,25 @@ impl Driver {
             if self.finished || self.stream.is_done() {
                 return None;
             }
-            match self.inbound.message().await {
+            let inbound = match self.stream.read_deadline() {
+                None => self.inbound.message().await,
+                Some(deadline) => {
+                    match tokio::time::timeout_at(deadline, self.inbound.message()).await {
+                        Ok(inbound) => inbound,
+                        Err(_) => match self.stream.expire() {
+                            Ok(replies) => {
+                                self.pending.extend(replies);
+                                continue;
+                            }
+                            Err(error) => {
+                                self.finished = true;
+                                return Some(Err(error.into()));
+                            }
+                        },
+                    }
+                }
+            };
+            match inbound {
                 Ok(Some(message)) => match self.stream.on_message(message) {
                     Ok(Step::Reply(replies)) => self.pending.extend(replies),
                     Ok(Step::Decide) => {

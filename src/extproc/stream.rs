@@ -9,18 +9,21 @@
 //! Phases: request headers → body buffered until end of stream → decide → (headers response
 //! with metadata, body chunks) → response headers/body/trailers passed through → done.
 //! The request's in-flight unit ([`InFlightGuard`]) and its share of the body budget
-//! ([`OwnedSemaphorePermit`]) are fields: dropping the stream, for any reason, returns both.
+//! ([`Held`]) are fields: dropping the stream, for any reason, returns both.
+//!
+//! Reads are bounded in time while the request is still arriving ([`Self::read_deadline`]):
+//! the request headers must come within `--request-headers-timeout` of the stream opening,
+//! and the whole body within `--request-body-timeout` of the headers. The deadline is for
+//! the whole body, not a gap between chunks, so a client trickling a byte at a time cannot
+//! hold its share of the budget longer than a stalled one. The response side has no such
+//! bound: LLM responses stream for minutes and the gateway owns their timeouts.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
-};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
 use super::admission::Admission;
+use super::budget::{BodyBudget, Held};
 use super::error::{ProtocolError, Rejection};
 use super::meta::RequestMeta;
 use super::mutations;
@@ -34,6 +37,9 @@ use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
 use crate::tokenize::{PromptTokens, Tokenizers};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
+};
 
 /// Bodies up to this size are prepared on the stream's own task.
 const INLINE_PREPARE_BYTES: usize = 16 * 1024;
@@ -55,9 +61,30 @@ pub struct StreamContext {
     /// EPP metrics.
     pub metrics: Arc<EppMetrics>,
     /// Bytes of request bodies that may be buffered across all streams.
-    pub body_budget: Arc<Semaphore>,
+    pub body_budget: Arc<BodyBudget>,
     /// Per-request body limit (also bounds a held response body).
     pub max_body_bytes: usize,
+    /// How long the request may take to arrive.
+    pub timeouts: StreamTimeouts,
+}
+
+/// How long each part of the request may take to arrive (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamTimeouts {
+    /// From the stream opening to its request headers (`--request-headers-timeout`).
+    pub headers: std::time::Duration,
+    /// From the request headers to the end of the body (`--request-body-timeout`).
+    pub body: std::time::Duration,
+}
+
+impl Default for StreamTimeouts {
+    /// The flags' defaults.
+    fn default() -> Self {
+        Self {
+            headers: std::time::Duration::from_secs(10),
+            body: std::time::Duration::from_secs(30),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,8 +149,10 @@ pub struct RequestStream {
     meta: RequestMeta,
     subset: Option<SubsetHint>,
     body: Vec<u8>,
-    budget: Option<OwnedSemaphorePermit>,
+    budget: Held,
     end: RequestEnd,
+    /// When the stream opened, then (once they came) when the request headers came.
+    phase_started: tokio::time::Instant,
     in_flight: Option<InFlightGuard>,
     response: ResponseBody,
     /// Where the request went and under which model labels, for the usage metrics.
@@ -150,8 +179,9 @@ impl RequestStream {
             meta: RequestMeta::default(),
             subset: None,
             body: Vec::new(),
-            budget: None,
+            budget: Held::default(),
             end: RequestEnd::Bodyless,
+            phase_started: tokio::time::Instant::now(),
             in_flight: None,
             response: ResponseBody::PassThrough,
             routed: None,
@@ -169,6 +199,41 @@ impl RequestStream {
     /// Whether the request was answered or passed through to its end.
     pub fn is_done(&self) -> bool {
         self.phase == Phase::Done
+    }
+
+    /// Until when the next inbound message may take: `None` once the request is in.
+    pub fn read_deadline(&self) -> Option<tokio::time::Instant> {
+        let limit = match self.phase {
+            Phase::AwaitRequestHeaders => self.ctx.timeouts.headers,
+            Phase::BufferBody => self.ctx.timeouts.body,
+            _ => return None,
+        };
+        Some(self.phase_started + limit)
+    }
+
+    /// The read deadline passed: a body still arriving is answered 408 (the replies to
+    /// send); a stream that never sent its headers is a protocol error (closed with
+    /// DEADLINE_EXCEEDED, and counted as aborted when dropped).
+    pub fn expire(&mut self) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        match self.phase {
+            Phase::BufferBody => {
+                let limit = self.ctx.timeouts.body;
+                tracing::info!(
+                    ?limit,
+                    received = self.body.len(),
+                    "request body too slow; answering 408"
+                );
+                Ok(self.reject(Rejection::BodyTimeout { limit }, None))
+            }
+            _ => {
+                let limit = self.ctx.timeouts.headers;
+                tracing::info!(
+                    ?limit,
+                    "ext-proc stream sent no request headers; closing it"
+                );
+                Err(ProtocolError::NoHeaders { limit })
+            }
+        }
     }
 
     /// Handles one inbound message.
@@ -229,6 +294,7 @@ impl RequestStream {
             return Step::Decide;
         }
         self.phase = Phase::BufferBody;
+        self.phase_started = tokio::time::Instant::now();
         Step::Reply(Vec::new())
     }
 
@@ -253,26 +319,18 @@ impl RequestStream {
         if self.body.len().saturating_add(chunk.len()) > limit {
             return Err(Rejection::BodyTooLarge { limit });
         }
-        let permits = u32::try_from(chunk.len()).map_err(|_| Rejection::BodyTooLarge { limit })?;
-        let permit = Arc::clone(&self.ctx.body_budget)
-            .try_acquire_many_owned(permits)
+        self.ctx
+            .body_budget
+            .take(&mut self.budget, chunk.len())
             .map_err(|_| Rejection::BufferBudgetExhausted)?;
-        match &mut self.budget {
-            Some(held) => held.merge(permit),
-            None => self.budget = Some(permit),
-        }
         self.ctx.metrics.buffered_bytes.add(chunk.len() as i64);
         self.body.extend_from_slice(chunk);
         Ok(())
     }
 
     fn release_body(&mut self) {
-        if let Some(permit) = self.budget.take() {
-            self.ctx
-                .metrics
-                .buffered_bytes
-                .sub(permit.num_permits() as i64);
-        }
+        let held = std::mem::take(&mut self.budget);
+        self.ctx.metrics.buffered_bytes.sub(held.bytes() as i64);
         self.body = Vec::new();
     }
 

@@ -60,6 +60,10 @@ pub struct EppMetrics {
     pub pool_reloads: IntCounter,
     /// Pool reloads rejected (unreadable or invalid file).
     pub pool_reload_errors: IntCounter,
+    /// Ext-proc streams refused because `--max-extproc-streams` were open.
+    pub refused_streams: IntCounter,
+    /// Background subsystems that died (panicked or returned), by subsystem.
+    pub subsystem_failures: IntCounterVec,
 }
 
 impl EppMetrics {
@@ -195,6 +199,17 @@ impl EppMetrics {
                 "kvpick_pool_reload_errors_total",
                 "Pool updates rejected (unreadable or invalid).",
             )?,
+            refused_streams: IntCounter::new(
+                "kvpick_extproc_refused_streams_total",
+                "Ext-proc streams refused because the open-stream bound was reached.",
+            )?,
+            subsystem_failures: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_subsystem_failures_total",
+                    "Background subsystems that died (panicked or ended), by subsystem.",
+                ),
+                &["subsystem"],
+            )?,
         };
         registry.register(Box::new(metrics.requests.clone()))?;
         registry.register(Box::new(metrics.request_errors.clone()))?;
@@ -217,6 +232,8 @@ impl EppMetrics {
         registry.register(Box::new(metrics.endpoint_down_total.clone()))?;
         registry.register(Box::new(metrics.pool_reloads.clone()))?;
         registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
+        registry.register(Box::new(metrics.refused_streams.clone()))?;
+        registry.register(Box::new(metrics.subsystem_failures.clone()))?;
         Ok(metrics)
     }
 }
