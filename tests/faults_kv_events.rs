@@ -228,6 +228,17 @@ async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
         );
     }
     assert_alive_and_bounded(&mut kvpick);
+
+    // The pod's connection ends: it counts as disconnected (the liveness rule reads this).
+    drop(publisher);
+    wait_until("the pod disconnected", Duration::from_secs(5), || async {
+        let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+            .await
+            .expect("/debug/pods")
+            .json();
+        pods["pods"][0]["kv_events"]["connected"] == false
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

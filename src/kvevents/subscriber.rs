@@ -217,6 +217,14 @@ pub(crate) struct CentralLimits {
     pub(crate) budget_bytes: usize,
 }
 
+/// What one accepted connection tells the central task.
+enum PeerEvent {
+    /// A whole message.
+    Message(PeerMessage),
+    /// The connection ended: the pods heard on it are disconnected until heard again.
+    Closed(SocketAddr),
+}
+
 /// A message from one accepted connection.
 struct PeerMessage {
     peer: SocketAddr,
@@ -240,7 +248,9 @@ pub(crate) async fn run_central(
     limits: CentralLimits,
     cancel: CancellationToken,
 ) {
-    let (peer_tx, mut peer_rx) = mpsc::channel::<PeerMessage>(CENTRAL_QUEUE);
+    let (peer_tx, mut peer_rx) = mpsc::channel::<PeerEvent>(CENTRAL_QUEUE);
+    // Which pods each connection has published for, so its end marks them disconnected.
+    let mut heard_on: HashMap<SocketAddr, Vec<PodId>> = HashMap::new();
     let mut connections = JoinSet::new();
     let slots = Arc::new(Semaphore::new(limits.max_peers.max(1)));
     let budget = ByteBudget::new(limits.budget_bytes);
@@ -263,10 +273,13 @@ pub(crate) async fn run_central(
                     };
                     let (shared, peer_tx, budget) = (shared.clone(), peer_tx.clone(), budget.clone());
                     connections.spawn(async move {
-                        let connection = serve_peer(io, shared, peer_tx, budget).await;
+                        let connection = serve_peer(io, shared, peer_tx.clone(), budget).await;
                         // The slot is free before the peer sees its connection close, so a
                         // peer that reconnects at once is not refused for its own old slot.
                         drop(slot);
+                        if let Some(peer) = connection.as_ref().map(Connection::peer) {
+                            let _ = peer_tx.send(PeerEvent::Closed(peer)).await;
+                        }
                         drop(connection);
                     });
                 }
@@ -278,7 +291,24 @@ pub(crate) async fn run_central(
             },
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             received = tokio::time::timeout(quiet, peer_rx.recv()) => match received {
-                Ok(Some(message)) => on_central_message(&shared, &tx, &mut streams, message).await,
+                Ok(Some(PeerEvent::Message(message))) => {
+                    let peer = message.peer;
+                    if let Some(pod) = on_central_message(&shared, &tx, &mut streams, message).await {
+                        let pods = heard_on.entry(peer).or_default();
+                        if !pods.contains(&pod) {
+                            pods.push(pod);
+                        }
+                    }
+                }
+                Ok(Some(PeerEvent::Closed(peer))) => {
+                    for pod in heard_on.remove(&peer).unwrap_or_default() {
+                        if let Some(stream) = streams.get_mut(&pod) {
+                            debug!(%pod, %peer, "KV-event publisher dialing in disconnected");
+                            stream.counters().connected.store(false, Ordering::Relaxed);
+                            stream.mark_reconnected();
+                        }
+                    }
+                }
                 Ok(None) => break,
                 Err(_) => {
                     for stream in streams.values_mut() {
@@ -303,7 +333,7 @@ pub(crate) async fn run_central(
 async fn serve_peer(
     io: tokio::net::TcpStream,
     shared: Arc<Shared>,
-    peer_tx: mpsc::Sender<PeerMessage>,
+    peer_tx: mpsc::Sender<PeerEvent>,
     budget: ByteBudget,
 ) -> Option<Connection> {
     let peer = io.peer_addr().ok();
@@ -328,7 +358,7 @@ async fn serve_peer(
                     frames,
                     _budget: budget,
                 };
-                if peer_tx.send(message).await.is_err() {
+                if peer_tx.send(PeerEvent::Message(message)).await.is_err() {
                     return Some(connection);
                 }
             }
@@ -354,15 +384,15 @@ async fn on_central_message(
     tx: &mpsc::Sender<IndexUpdate>,
     streams: &mut HashMap<PodId, PodStream>,
     message: PeerMessage,
-) {
+) -> Option<PodId> {
     let Some((topic, seq, payload)) = frames(message.frames) else {
         shared.metrics.rejected.with_label_values(&["frames"]).inc();
-        return;
+        return None;
     };
     let Some(parsed) = parse_topic(&topic) else {
         shared.metrics.rejected.with_label_values(&["topic"]).inc();
         debug!(peer = %message.peer, "KV-event message without a kv@<pod>@<model> topic");
-        return;
+        return None;
     };
     let replay = match shared.known_replay(parsed.pod) {
         Some(replay) => replay,
@@ -373,7 +403,7 @@ async fn on_central_message(
                 .with_label_values(&["unknown_pod"])
                 .inc();
             streams.remove(&parsed.pod);
-            return;
+            return None;
         }
     };
     streams.retain(|pod, _| shared.known_replay(*pod).is_some());
@@ -382,11 +412,12 @@ async fn on_central_message(
         .or_insert_with(|| PodStream::new(parsed.pod, replay.clone(), shared.clone(), tx.clone()));
     stream.set_replay(replay);
     stream.counters().connected.store(true, Ordering::Relaxed);
-    // NOTE: in central mode a disconnect is not tied to a pod (the TCP peer is not the
-    // topic), so an engine restart is detected by its seq going back, or by its /metrics
-    // (process start time); a restart that publishes past our last seq before we hear from it
-    // again and before a scrape sees it is taken for a gap.
+    // NOTE: in central mode a pod is tied to the connections it published on (the TCP peer
+    // is not the topic), so the pod counts as disconnected only once a connection it was heard
+    // on ends. A restart is detected by its seq going back after that reconnect, or by its
+    // /metrics (process start time).
     // NOTE: one task serves every pod in central mode, so a replay for one pod (bounded by
     // the replay timeout) delays the others; their messages wait in the bounded queue.
     stream.on_message(&parsed.model, seq, &payload).await;
+    Some(parsed.pod)
 }
