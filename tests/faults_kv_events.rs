@@ -85,6 +85,7 @@ fn assert_alive_and_bounded(kvpick: &mut Kvpick) {
         "kvpick died"
     );
     let (peak, _) = memory_of(kvpick.child.id());
+    eprintln!("kvpick peak RSS {} MB", peak / (1024 * 1024));
     assert!(
         peak < PEAK_RSS_LIMIT,
         "kvpick peak RSS {} MB",
