@@ -27,7 +27,7 @@ use hashbrown::HashTable;
 
 use super::key::{BlockKey, PrehashedState};
 use super::span::{SPAN_BITS, SpanRef};
-use crate::kvevents::Tier;
+use kvpick_kvevents_wire::Tier;
 
 /// Number of shards (a power of two).
 pub(crate) const SHARDS: usize = 32;

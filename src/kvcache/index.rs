@@ -33,7 +33,7 @@ use super::metrics::IndexMetrics;
 use super::span::{SpanBook, SpanIntact, SpanRef};
 use super::speculative::Speculative;
 use crate::endpoints::PodId;
-use crate::kvevents::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+use kvpick_kvevents_wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 
 /// Weight of a matched block per tier (index = [`Tier::index`]).
 #[derive(Clone, Copy, Debug, PartialEq)]

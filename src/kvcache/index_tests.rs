@@ -1,6 +1,6 @@
 //! Unit tests of the index (limits, tiers, many-pod walks).
 use super::*;
-use crate::kvevents::BlockExtra;
+use kvpick_kvevents_wire::BlockExtra;
 use std::net::SocketAddr;
 
 fn pod() -> PodId {

@@ -30,6 +30,7 @@ mod types;
 pub use anthropic::BILLING_HEADER;
 pub use error::RequestError;
 pub use parse::{api_kind_for_path, parse, parse_cached, parse_with_limits};
+pub use pyrepr::python_float_repr;
 pub use rewrite::{MAX_SSE_LINE_BYTES, ResponseModelRewriter, rewrite_model};
 pub use rules::{
     ExactModel, MatchType, ModelMatch, ModelRewriteRule, ModelRewriteRules, RewriteTarget,

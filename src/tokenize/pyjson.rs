@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 
 use minijinja::value::{Value, ValueKind};
 
+pub use crate::request::python_float_repr;
+
 /// Serialises `value` like Python's `json.dumps(value, ensure_ascii=False, indent=indent)`.
 pub fn dumps(value: &Value, indent: Option<usize>) -> String {
     let mut out = String::new();
@@ -100,46 +102,6 @@ fn write_number(out: &mut String, value: &Value) {
         out.push_str(&python_float_repr(f));
     } else {
         out.push_str(&value.to_string());
-    }
-}
-
-/// Python's `repr(float)`: shortest round-trip digits, fixed notation for exponents in
-/// -4..16, else `d.ddde+XX`.
-pub fn python_float_repr(f: f64) -> String {
-    if f.is_nan() {
-        return "NaN".into();
-    }
-    if f.is_infinite() {
-        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
-    }
-    let sci = format!("{f:e}"); // shortest digits, e.g. "-1.5e-7"
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    let (sign, mantissa) = match mantissa.strip_prefix('-') {
-        Some(m) => ("-", m),
-        None => ("", mantissa),
-    };
-    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
-    let n = digits.len() as i32;
-    if (-4..16).contains(&exp) {
-        let point = exp + 1; // digits before the decimal point
-        if point <= 0 {
-            format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
-        } else if point >= n {
-            format!("{sign}{digits}{}.0", "0".repeat((point - n) as usize))
-        } else {
-            let (a, b) = digits.split_at(point as usize);
-            format!("{sign}{a}.{b}")
-        }
-    } else {
-        let (first, rest) = digits.split_at(1);
-        let frac = if rest.is_empty() {
-            String::new()
-        } else {
-            format!(".{rest}")
-        };
-        let esign = if exp < 0 { '-' } else { '+' };
-        format!("{sign}{first}{frac}e{esign}{:02}", exp.abs())
     }
 }
 
