@@ -200,6 +200,16 @@ pub async fn watch_pool_file(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_shape_error_names_its_field_path() {
+        let text = "endpoints:\n  - address: 10.0.0.1:8000\n  - address: 10.0.0.2:8000\n    kvEvent: tcp://10.0.0.2:5557\n";
+        let error = parse_pool(Path::new("pool.yaml"), text)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("endpoints[1]"), "{error}");
+        assert!(error.contains("kvEvent"), "{error}");
+    }
+
     use super::*;
 
     fn parse(text: &str) -> Result<Vec<Endpoint>, PoolFileError> {
