@@ -10,7 +10,7 @@
 //! holds key `k_t` of a request at offset `o` of a span whose intact length is above `o`, it
 //! holds the `o` blocks before `k_t` too, and they are the request's blocks `t − o .. t`
 //! (keys are chained: equal keys mean equal prefixes). A walk can thus verify a jump of many
-//! blocks with one probe (`matching::Walk::gallop`), exactly.
+//! blocks with one probe (`matching::gallop`), exactly.
 //!
 //! # Rules (kept by the index under the pod's mutex)
 //! - A newly held (block, pod, tier) continues the span of its chain predecessor when that
