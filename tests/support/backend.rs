@@ -2,7 +2,8 @@
 //!
 //! `POST /hold` answers headers and a first chunk at once, then holds the rest of the body
 //! until the test calls [`Backend::release`], so a test can keep a request in flight.
-//! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics and is not recorded.
+//! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics (or what
+//! [`Backend::set_metrics`] set) and is not recorded.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -28,6 +29,7 @@ pub struct Seen {
 struct Shared {
     seen: Mutex<Vec<Seen>>,
     released: watch::Sender<bool>,
+    metrics: Mutex<String>,
 }
 
 /// A running backend.
@@ -45,6 +47,7 @@ impl Backend {
         let shared = Arc::new(Shared {
             seen: Mutex::new(Vec::new()),
             released: watch::Sender::new(false),
+            metrics: Mutex::new(IDLE_VLLM_METRICS.to_owned()),
         });
         let backend = Backend {
             addr,
@@ -72,6 +75,11 @@ impl Backend {
         self.shared.seen.lock().expect("lock").clone()
     }
 
+    /// What `GET /metrics` answers from now on (vLLM text format).
+    pub fn set_metrics(&self, text: &str) {
+        *self.shared.metrics.lock().expect("lock") = text.to_owned();
+    }
+
     /// Lets held `/hold` responses finish.
     pub fn release(&self) {
         self.shared.released.send_replace(true);
@@ -81,7 +89,7 @@ impl Backend {
 type Body = BoxBody<Bytes, Infallible>;
 
 /// What an idle vLLM reports (enough for kvpick's scrape to count the pod as fresh).
-const IDLE_VLLM_METRICS: &str = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\n\
+pub const IDLE_VLLM_METRICS: &str = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\n\
     vllm:num_requests_running{model_name=\"m\"} 0.0\n\
     vllm:kv_cache_usage_perc{model_name=\"m\"} 0.0\n";
 
@@ -95,7 +103,7 @@ async fn handle(
         return Ok(Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
             .body(BodyExt::boxed(http_body_util::Full::new(Bytes::from(
-                IDLE_VLLM_METRICS,
+                shared.metrics.lock().expect("lock").clone(),
             ))))
             .expect("response"));
     }
