@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod debug;
 pub mod health;
+pub mod labels;
 mod metrics;
 
 pub use metrics::EppMetrics;

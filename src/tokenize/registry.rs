@@ -27,6 +27,8 @@ use crate::request::{ChatPrompt, InferenceRequest, MessageContent, Prompt};
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
 /// At most this many distinct model names are remembered for "logged once".
 const MAX_LOGGED_MODELS: usize = 1024;
+/// Bytes of a model name kept in logs and in the set of models already logged.
+const LOGGED_MODEL_BYTES: usize = crate::telemetry::labels::MAX_LABEL_BYTES;
 
 /// Where tokenizers come from.
 #[derive(Debug, Clone, Default)]
@@ -373,6 +375,9 @@ impl Tokenizers {
     }
 
     fn approximate(&self, model: &str, text: String, reason: ApproximateReason) -> PromptTokens {
+        // The model name is the client's: a 1 MB name must not become a 1 MB log line or
+        // 1 MB held in `logged`.
+        let model = crate::telemetry::labels::truncate(model, LOGGED_MODEL_BYTES);
         if let Ok(mut logged) = self.logged.lock()
             && logged.len() < MAX_LOGGED_MODELS
             && logged.insert(model.to_owned())
