@@ -169,10 +169,13 @@ pub async fn serve(
     let grpc_listener = bind(config.grpc_addr).await?;
     let health_listener = bind(config.health_addr).await?;
     let metrics_listener = bind(config.metrics_addr).await?;
+    let debug_listener = bind(config.debug_addr).await?;
     tracing::info!(
         grpc = %local(&grpc_listener),
         health = %local(&health_listener),
         metrics = %local(&metrics_listener),
+        debug = %local(&debug_listener),
+        metrics_auth = config.metrics_bearer_token.is_some(),
         "kvpick listening"
     );
 
@@ -183,24 +186,38 @@ pub async fn serve(
             .add_service(health_service)
             .serve_with_incoming_shutdown(incoming(health_listener), cancel.cancelled_owned())
     });
+    let admin_state = admin::AdminState {
+        registry: registry.clone(),
+        datastore: Arc::clone(&datastore),
+        metrics: Arc::clone(&metrics),
+        kv_events: Arc::clone(&kv_events),
+        index: Arc::clone(&index),
+        tokenizers: Arc::clone(&tokenizers),
+        scrapes: Arc::clone(&metrics_store),
+        staleness: config.scrape.staleness,
+        pool_name: config.pool_name.clone(),
+        model_rewrites: Arc::clone(&model_rewrites),
+        scheduler: Arc::clone(&scheduler),
+        admission: Arc::clone(&admission),
+    };
+    let auth = crate::telemetry::auth::AuthState {
+        token: config.metrics_bearer_token.clone(),
+        refused: metrics.admin_unauthorized.clone(),
+    };
     let admin_server = tokio::spawn({
         let cancel = background.clone();
-        let router = admin::router(admin::AdminState {
-            registry: registry.clone(),
-            datastore: Arc::clone(&datastore),
-            metrics: Arc::clone(&metrics),
-            kv_events: Arc::clone(&kv_events),
-            index: Arc::clone(&index),
-            tokenizers: Arc::clone(&tokenizers),
-            scrapes: Arc::clone(&metrics_store),
-            staleness: config.scrape.staleness,
-            pool_name: config.pool_name.clone(),
-            model_rewrites: Arc::clone(&model_rewrites),
-            scheduler: Arc::clone(&scheduler),
-            admission: Arc::clone(&admission),
-        });
+        let router = admin::metrics_router(admin_state.clone(), auth.clone());
         async move {
             axum::serve(metrics_listener, router)
+                .with_graceful_shutdown(cancel.cancelled_owned())
+                .await
+        }
+    });
+    let debug_server = tokio::spawn({
+        let cancel = background.clone();
+        let router = admin::debug_router(admin_state, auth);
+        async move {
+            axum::serve(debug_listener, router)
                 .with_graceful_shutdown(cancel.cancelled_owned())
                 .await
         }
@@ -248,6 +265,7 @@ pub async fn serve(
     background.cancel();
     let _ = health_server.await;
     let _ = admin_server.await;
+    let _ = debug_server.await;
     tracing::info!("kvpick stopped");
     result
 }

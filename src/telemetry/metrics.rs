@@ -65,6 +65,8 @@ pub struct EppMetrics {
     pub pool_reloads: IntCounter,
     /// Pool reloads rejected (unreadable or invalid file).
     pub pool_reload_errors: IntCounter,
+    /// `/metrics` and `/debug/*` requests refused for a missing or wrong bearer token.
+    pub admin_unauthorized: IntCounter,
 }
 
 impl EppMetrics {
@@ -208,6 +210,10 @@ impl EppMetrics {
                 "kvpick_pool_reload_errors_total",
                 "Pool updates rejected (unreadable or invalid).",
             )?,
+            admin_unauthorized: IntCounter::new(
+                "kvpick_admin_unauthorized_requests_total",
+                "Requests to /metrics or /debug/* refused for a missing or wrong bearer token.",
+            )?,
         };
         registry.register(Box::new(metrics.requests.inner().clone()))?;
         registry.register(Box::new(metrics.request_errors.inner().clone()))?;
@@ -228,6 +234,7 @@ impl EppMetrics {
         registry.register(Box::new(metrics.flow_queue_seconds.clone()))?;
         registry.register(Box::new(metrics.pool_reloads.clone()))?;
         registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
+        registry.register(Box::new(metrics.admin_unauthorized.clone()))?;
         Ok(metrics)
     }
 }
