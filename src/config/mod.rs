@@ -56,6 +56,10 @@ pub struct ServeArgs {
     /// Bytes of request bodies buffered across all streams at once; past it new bodies get 503.
     #[arg(long, default_value_t = 1024 * 1024 * 1024)]
     pub max_buffered_bytes: usize,
+    /// Bytes of large request bodies parsed and tokenized at once; the rest wait their turn.
+    /// Preparing a body holds several times its size; this bounds that memory and CPU.
+    #[arg(long, default_value_t = crate::tokenize::DEFAULT_MAX_PREPARING_BYTES)]
+    pub max_preparing_bytes: usize,
     /// How many fallback endpoints follow the primary in the destination header.
     ///
     /// 0 by default: Envoy's ORIGINAL_DST cluster (deploy/envoy/envoy.yaml) needs a single
@@ -257,9 +261,17 @@ impl ServeArgs {
                 value: self.max_buffered_bytes,
             });
         }
+        if self.max_preparing_bytes < 1024 {
+            return Err(ConfigError::TooSmall {
+                flag: "max-preparing-bytes",
+                min: 1024,
+                value: self.max_preparing_bytes,
+            });
+        }
         let mut tokenizers = crate::tokenize::TokenizersConfig {
             lora_bases: self.loras,
             prefix_cache_bytes: self.prefix_token_cache_bytes,
+            max_preparing_bytes: self.max_preparing_bytes,
             ..Default::default()
         };
         for value in &self.tokenizers {

@@ -43,6 +43,8 @@ pub struct TokenizersConfig {
     pub prefix_cache_bytes: usize,
     /// Overrides chat-template content-format detection (vLLM's `--chat-template-content-format`).
     pub content_format: Option<ContentFormat>,
+    /// Bytes of large bodies prepared at once ([`super::PrepareGate`]; 0: no limit).
+    pub max_preparing_bytes: usize,
 }
 
 impl TokenizersConfig {
@@ -61,7 +63,8 @@ impl TokenizersConfig {
 /// A request's prompt as token ids, or approximately as text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptTokens {
-    /// The ids the model server will use.
+    /// The ids the model server will use (for a prompt with a pre-token over
+    /// [`super::MAX_PRETOKEN_BYTES`], those before it: `kvpick_tokenize_cut_prompts_total`).
     Exact(Vec<u32>),
     /// No tokenizer (or template) for this model: the prompt text, for character-chunk
     /// prefix matching.
@@ -81,6 +84,9 @@ pub enum ApproximateReason {
     TemplateError,
     /// The tokenizer failed to encode.
     EncodeError,
+    /// A run without whitespace over [`super::MAX_PRETOKEN_BYTES`] for a tokenizer whose
+    /// pre-token boundaries kvpick cannot find itself (no exact place to stop).
+    PretokenTooLong,
 }
 
 impl ApproximateReason {
@@ -90,6 +96,7 @@ impl ApproximateReason {
             Self::NoTemplate => "no_template",
             Self::TemplateError => "template_error",
             Self::EncodeError => "encode_error",
+            Self::PretokenTooLong => "pretoken_too_long",
         }
     }
 }
@@ -137,6 +144,7 @@ pub struct TokenizeMetrics {
     reused_tokens: IntCounter,
     cache_bytes: IntGauge,
     duration: Histogram,
+    cut: IntCounter,
 }
 
 impl TokenizeMetrics {
@@ -174,13 +182,20 @@ impl TokenizeMetrics {
         registry.register(Box::new(approximate.clone()))?;
         registry.register(Box::new(reused_tokens.clone()))?;
         registry.register(Box::new(cache_bytes.clone()))?;
+        let cut = IntCounter::new(
+            "kvpick_tokenize_cut_prompts_total",
+            "Prompts whose exact tokenization stopped at a pre-token over the bound \
+             (keyed by the tokens before it)",
+        )?;
         registry.register(Box::new(duration.clone()))?;
+        registry.register(Box::new(cut.clone()))?;
         Ok(Self {
             exact,
             approximate,
             reused_tokens,
             cache_bytes,
             duration,
+            cut,
         })
     }
 }
@@ -193,6 +208,7 @@ pub struct Tokenizers {
     lora_bases: DashMap<String, String>,
     metrics: TokenizeMetrics,
     logged: Mutex<HashSet<String>>,
+    gate: super::PrepareGate,
     /// Long JSON strings of earlier bodies, to resume parsing from (see
     /// [`crate::request::LongStringCache`]); a quarter of the prefix-cache budget.
     long_strings: crate::request::LongStringCache,
@@ -203,6 +219,8 @@ impl Tokenizers {
     pub fn new(config: TokenizersConfig, registry: &Registry) -> Result<Self, TokenizeError> {
         let metrics =
             TokenizeMetrics::new(registry).map_err(|e| TokenizeError::Metrics(e.to_string()))?;
+        let gate = super::PrepareGate::new(config.max_preparing_bytes, registry)
+            .map_err(|e| TokenizeError::Metrics(e.to_string()))?;
         let mut loaded: HashMap<PathBuf, Arc<ModelTokenizer>> = HashMap::new();
         let mut load = |dir: &PathBuf| -> Result<Arc<ModelTokenizer>, TokenizeError> {
             let key = dir.canonicalize().unwrap_or_else(|_| dir.clone());
@@ -228,8 +246,14 @@ impl Tokenizers {
             lora_bases: config.lora_bases.iter().cloned().collect(),
             metrics,
             logged: Mutex::new(HashSet::new()),
+            gate,
             long_strings: crate::request::LongStringCache::new(config.prefix_cache_bytes / 4),
         })
+    }
+
+    /// The limit on bytes of bodies prepared at once: enter it before preparing a large body.
+    pub fn gate(&self) -> &super::PrepareGate {
+        &self.gate
     }
 
     /// The cache of long request strings bodies are parsed with (`request::parse_cached`).
@@ -333,14 +357,8 @@ impl Tokenizers {
         add_special: bool,
     ) -> PromptTokens {
         match tok.encode(text, add_special) {
-            Ok(cached) => self.exact(tok, cached),
-            Err(e) => {
-                tracing::warn!(model, error = %e, "tokenizer failed to encode a prompt");
-                PromptTokens::Approximate(ApproximatePrompt {
-                    text: text.to_owned(),
-                    reason: ApproximateReason::EncodeError,
-                })
-            }
+            Ok(cached) => self.exact(tok, model, cached),
+            Err(e) => self.encode_failed(model, e, text.to_owned()),
         }
     }
 
@@ -353,18 +371,47 @@ impl Tokenizers {
         add_special: bool,
     ) -> PromptTokens {
         match tok.encode_owned(text, add_special) {
-            Ok(cached) => self.exact(tok, cached),
-            Err((e, text)) => {
-                tracing::warn!(model, error = %e, "tokenizer failed to encode a prompt");
-                PromptTokens::Approximate(ApproximatePrompt {
-                    text,
-                    reason: ApproximateReason::EncodeError,
-                })
-            }
+            Ok(cached) => self.exact(tok, model, cached),
+            Err((e, text)) => self.encode_failed(model, e, text),
         }
     }
 
-    fn exact(&self, tok: &ModelTokenizer, cached: CachedTokens) -> PromptTokens {
+    fn encode_failed(&self, model: &str, error: TokenizeError, text: String) -> PromptTokens {
+        let model = crate::telemetry::labels::truncate(model, LOGGED_MODEL_BYTES);
+        let reason = match error {
+            TokenizeError::PretokenTooLong { .. } => ApproximateReason::PretokenTooLong,
+            _ => ApproximateReason::EncodeError,
+        };
+        // NOTE: a client can send such prompts at will: log the 1st, 2nd, 4th, 8th… only
+        // (the metric counts every one).
+        let count = self
+            .metrics
+            .approximate
+            .with_label_values(&[reason.label()])
+            .get()
+            + 1;
+        if count.is_power_of_two() {
+            tracing::warn!(model, error = %error, count, "tokenizer failed to encode a prompt; routing it approximately");
+        }
+        PromptTokens::Approximate(ApproximatePrompt { text, reason })
+    }
+
+    fn exact(&self, tok: &ModelTokenizer, model: &str, cached: CachedTokens) -> PromptTokens {
+        if let Some(at) = cached.cut_at {
+            self.metrics.cut.inc();
+            let count = self.metrics.cut.get();
+            if count.is_power_of_two() {
+                let model = crate::telemetry::labels::truncate(model, LOGGED_MODEL_BYTES);
+                tracing::warn!(
+                    model,
+                    at,
+                    keyed_tokens = cached.ids.len(),
+                    limit = super::MAX_PRETOKEN_BYTES,
+                    count,
+                    "prompt has a pre-token over the bound; keyed by the tokens before it"
+                );
+            }
+        }
         self.metrics
             .reused_tokens
             .inc_by(cached.reused_tokens as u64);
