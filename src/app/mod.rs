@@ -157,6 +157,7 @@ pub async fn serve(
         Arc::clone(&index),
         background.clone(),
     ));
+    tokio::spawn(trim_memory(Arc::clone(&tokenizers), background.clone()));
     tokio::spawn(watch_pool_file(
         config.endpoints_file.clone(),
         config.endpoints_reload_interval,
@@ -268,6 +269,21 @@ pub async fn serve(
     let _ = debug_server.await;
     tracing::info!("kvpick stopped");
     result
+}
+
+/// Returns memory freed by large preparations to the OS, once a second at most
+/// ([`crate::tokenize::PrepareGate::trim_if_due`]).
+async fn trim_memory(tokenizers: Arc<Tokenizers>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let tokenizers = Arc::clone(&tokenizers);
+        let _ = tokio::task::spawn_blocking(move || tokenizers.gate().trim_if_due()).await;
+    }
 }
 
 /// How often flow control re-checks capacity for queued requests.
