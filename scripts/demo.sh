@@ -59,7 +59,7 @@ PIDS+=($!)
 
 wait_for "the simulated pods" curl -sf localhost:8101/health
 wait_for "the simulated pods" curl -sf localhost:8102/health
-wait_for "kvpick" curl -sf localhost:9090/debug/pods
+wait_for "kvpick" curl -sf localhost:9091/debug/pods
 wait_for "Envoy" curl -sf localhost:9901/ready
 # Envoy routes through kvpick once its health check has seen kvpick ready.
 wait_for "Envoy's health check of kvpick" \
@@ -72,7 +72,7 @@ echo "$ANSWER"
 sleep 0.2 # the access log line is written when the response completes
 ROUTE=$(grep -m1 '/v1/chat/completions' "$RUN/envoy.log" || true)
 echo "demo: envoy access log: $ROUTE" >&2
-echo "demo: kvpick /debug/pods: $(curl -sf localhost:9090/debug/pods)" >&2
+echo "demo: kvpick /debug/pods: $(curl -sf localhost:9091/debug/pods)" >&2
 # kvpick names its pick first, then the fallbacks Envoy retries on (--max-fallbacks).
 PICKED=$(echo "$ROUTE" | sed -n 's/.* picked=\([^ ,]*\)[, ].*/\1/p')
 SERVED=$(echo "$ROUTE" | sed -n 's/.* upstream=\([^ ]*\) .*/\1/p')
@@ -87,7 +87,7 @@ echo "demo: kvpick picked $PICKED, and Envoy sent the request there" >&2
 # The pod announced the prompt's KV blocks; kvpick's index now knows who holds the prefix.
 PREFIX=""
 for _ in $(seq 50); do
-  PREFIX=$(curl -sf "localhost:9090/debug/prefix?path=/v1/chat/completions" -d "$REQUEST" || true)
+  PREFIX=$(curl -sf "localhost:9091/debug/prefix?path=/v1/chat/completions" -d "$REQUEST" || true)
   echo "$PREFIX" | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if any(p["matched_blocks"] > 0 and p["address"] == sys.argv[1] for p in d["pods"]) else 1)' "$PICKED" 2>/dev/null && break
   sleep 0.1
 done

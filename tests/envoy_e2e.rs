@@ -230,7 +230,7 @@ async fn pool_file_edits_apply_without_a_restart() {
             b_addr
         );
     }
-    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+    let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
         .expect("debug pods")
         .json();

@@ -74,7 +74,7 @@ fn attempts(reply: &Reply) -> String {
 }
 
 async fn pod_view(kvpick: &Kvpick, addr: SocketAddr) -> Value {
-    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+    let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
         .expect("debug pods")
         .json();

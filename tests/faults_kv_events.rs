@@ -45,7 +45,7 @@ async fn metrics_text(kvpick: &Kvpick) -> String {
 
 /// Whether the whole capture (seqs 0..=67, 62 blocks) has been applied.
 async fn capture_applied(kvpick: &Kvpick) -> bool {
-    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+    let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
         .expect("/debug/pods")
         .json();
@@ -54,7 +54,7 @@ async fn capture_applied(kvpick: &Kvpick) -> bool {
 }
 
 async fn index_blocks(kvpick: &Kvpick) -> u64 {
-    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+    let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
         .expect("/debug/pods")
         .json();
@@ -233,7 +233,7 @@ async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
     // The pod's connection ends: it counts as disconnected (the liveness rule reads this).
     drop(publisher);
     wait_until("the pod disconnected", Duration::from_secs(5), || async {
-        let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+        let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
             .await
             .expect("/debug/pods")
             .json();

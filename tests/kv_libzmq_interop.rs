@@ -99,7 +99,7 @@ impl Drop for LibzmqPublisher {
 }
 
 async fn pod_view(kvpick: &Kvpick) -> serde_json::Value {
-    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+    let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
         .expect("/debug/pods")
         .json();

@@ -109,7 +109,7 @@ fn cached_tokens(answer: &Value) -> u64 {
 
 /// Waits until kvpick's index shows some pod holding `blocks` leading blocks of `body`.
 async fn wait_for_index(kvpick: &Kvpick, body: &[u8], blocks: u64) -> String {
-    let url = kvpick.metrics_url("/debug/prefix?path=/v1/completions");
+    let url = kvpick.debug_url("/debug/prefix?path=/v1/completions");
     for _ in 0..200 {
         let view = send("POST", &url, &[], body.to_vec())
             .await
@@ -129,7 +129,7 @@ async fn wait_for_index(kvpick: &Kvpick, body: &[u8], blocks: u64) -> String {
 }
 
 async fn pod_view(kvpick: &Kvpick, address: &str) -> Value {
-    let pods = send("GET", &kvpick.metrics_url("/debug/pods"), &[], Vec::new())
+    let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
         .expect("debug pods")
         .json();

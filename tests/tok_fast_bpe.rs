@@ -306,3 +306,95 @@ proptest! {
         prop_assert_eq!(fast, slow);
     }
 }
+
+/// A text's ids before byte `at` are exactly its full encoding's there: `at` is a word start
+/// of the whole text and the whole text's ids up to it are those of `text[..at]`.
+fn assert_exact_prefix(text: &str, at: usize) {
+    let (full_ids, full_words) = crate_encode(text);
+    let (head_ids, _) = crate_encode(&text[..at]);
+    let k = head_ids.len();
+    if at > 0 && at < text.len() {
+        assert!(
+            full_words.contains(&(at, k)),
+            "{at} is not a word start after {k} tokens of {text:?}"
+        );
+    }
+    assert_eq!(&full_ids[..k], &head_ids[..], "ids before {at} of {text:?}");
+}
+
+/// With a small pre-token bound, the fast encoder either encodes like the crate or stops at
+/// a pre-token over the bound, at a place where the ids before it are exact; and the model
+/// tokenizer keys such a text by exactly those ids.
+fn check_bounded(text: &str, bound: usize) {
+    let fast = FastEncoder::new(MODEL.tokenizer())
+        .unwrap()
+        .with_max_pretoken_bytes(bound);
+    match fast.encode(MODEL.tokenizer(), text) {
+        Ok(got) => assert_eq!(got, crate_encode(text), "{text:?}"),
+        Err(kvpick::tokenize::TokenizeError::PretokenTooLong {
+            at: Some(at),
+            limit,
+        }) => {
+            assert_eq!(limit, bound);
+            assert_exact_prefix(text, at);
+        }
+        Err(e) => panic!("{text:?}: {e}"),
+    }
+}
+
+const LONG_PIECES: &[&str] = &[
+    "a",
+    "hello",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "'s",
+    "0",
+    "42",
+    "!",
+    "...",
+    "é",
+    "한국어",
+    " 텍스트",
+    "e\u{301}",
+    "\u{301}",
+    "\u{a0}",
+    "<|im_end|>",
+    "xxxxxxxxxxxx",
+    "!!!!!!!!!!!!",
+    "            ",
+    "\n\n\n\n\n\n\n\n\n",
+    "\u{301}\u{301}\u{301}\u{301}\u{301}",
+    "ééééééé",
+    "한국어한국어한국어",
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_bounded_encode_stops_only_where_the_ids_before_are_exact(
+        pieces in prop::collection::vec(prop::sample::select(LONG_PIECES), 0..60),
+        bound in 4usize..24,
+    ) {
+        check_bounded(&pieces.concat(), bound);
+    }
+}
+
+#[test]
+fn a_giant_word_is_cut_before_it_and_the_tokens_before_it_are_kept() {
+    let head = "Summarise this, please: ";
+    let text = format!("{head}{} and more words after it", "q".repeat(200_000));
+    let got = MODEL.encode(&text, false).expect("encode");
+    // The giant pre-token is " qqq…" (the space attaches to the letters).
+    let at = head.len() - 1;
+    assert_eq!(got.cut_at, Some(at));
+    assert_eq!(got.ids, crate_encode(&text[..at]).0);
+    // The crate itself, unbounded, agrees on those ids.
+    let whole = MODEL.tokenizer().encode(text.as_str(), false).unwrap();
+    assert_eq!(&whole.get_ids()[..got.ids.len()], &got.ids[..]);
+    // Owned text (a rendered chat prompt): the same cut.
+    let owned = MODEL.encode_owned(text.clone(), false).expect("encode");
+    assert_eq!((owned.ids, owned.cut_at), (got.ids, Some(at)));
+}

@@ -197,14 +197,18 @@ pub async fn serve(
         ),
     );
     subsystems::supervise_kv_events(&mut supervisor, &kv_events, &background);
+    tokio::spawn(trim_memory(Arc::clone(&tokenizers), background.clone()));
 
     let grpc_listener = bind(config.grpc_addr).await?;
     let health_listener = bind(config.health_addr).await?;
     let metrics_listener = bind(config.metrics_addr).await?;
+    let debug_listener = bind(config.debug_addr).await?;
     tracing::info!(
         grpc = %local(&grpc_listener),
         health = %local(&health_listener),
         metrics = %local(&metrics_listener),
+        debug = %local(&debug_listener),
+        metrics_auth = config.metrics_bearer_token.is_some(),
         "kvpick listening"
     );
 
@@ -215,24 +219,38 @@ pub async fn serve(
             .add_service(health_service)
             .serve_with_incoming_shutdown(incoming(health_listener), cancel.cancelled_owned())
     });
+    let admin_state = admin::AdminState {
+        registry: registry.clone(),
+        datastore: Arc::clone(&datastore),
+        metrics: Arc::clone(&metrics),
+        kv_events: Arc::clone(&kv_events),
+        index: Arc::clone(&index),
+        tokenizers: Arc::clone(&tokenizers),
+        scrapes: Arc::clone(&metrics_store),
+        staleness: config.scrape.staleness,
+        pool_name: config.pool_name.clone(),
+        model_rewrites: Arc::clone(&model_rewrites),
+        scheduler: Arc::clone(&scheduler),
+        admission: Arc::clone(&admission),
+    };
+    let auth = crate::telemetry::auth::AuthState {
+        token: config.metrics_bearer_token.clone(),
+        refused: metrics.admin_unauthorized.clone(),
+    };
     let admin_server = tokio::spawn({
         let cancel = background.clone();
-        let router = admin::router(admin::AdminState {
-            registry: registry.clone(),
-            datastore: Arc::clone(&datastore),
-            metrics: Arc::clone(&metrics),
-            kv_events: Arc::clone(&kv_events),
-            index: Arc::clone(&index),
-            tokenizers: Arc::clone(&tokenizers),
-            scrapes: Arc::clone(&metrics_store),
-            staleness: config.scrape.staleness,
-            pool_name: config.pool_name.clone(),
-            model_rewrites: Arc::clone(&model_rewrites),
-            scheduler: Arc::clone(&scheduler),
-            admission: Arc::clone(&admission),
-        });
+        let router = admin::metrics_router(admin_state.clone(), auth.clone());
         async move {
             axum::serve(metrics_listener, router)
+                .with_graceful_shutdown(cancel.cancelled_owned())
+                .await
+        }
+    });
+    let debug_server = tokio::spawn({
+        let cancel = background.clone();
+        let router = admin::debug_router(admin_state, auth);
+        async move {
+            axum::serve(debug_listener, router)
                 .with_graceful_shutdown(cancel.cancelled_owned())
                 .await
         }
@@ -306,6 +324,7 @@ pub async fn serve(
     supervisor.stop(SUBSYSTEM_STOP_TIMEOUT).await;
     let _ = health_server.await;
     let _ = admin_server.await;
+    let _ = debug_server.await;
     tracing::info!("kvpick stopped");
     result
 }
@@ -347,6 +366,21 @@ async fn wind_down(
             grpc_server.abort();
             Ok(())
         }
+    }
+}
+
+/// Returns memory freed by large preparations to the OS, once a second at most
+/// ([`crate::tokenize::PrepareGate::trim_if_due`]).
+async fn trim_memory(tokenizers: Arc<Tokenizers>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let tokenizers = Arc::clone(&tokenizers);
+        let _ = tokio::task::spawn_blocking(move || tokenizers.gate().trim_if_due()).await;
     }
 }
 

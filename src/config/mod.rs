@@ -24,12 +24,23 @@ pub struct ServeArgs {
     /// Port of the gRPC health server (`liveness`, `readiness`, `""`, ext-proc service).
     #[arg(long, default_value_t = 9003)]
     pub grpc_health_port: u16,
-    /// Port of the HTTP server with Prometheus `/metrics` and the `/debug/*` views.
+    /// Port of the HTTP server with Prometheus `/metrics`.
     #[arg(long, default_value_t = 9090)]
     pub metrics_port: u16,
-    /// Address all three servers bind to.
+    /// Address the ext-proc, health and metrics servers bind to.
     #[arg(long, default_value = "0.0.0.0")]
     pub bind_address: IpAddr,
+    /// Port of the HTTP server with the `/debug/*` views.
+    #[arg(long, default_value_t = 9091)]
+    pub debug_port: u16,
+    /// Address the debug server binds to. Loopback by default: `POST /debug/prefix` tells its
+    /// caller whether any prompt is cached, so it must not be reachable by clients.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub debug_bind_address: IpAddr,
+    /// File holding a bearer token that `/metrics` and `/debug/*` then require
+    /// (`Authorization: Bearer <token>`; 401 without it). Read once at start.
+    #[arg(long, env = "KVPICK_METRICS_BEARER_TOKEN_FILE")]
+    pub metrics_bearer_token_file: Option<PathBuf>,
     /// The pool's name (GIE `--pool-name`; the `name` label of pool metrics).
     #[arg(long, default_value = "default")]
     pub pool_name: String,
@@ -57,6 +68,10 @@ pub struct ServeArgs {
     /// past it new streams are refused with RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 10_000)]
     pub max_extproc_streams: usize,
+    /// Bytes of large request bodies parsed and tokenized at once; the rest wait their turn.
+    /// Preparing a body holds several times its size; this bounds that memory and CPU.
+    #[arg(long, default_value_t = crate::tokenize::DEFAULT_MAX_PREPARING_BYTES)]
+    pub max_preparing_bytes: usize,
     /// How many fallback endpoints follow the primary in the destination header.
     ///
     /// 1 by default: the reference Envoy config (deploy/envoy/envoy.yaml, override_host
@@ -205,6 +220,9 @@ pub enum ConfigError {
         /// What is wrong.
         reason: String,
     },
+    /// The bearer token file cannot be used.
+    #[error("--metrics-bearer-token-file: {0}")]
+    BearerToken(#[from] crate::telemetry::auth::TokenError),
     /// A size flag is out of range.
     #[error("--{flag} must be at least {min} (got {value})")]
     TooSmall {
@@ -224,8 +242,12 @@ pub struct ServeConfig {
     pub grpc_addr: SocketAddr,
     /// gRPC health listen address.
     pub health_addr: SocketAddr,
-    /// Metrics/admin HTTP listen address.
+    /// Metrics HTTP listen address.
     pub metrics_addr: SocketAddr,
+    /// Debug-views HTTP listen address.
+    pub debug_addr: SocketAddr,
+    /// The token `/metrics` and `/debug/*` require, if any.
+    pub metrics_bearer_token: Option<crate::telemetry::auth::BearerToken>,
     /// The pool's name.
     pub pool_name: String,
     /// The static pool file.
@@ -272,6 +294,7 @@ impl ServeArgs {
             ("grpc-port", self.grpc_port),
             ("grpc-health-port", self.grpc_health_port),
             ("metrics-port", self.metrics_port),
+            ("debug-port", self.debug_port),
         ];
         for (i, (first, a)) in ports.iter().enumerate() {
             for (second, b) in &ports[i + 1..] {
@@ -333,9 +356,17 @@ impl ServeArgs {
                 value: self.max_extproc_streams,
             });
         }
+        if self.max_preparing_bytes < 1024 {
+            return Err(ConfigError::TooSmall {
+                flag: "max-preparing-bytes",
+                min: 1024,
+                value: self.max_preparing_bytes,
+            });
+        }
         let mut tokenizers = crate::tokenize::TokenizersConfig {
             lora_bases: self.loras,
             prefix_cache_bytes: self.prefix_token_cache_bytes,
+            max_preparing_bytes: self.max_preparing_bytes,
             ..Default::default()
         };
         for value in &self.tokenizers {
@@ -371,11 +402,18 @@ impl ServeArgs {
         if self.recommended_profile {
             picker.scheduler = crate::scheduling::SchedulerConfig::kvpick_recommended();
         }
+        let metrics_bearer_token = self
+            .metrics_bearer_token_file
+            .as_deref()
+            .map(crate::telemetry::auth::BearerToken::from_file)
+            .transpose()?;
         let ip = self.bind_address;
         Ok(ServeConfig {
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
             health_addr: SocketAddr::new(ip, self.grpc_health_port),
             metrics_addr: SocketAddr::new(ip, self.metrics_port),
+            debug_addr: SocketAddr::new(self.debug_bind_address, self.debug_port),
+            metrics_bearer_token,
             pool_name: self.pool_name,
             endpoints_file,
             endpoints_reload_interval: self.endpoints_reload_interval,
@@ -434,6 +472,8 @@ mod tests {
         assert_eq!(config.grpc_addr.port(), 9002);
         assert_eq!(config.health_addr.port(), 9003);
         assert_eq!(config.metrics_addr.port(), 9090);
+        assert_eq!(config.debug_addr.to_string(), "127.0.0.1:9091");
+        assert!(config.metrics_bearer_token.is_none());
         assert_eq!(config.max_body_bytes, 16 * 1024 * 1024);
         assert_eq!(config.scrape.interval, Duration::from_millis(50));
         assert_eq!(config.scrape.staleness, Duration::from_millis(200));

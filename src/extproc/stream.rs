@@ -395,11 +395,14 @@ impl RequestStream {
             )?;
             return Ok(Some(prepared));
         }
+        // Bounded: at most --max-preparing-bytes of bodies are prepared at once.
+        let permit = self.ctx.tokenizers.gate().enter(self.body.len()).await;
         let body = std::mem::take(&mut self.body);
         let tokenizers = Arc::clone(&self.ctx.tokenizers);
         let rules = Arc::clone(&self.ctx.model_rewrites);
         let meta = self.meta.clone();
         let work = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
             let prepared = prepare(&tokenizers, &rules, &meta, &body, key_block_size);
             (prepared, body)
         });

@@ -4,7 +4,9 @@
 //! where `queued` also counts kvpick's in-flight requests the last scrape has not seen
 //! ([`super::cycle::PodView::queued`]), so the signal reacts between scrapes. An endpoint whose
 //! metrics are stale, failing or absent counts as exactly saturated (1.0). The pool's
-//! saturation is the mean over its endpoints; an empty pool is saturated (no capacity).
+//! saturation is the mean over its endpoints of each endpoint's saturation capped at 1.0, so
+//! one overloaded endpoint counts as one full endpoint and a pool with idle endpoints is not
+//! saturated; an empty pool is saturated (no capacity).
 //! `≥ 1.0` means saturated. The ext-proc path sheds sheddable requests (priority < 0 → 429)
 //! and flow control holds requests while [`PoolSaturation::saturated`] is true.
 
@@ -53,7 +55,7 @@ pub(crate) fn endpoint_saturation_with(
 /// The pool's saturation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolSaturation {
-    /// Mean endpoint saturation (1.0 for an empty pool).
+    /// Mean endpoint saturation, each endpoint capped at 1.0 (1.0 for an empty pool).
     pub mean: f64,
     /// Endpoints counted.
     pub endpoints: usize,
@@ -122,7 +124,11 @@ impl SaturationDetector {
                 self.config.metrics_staleness,
             );
             let s = endpoint_saturation(&self.config, &view);
-            total += s.min(1e6);
+            // NOTE: capped at one full endpoint. Uncapped, one pod reporting 100 waiting
+            // requests (20× the threshold) beside idle pods pushed the mean past 1.0 and shed
+            // or queued every request although the idle pods had room; an endpoint's excess
+            // load is the scorers' and the saturation filter's business, not the pool's.
+            total += s.min(1.0);
             if s >= 1.0 {
                 saturated += 1;
             }
@@ -196,6 +202,30 @@ mod tests {
         fake.set(pods[1].id(), metrics(10.0, 0.0, 0.0));
         assert!(detector.pool(&pods).saturated());
         assert!(detector.pool(&[]).saturated(), "no endpoints, no capacity");
+    }
+
+    #[test]
+    fn one_overloaded_endpoint_does_not_saturate_a_pool_with_idle_ones() {
+        let config = SaturationConfig::default();
+        let fake = Arc::new(FakeMetrics::default());
+        let pods: Vec<_> = (0..3).map(endpoint).collect();
+        fake.set(pods[0].id(), metrics(100.0, 1.0, 0.0));
+        fake.set(pods[1].id(), metrics(0.0, 0.0, 0.0));
+        fake.set(pods[2].id(), metrics(0.0, 0.0, 0.0));
+        let detector = SaturationDetector::new(config, fake.clone());
+        let pool = detector.pool(&pods);
+        assert!((pool.mean - 1.0 / 3.0).abs() < 1e-9, "{pool:?}");
+        assert_eq!(pool.saturated_endpoints, 1);
+        assert!(!pool.saturated(), "two idle endpoints: {pool:?}");
+        assert!(detector.has_capacity(&pods, 0));
+        // Each idle endpoint takes 5 more before the pool is full: 1/3 + 9/5/3 < 1 ≤ 1/3 + 10/5/3.
+        assert!(detector.has_capacity(&pods, 9));
+        assert!(!detector.has_capacity(&pods, 10));
+
+        // Every endpoint overloaded: saturated.
+        fake.set(pods[1].id(), metrics(100.0, 0.0, 0.0));
+        fake.set(pods[2].id(), metrics(0.0, 0.0, 1.0));
+        assert!(detector.pool(&pods).saturated());
     }
 
     #[test]

@@ -1,5 +1,11 @@
-//! The metrics/admin HTTP server: Prometheus `/metrics` and the JSON `/debug/*` views
-//! (handlers in [`super::debug`]).
+//! The admin HTTP servers: Prometheus `/metrics` on the metrics port, and the JSON
+//! `/debug/*` views (handlers in [`super::debug`]) on the debug port.
+//!
+//! NOTE: the debug views are on their own listener, bound to loopback by default
+//! (`--debug-bind-address`), because `POST /debug/prefix` tells its caller whether any
+//! prompt (another tenant's too) is cached: on the metrics port, which Prometheus must reach
+//! over the network, it was a cross-tenant oracle. Both routers take the optional bearer
+//! token (`--metrics-bearer-token-file`).
 
 use std::sync::Arc;
 
@@ -11,6 +17,7 @@ use axum::routing::{get, post};
 use prometheus::{Encoder, Registry, TextEncoder};
 use std::time::Duration;
 
+use super::auth::{AuthState, require};
 use super::debug;
 use crate::endpoints::Datastore;
 use crate::kvcache::PrefixIndex;
@@ -48,14 +55,22 @@ pub struct AdminState {
     pub admission: Arc<crate::extproc::admission::Admission>,
 }
 
-/// The admin router.
-pub fn router(state: AdminState) -> Router {
+/// The metrics port's router: `/metrics` only.
+pub fn metrics_router(state: AdminState, auth: AuthState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(auth, require))
+}
+
+/// The debug port's router: the `/debug/*` views.
+pub fn debug_router(state: AdminState, auth: AuthState) -> Router {
+    Router::new()
         .route("/debug/pods", get(debug::pods))
         .route("/debug/prefix", post(debug::prefix))
         .route("/debug/explain", post(debug::explain))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(auth, require))
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {

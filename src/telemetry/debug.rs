@@ -116,9 +116,12 @@ async fn prepare_request(
         path: path.unwrap_or_default(),
         ..RequestMeta::default()
     };
-    match tokio::task::spawn_blocking(move || prepare(&tokenizers, &rules, &meta, &body, None))
-        .await
-    {
+    let permit = state.tokenizers.gate().enter(body.len()).await;
+    let work = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        prepare(&tokenizers, &rules, &meta, &body, None)
+    });
+    match work.await {
         Ok(Ok(prepared)) => Ok(prepared),
         Ok(Err(error)) => {
             Err((StatusCode::BAD_REQUEST, format!("inference error: {error}")).into_response())

@@ -4,21 +4,30 @@
 //! `inference_extension_scheduler_e2e_duration_seconds`, `inference_pool_ready_pods`, …) so
 //! existing dashboards keep working; kvpick-only series are prefixed `kvpick_`.
 
+use std::sync::Arc;
+
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry,
 };
 
+use super::labels::{BoundedVec, LabelLimiter};
+
+/// A counter vector whose model labels are bounded ([`super::labels`]).
+pub type ModelCounterVec = BoundedVec<IntCounterVec>;
+/// A histogram vector whose model labels are bounded ([`super::labels`]).
+pub type ModelHistogramVec = BoundedVec<HistogramVec>;
+
 /// Metrics of the ext-proc path and the pool.
 #[derive(Debug, Clone)]
 pub struct EppMetrics {
     /// Requests scheduled, by model (GIE: `inference_objective_request_total`).
-    pub requests: IntCounterVec,
+    pub requests: ModelCounterVec,
     /// Requests answered with an error, by model and code
     /// (GIE: `inference_objective_request_error_total`).
-    pub request_errors: IntCounterVec,
+    pub request_errors: ModelCounterVec,
     /// Request body sizes, by model (GIE: `inference_objective_request_sizes`).
-    pub request_sizes: HistogramVec,
+    pub request_sizes: ModelHistogramVec,
     /// Time from the end of the request body to the pick
     /// (GIE: `inference_extension_scheduler_e2e_duration_seconds`).
     pub scheduler_e2e: Histogram,
@@ -39,9 +48,9 @@ pub struct EppMetrics {
     /// Bytes of request bodies buffered right now.
     pub buffered_bytes: IntGauge,
     /// Prompt tokens the servers reported (GIE: `inference_objective_input_tokens`).
-    pub input_tokens: HistogramVec,
+    pub input_tokens: ModelHistogramVec,
     /// Generated tokens the servers reported (GIE: `inference_objective_output_tokens`).
-    pub output_tokens: HistogramVec,
+    pub output_tokens: ModelHistogramVec,
     /// Prompt tokens reported, by endpoint.
     pub prompt_tokens: IntCounterVec,
     /// Prompt tokens the servers served from their prefix cache, by endpoint: with
@@ -64,34 +73,50 @@ pub struct EppMetrics {
     pub refused_streams: IntCounter,
     /// Background subsystems that died (panicked or returned), by subsystem.
     pub subsystem_failures: IntCounterVec,
+    /// `/metrics` and `/debug/*` requests refused for a missing or wrong bearer token.
+    pub admin_unauthorized: IntCounter,
 }
 
 impl EppMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        // One limiter for every model label: the same client-chosen names feed them all.
+        let models = Arc::new(LabelLimiter::new(registry)?);
         let metrics = Self {
-            requests: IntCounterVec::new(
-                Opts::new(
-                    "inference_objective_request_total",
-                    "Requests scheduled, by model.",
-                ),
-                &["model_name", "target_model_name"],
-            )?,
-            request_errors: IntCounterVec::new(
-                Opts::new(
-                    "inference_objective_request_error_total",
-                    "Requests answered with an error by kvpick, by model and error code.",
-                ),
-                &["model_name", "target_model_name", "error_code"],
-            )?,
-            request_sizes: HistogramVec::new(
-                HistogramOpts::new(
-                    "inference_objective_request_sizes",
-                    "Request body sizes in bytes.",
-                )
-                .buckets(prometheus::exponential_buckets(64.0, 4.0, 12)?),
-                &["model_name", "target_model_name"],
-            )?,
+            requests: BoundedVec::new(
+                Arc::clone(&models),
+                2,
+                IntCounterVec::new(
+                    Opts::new(
+                        "inference_objective_request_total",
+                        "Requests scheduled, by model.",
+                    ),
+                    &["model_name", "target_model_name"],
+                )?,
+            ),
+            request_errors: BoundedVec::new(
+                Arc::clone(&models),
+                2,
+                IntCounterVec::new(
+                    Opts::new(
+                        "inference_objective_request_error_total",
+                        "Requests answered with an error by kvpick, by model and error code.",
+                    ),
+                    &["model_name", "target_model_name", "error_code"],
+                )?,
+            ),
+            request_sizes: BoundedVec::new(
+                Arc::clone(&models),
+                2,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "inference_objective_request_sizes",
+                        "Request body sizes in bytes.",
+                    )
+                    .buckets(prometheus::exponential_buckets(64.0, 4.0, 12)?),
+                    &["model_name", "target_model_name"],
+                )?,
+            ),
             scheduler_e2e: Histogram::with_opts(
                 HistogramOpts::new(
                     "inference_extension_scheduler_e2e_duration_seconds",
@@ -139,22 +164,30 @@ impl EppMetrics {
                 "kvpick_extproc_buffered_body_bytes",
                 "Request body bytes buffered across all streams.",
             )?,
-            input_tokens: HistogramVec::new(
-                HistogramOpts::new(
-                    "inference_objective_input_tokens",
-                    "Prompt tokens per request, as the model server reported.",
-                )
-                .buckets(prometheus::exponential_buckets(16.0, 2.0, 16)?),
-                &["model_name", "target_model_name"],
-            )?,
-            output_tokens: HistogramVec::new(
-                HistogramOpts::new(
-                    "inference_objective_output_tokens",
-                    "Generated tokens per request, as the model server reported.",
-                )
-                .buckets(prometheus::exponential_buckets(1.0, 2.0, 16)?),
-                &["model_name", "target_model_name"],
-            )?,
+            input_tokens: BoundedVec::new(
+                Arc::clone(&models),
+                2,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "inference_objective_input_tokens",
+                        "Prompt tokens per request, as the model server reported.",
+                    )
+                    .buckets(prometheus::exponential_buckets(16.0, 2.0, 16)?),
+                    &["model_name", "target_model_name"],
+                )?,
+            ),
+            output_tokens: BoundedVec::new(
+                Arc::clone(&models),
+                2,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "inference_objective_output_tokens",
+                        "Generated tokens per request, as the model server reported.",
+                    )
+                    .buckets(prometheus::exponential_buckets(1.0, 2.0, 16)?),
+                    &["model_name", "target_model_name"],
+                )?,
+            ),
             prompt_tokens: IntCounterVec::new(
                 Opts::new(
                     "kvpick_prompt_tokens_total",
@@ -210,10 +243,14 @@ impl EppMetrics {
                 ),
                 &["subsystem"],
             )?,
+            admin_unauthorized: IntCounter::new(
+                "kvpick_admin_unauthorized_requests_total",
+                "Requests to /metrics or /debug/* refused for a missing or wrong bearer token.",
+            )?,
         };
-        registry.register(Box::new(metrics.requests.clone()))?;
-        registry.register(Box::new(metrics.request_errors.clone()))?;
-        registry.register(Box::new(metrics.request_sizes.clone()))?;
+        registry.register(Box::new(metrics.requests.inner().clone()))?;
+        registry.register(Box::new(metrics.request_errors.inner().clone()))?;
+        registry.register(Box::new(metrics.request_sizes.inner().clone()))?;
         registry.register(Box::new(metrics.scheduler_e2e.clone()))?;
         registry.register(Box::new(metrics.ready_pods.clone()))?;
         registry.register(Box::new(metrics.pool_average_kv.clone()))?;
@@ -222,8 +259,8 @@ impl EppMetrics {
         registry.register(Box::new(metrics.open_streams.clone()))?;
         registry.register(Box::new(metrics.aborted_streams.clone()))?;
         registry.register(Box::new(metrics.buffered_bytes.clone()))?;
-        registry.register(Box::new(metrics.input_tokens.clone()))?;
-        registry.register(Box::new(metrics.output_tokens.clone()))?;
+        registry.register(Box::new(metrics.input_tokens.inner().clone()))?;
+        registry.register(Box::new(metrics.output_tokens.inner().clone()))?;
         registry.register(Box::new(metrics.prompt_tokens.clone()))?;
         registry.register(Box::new(metrics.cached_prompt_tokens.clone()))?;
         registry.register(Box::new(metrics.flow_queue_size.clone()))?;
@@ -234,6 +271,7 @@ impl EppMetrics {
         registry.register(Box::new(metrics.pool_reload_errors.clone()))?;
         registry.register(Box::new(metrics.refused_streams.clone()))?;
         registry.register(Box::new(metrics.subsystem_failures.clone()))?;
+        registry.register(Box::new(metrics.admin_unauthorized.clone()))?;
         Ok(metrics)
     }
 }

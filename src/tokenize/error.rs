@@ -36,7 +36,30 @@ pub enum TokenizeError {
     /// The tokenizer failed to encode.
     #[error("encoding: {0}")]
     Encode(String),
+    /// A pre-token is longer than [`super::bounds::MAX_PRETOKEN_BYTES`]: exact tokenization
+    /// stops before it (at its byte offset `at`, when that is a safe place to stop).
+    #[error("a pre-token is longer than {limit} bytes")]
+    PretokenTooLong {
+        /// Byte offset of the pre-token in the encoded text, when the ids before it are
+        /// exactly those of the whole text.
+        at: Option<usize>,
+        /// The bound.
+        limit: usize,
+    },
     /// Metrics could not be registered.
     #[error("registering metrics: {0}")]
     Metrics(String),
+}
+
+impl TokenizeError {
+    /// The same error for a text that starts `offset` bytes into the one reported on.
+    pub fn offset_by(self, offset: usize) -> Self {
+        match self {
+            Self::PretokenTooLong { at, limit } => Self::PretokenTooLong {
+                at: at.map(|a| a + offset),
+                limit,
+            },
+            other => other,
+        }
+    }
 }

@@ -18,6 +18,11 @@
 //! Equivalence is tested against the crate on the fixtures, the 400 KB corpus, random text,
 //! and every character of the [`unicode_pretoken`] table in context (`tests/tok_fast_bpe.rs`).
 //!
+//! Bounded: a pre-token longer than [`MAX_PRETOKEN_BYTES`] (or a run for the crate that long)
+//! is not tokenized; [`FastEncoder::encode`] then fails with
+//! [`TokenizeError::PretokenTooLong`] naming where it starts, a place where the ids before it
+//! are exactly the whole text's ([`super::bounds`]).
+//!
 //! Concurrency: shared by all encodes of a model; the word cache and the crate's BPE cache are
 //! internally synchronised.
 
@@ -25,6 +30,7 @@ use serde_json::json;
 use tokenizers::models::ModelWrapper;
 use tokenizers::{Model, Tokenizer};
 
+use super::bounds::MAX_PRETOKEN_BYTES;
 use super::error::TokenizeError;
 use super::unicode_pretoken;
 use super::word_cache::{self, WordCache};
@@ -46,6 +52,8 @@ pub struct FastEncoder {
     byte_chars: [char; 256],
     /// Ids of ASCII pre-tokens seen before.
     words: WordCache,
+    /// Longest pre-token (and run for the crate) tokenized, in bytes.
+    max_pretoken: usize,
 }
 
 impl FastEncoder {
@@ -95,7 +103,14 @@ impl FastEncoder {
             is_first,
             byte_chars: byte_chars(),
             words: WordCache::new(word_cache::DEFAULT_CAPACITY),
+            max_pretoken: MAX_PRETOKEN_BYTES,
         })
+    }
+
+    /// The same encoder with another pre-token bound (tests use small ones).
+    pub fn with_max_pretoken_bytes(mut self, max: usize) -> Self {
+        self.max_pretoken = max.max(1);
+        self
     }
 
     /// The same encoder with a word cache of `capacity` pre-tokens (0 turns it off).
@@ -139,7 +154,8 @@ impl FastEncoder {
         }
     }
 
-    /// Encodes `text` without special tokens, exactly like `tokenizer.encode(text, false)`.
+    /// Encodes `text` without special tokens, exactly like `tokenizer.encode(text, false)`,
+    /// or fails with [`TokenizeError::PretokenTooLong`] at the first pre-token over the bound.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<WordEncoding, TokenizeError> {
         let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
             return Err(TokenizeError::Encode("fast path needs a BPE model".into()));
@@ -238,6 +254,14 @@ impl FastEncoder {
     ) -> Result<(), TokenizeError> {
         let start = range.start;
         let run = segment.get(range).unwrap_or("");
+        if !fast && run.len() > self.max_pretoken {
+            // The run starts at a split point: a pre-token boundary in any context, where
+            // NFC does not act across, so the ids before it are exact.
+            return Err(TokenizeError::PretokenTooLong {
+                at: Some(base + start),
+                limit: self.max_pretoken,
+            });
+        }
         if start > 0 {
             words.push((base + start, ids.len()));
         }
@@ -288,6 +312,15 @@ impl FastEncoder {
                 unicode_pretoken::pretoken_end(text, i)
             }
             .max(i + 1);
+            if end - i > self.max_pretoken {
+                // `i` starts a pre-token of the whole text; the ids before it are final
+                // (module docs of `bounds`). In a Unicode run every character is NFC-inert
+                // (`unicode_pretoken`), so NFC does not act across `i` either.
+                return Err(TokenizeError::PretokenTooLong {
+                    at: Some(base + i),
+                    limit: self.max_pretoken,
+                });
+            }
             if i > 0 {
                 words.push((base + i, ids.len()));
             }

@@ -11,8 +11,10 @@
 //! Special tokens follow vLLM: chat prompts are encoded without adding special tokens,
 //! completion prompts with them (the request's `add_special_tokens` decides).
 
+mod bounds;
 mod error;
 mod fast_bpe;
+mod gate;
 mod model;
 mod prefix_cache;
 mod pyjson;
@@ -21,8 +23,10 @@ mod template;
 pub mod unicode_pretoken;
 mod word_cache;
 
+pub use bounds::MAX_PRETOKEN_BYTES;
 pub use error::TokenizeError;
 pub use fast_bpe::{FastEncoder, QWEN2_PATTERN, WordEncoding};
+pub use gate::{DEFAULT_MAX_PREPARING_BYTES, PrepareGate, PreparePermit, release_free_memory};
 pub use model::ModelTokenizer;
 pub use prefix_cache::{ANCHOR_BYTES, CachedTokens, PrefixTokenCache, WordEncoder};
 pub use pyjson::{dumps as python_json_dumps, python_float_repr};

@@ -119,8 +119,31 @@ impl ModelTokenizer {
     }
 
     /// Encodes `text` as the server would (`add_special_tokens` as in the request), through the
-    /// prefix cache when the post-processor adds nothing.
+    /// prefix cache when the post-processor adds nothing. At a pre-token over
+    /// [`super::MAX_PRETOKEN_BYTES`] exact tokenization stops: the ids are those of the text
+    /// before it, and `cut_at` says where (module docs of `bounds`).
     pub fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<CachedTokens, TokenizeError> {
+        match self.encode_whole(text, add_special_tokens) {
+            Err(TokenizeError::PretokenTooLong {
+                at: Some(at),
+                limit,
+            }) => {
+                let head = text
+                    .get(..at)
+                    .ok_or(TokenizeError::PretokenTooLong { at: None, limit })?;
+                let mut tokens = self.encode_whole(head, add_special_tokens)?;
+                tokens.cut_at = Some(at);
+                Ok(tokens)
+            }
+            other => other,
+        }
+    }
+
+    fn encode_whole(
         &self,
         text: &str,
         add_special_tokens: bool,
@@ -128,6 +151,7 @@ impl ModelTokenizer {
         if add_special_tokens && self.adds_special_tokens {
             // NOTE: tokenizers that add BOS/EOS bypass the prefix cache (the Qwen2 tokenizer
             // used by the fixtures adds nothing).
+            super::bounds::check_unbroken_runs(text, super::MAX_PRETOKEN_BYTES)?;
             let enc = self
                 .tokenizer
                 .encode(text, true)
@@ -135,6 +159,7 @@ impl ModelTokenizer {
             return Ok(CachedTokens {
                 ids: enc.get_ids().to_vec(),
                 reused_tokens: 0,
+                cut_at: None,
             });
         }
         self.cache.encode(&self.word_encoder(), text)
@@ -153,7 +178,20 @@ impl ModelTokenizer {
                 Err(e) => Err((e, text)),
             };
         }
-        self.cache.encode_owned(&self.word_encoder(), text)
+        match self.cache.encode_owned(&self.word_encoder(), text) {
+            Err((TokenizeError::PretokenTooLong { at: Some(at), .. }, mut text))
+                if text.is_char_boundary(at) =>
+            {
+                text.truncate(at);
+                let mut tokens = self.cache.encode_owned(&self.word_encoder(), text)?;
+                tokens.cut_at = Some(at);
+                Ok(tokens)
+            }
+            Err((TokenizeError::PretokenTooLong { limit, .. }, text)) => {
+                Err((TokenizeError::PretokenTooLong { at: None, limit }, text))
+            }
+            other => other,
+        }
     }
 
     /// The encoder the prefix cache uses (fast path when supported).

@@ -75,6 +75,9 @@ pub struct CachedTokens {
     pub ids: Vec<u32>,
     /// How many leading ids came from the cache.
     pub reused_tokens: usize,
+    /// Where exact tokenization stopped (byte offset), at a pre-token over
+    /// [`super::MAX_PRETOKEN_BYTES`]: `ids` are then those of the text before it.
+    pub cut_at: Option<usize>,
 }
 
 /// What [`PrefixTokenCache::tokenize`] found.
@@ -334,6 +337,7 @@ impl PrefixTokenCache {
                 CachedTokens {
                     ids,
                     reused_tokens: reused,
+                    cut_at: None,
                 }
             }
         }
@@ -346,6 +350,7 @@ impl PrefixTokenCache {
             return Ok(Outcome::Done(CachedTokens {
                 ids,
                 reused_tokens: 0,
+                cut_at: None,
             }));
         }
         let Some((entry, common)) = self.lookup(text.as_bytes()) else {
@@ -356,6 +361,7 @@ impl PrefixTokenCache {
             return Ok(Outcome::Done(CachedTokens {
                 reused_tokens: ids.len(),
                 ids,
+                cut_at: None,
             }));
         }
         let Some(cut) = entry
@@ -365,7 +371,7 @@ impl PrefixTokenCache {
             return full(encoder, text);
         };
         let tail = text.get(cut.byte..).unwrap_or("");
-        let (tail_ids, words) = encoder.encode(tail)?;
+        let (tail_ids, words) = encoder.encode(tail).map_err(|e| e.offset_by(cut.byte))?;
         let mut ids = Vec::with_capacity(cut.token + tail_ids.len());
         for p in &cut.pieces {
             ids.extend_from_slice(p.ids());
@@ -576,6 +582,7 @@ impl<'a> WordEncoder<'a> {
         if let Some(fast) = self.fast {
             return fast.encode(self.tokenizer, text);
         }
+        super::bounds::check_unbroken_runs(text, super::MAX_PRETOKEN_BYTES)?;
         let enc = self
             .tokenizer
             .encode(text, false)

@@ -27,6 +27,8 @@ use crate::request::{ChatPrompt, InferenceRequest, MessageContent, Prompt};
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
 /// At most this many distinct model names are remembered for "logged once".
 const MAX_LOGGED_MODELS: usize = 1024;
+/// Bytes of a model name kept in logs and in the set of models already logged.
+const LOGGED_MODEL_BYTES: usize = crate::telemetry::labels::MAX_LABEL_BYTES;
 
 /// Where tokenizers come from.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +43,8 @@ pub struct TokenizersConfig {
     pub prefix_cache_bytes: usize,
     /// Overrides chat-template content-format detection (vLLM's `--chat-template-content-format`).
     pub content_format: Option<ContentFormat>,
+    /// Bytes of large bodies prepared at once ([`super::PrepareGate`]; 0: no limit).
+    pub max_preparing_bytes: usize,
 }
 
 impl TokenizersConfig {
@@ -59,7 +63,8 @@ impl TokenizersConfig {
 /// A request's prompt as token ids, or approximately as text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptTokens {
-    /// The ids the model server will use.
+    /// The ids the model server will use (for a prompt with a pre-token over
+    /// [`super::MAX_PRETOKEN_BYTES`], those before it: `kvpick_tokenize_cut_prompts_total`).
     Exact(Vec<u32>),
     /// No tokenizer (or template) for this model: the prompt text, for character-chunk
     /// prefix matching.
@@ -79,6 +84,9 @@ pub enum ApproximateReason {
     TemplateError,
     /// The tokenizer failed to encode.
     EncodeError,
+    /// A run without whitespace over [`super::MAX_PRETOKEN_BYTES`] for a tokenizer whose
+    /// pre-token boundaries kvpick cannot find itself (no exact place to stop).
+    PretokenTooLong,
 }
 
 impl ApproximateReason {
@@ -88,6 +96,7 @@ impl ApproximateReason {
             Self::NoTemplate => "no_template",
             Self::TemplateError => "template_error",
             Self::EncodeError => "encode_error",
+            Self::PretokenTooLong => "pretoken_too_long",
         }
     }
 }
@@ -135,6 +144,7 @@ pub struct TokenizeMetrics {
     reused_tokens: IntCounter,
     cache_bytes: IntGauge,
     duration: Histogram,
+    cut: IntCounter,
 }
 
 impl TokenizeMetrics {
@@ -172,13 +182,20 @@ impl TokenizeMetrics {
         registry.register(Box::new(approximate.clone()))?;
         registry.register(Box::new(reused_tokens.clone()))?;
         registry.register(Box::new(cache_bytes.clone()))?;
+        let cut = IntCounter::new(
+            "kvpick_tokenize_cut_prompts_total",
+            "Prompts whose exact tokenization stopped at a pre-token over the bound \
+             (keyed by the tokens before it)",
+        )?;
         registry.register(Box::new(duration.clone()))?;
+        registry.register(Box::new(cut.clone()))?;
         Ok(Self {
             exact,
             approximate,
             reused_tokens,
             cache_bytes,
             duration,
+            cut,
         })
     }
 }
@@ -191,6 +208,7 @@ pub struct Tokenizers {
     lora_bases: DashMap<String, String>,
     metrics: TokenizeMetrics,
     logged: Mutex<HashSet<String>>,
+    gate: super::PrepareGate,
     /// Long JSON strings of earlier bodies, to resume parsing from (see
     /// [`crate::request::LongStringCache`]); a quarter of the prefix-cache budget.
     long_strings: crate::request::LongStringCache,
@@ -201,6 +219,8 @@ impl Tokenizers {
     pub fn new(config: TokenizersConfig, registry: &Registry) -> Result<Self, TokenizeError> {
         let metrics =
             TokenizeMetrics::new(registry).map_err(|e| TokenizeError::Metrics(e.to_string()))?;
+        let gate = super::PrepareGate::new(config.max_preparing_bytes, registry)
+            .map_err(|e| TokenizeError::Metrics(e.to_string()))?;
         let mut loaded: HashMap<PathBuf, Arc<ModelTokenizer>> = HashMap::new();
         let mut load = |dir: &PathBuf| -> Result<Arc<ModelTokenizer>, TokenizeError> {
             let key = dir.canonicalize().unwrap_or_else(|_| dir.clone());
@@ -220,14 +240,22 @@ impl Tokenizers {
             by_model.insert(model.clone(), load(dir)?);
         }
         let default = config.default_dir.as_ref().map(&mut load).transpose()?;
+        // Parsing tokenizer.json leaves tens of MB of freed garbage resident.
+        super::release_free_memory();
         Ok(Self {
             by_model,
             default,
             lora_bases: config.lora_bases.iter().cloned().collect(),
             metrics,
             logged: Mutex::new(HashSet::new()),
+            gate,
             long_strings: crate::request::LongStringCache::new(config.prefix_cache_bytes / 4),
         })
+    }
+
+    /// The limit on bytes of bodies prepared at once: enter it before preparing a large body.
+    pub fn gate(&self) -> &super::PrepareGate {
+        &self.gate
     }
 
     /// The cache of long request strings bodies are parsed with (`request::parse_cached`).
@@ -331,14 +359,8 @@ impl Tokenizers {
         add_special: bool,
     ) -> PromptTokens {
         match tok.encode(text, add_special) {
-            Ok(cached) => self.exact(tok, cached),
-            Err(e) => {
-                tracing::warn!(model, error = %e, "tokenizer failed to encode a prompt");
-                PromptTokens::Approximate(ApproximatePrompt {
-                    text: text.to_owned(),
-                    reason: ApproximateReason::EncodeError,
-                })
-            }
+            Ok(cached) => self.exact(tok, model, cached),
+            Err(e) => self.encode_failed(model, e, text.to_owned()),
         }
     }
 
@@ -351,18 +373,47 @@ impl Tokenizers {
         add_special: bool,
     ) -> PromptTokens {
         match tok.encode_owned(text, add_special) {
-            Ok(cached) => self.exact(tok, cached),
-            Err((e, text)) => {
-                tracing::warn!(model, error = %e, "tokenizer failed to encode a prompt");
-                PromptTokens::Approximate(ApproximatePrompt {
-                    text,
-                    reason: ApproximateReason::EncodeError,
-                })
-            }
+            Ok(cached) => self.exact(tok, model, cached),
+            Err((e, text)) => self.encode_failed(model, e, text),
         }
     }
 
-    fn exact(&self, tok: &ModelTokenizer, cached: CachedTokens) -> PromptTokens {
+    fn encode_failed(&self, model: &str, error: TokenizeError, text: String) -> PromptTokens {
+        let model = crate::telemetry::labels::truncate(model, LOGGED_MODEL_BYTES);
+        let reason = match error {
+            TokenizeError::PretokenTooLong { .. } => ApproximateReason::PretokenTooLong,
+            _ => ApproximateReason::EncodeError,
+        };
+        // NOTE: a client can send such prompts at will: log the 1st, 2nd, 4th, 8th… only
+        // (the metric counts every one).
+        let count = self
+            .metrics
+            .approximate
+            .with_label_values(&[reason.label()])
+            .get()
+            + 1;
+        if count.is_power_of_two() {
+            tracing::warn!(model, error = %error, count, "tokenizer failed to encode a prompt; routing it approximately");
+        }
+        PromptTokens::Approximate(ApproximatePrompt { text, reason })
+    }
+
+    fn exact(&self, tok: &ModelTokenizer, model: &str, cached: CachedTokens) -> PromptTokens {
+        if let Some(at) = cached.cut_at {
+            self.metrics.cut.inc();
+            let count = self.metrics.cut.get();
+            if count.is_power_of_two() {
+                let model = crate::telemetry::labels::truncate(model, LOGGED_MODEL_BYTES);
+                tracing::warn!(
+                    model,
+                    at,
+                    keyed_tokens = cached.ids.len(),
+                    limit = super::MAX_PRETOKEN_BYTES,
+                    count,
+                    "prompt has a pre-token over the bound; keyed by the tokens before it"
+                );
+            }
+        }
         self.metrics
             .reused_tokens
             .inc_by(cached.reused_tokens as u64);
@@ -373,6 +424,9 @@ impl Tokenizers {
     }
 
     fn approximate(&self, model: &str, text: String, reason: ApproximateReason) -> PromptTokens {
+        // The model name is the client's: a 1 MB name must not become a 1 MB log line or
+        // 1 MB held in `logged`.
+        let model = crate::telemetry::labels::truncate(model, LOGGED_MODEL_BYTES);
         if let Ok(mut logged) = self.logged.lock()
             && logged.len() < MAX_LOGGED_MODELS
             && logged.insert(model.to_owned())

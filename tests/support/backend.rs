@@ -5,6 +5,8 @@
 //! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics and is not recorded.
 //! [`Backend::stop`] closes the listener and every open connection (a dead pod: connects
 //! are refused); [`Backend::restart`] listens on the same address again.
+//! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics (or what
+//! [`Backend::set_metrics`] set) and is not recorded.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -32,6 +34,7 @@ struct Shared {
     released: watch::Sender<bool>,
     /// Cancelled by `stop`: ends the accept loop and every connection.
     running: Mutex<tokio_util::sync::CancellationToken>,
+    metrics: Mutex<String>,
 }
 
 /// A running backend.
@@ -50,6 +53,7 @@ impl Backend {
             seen: Mutex::new(Vec::new()),
             released: watch::Sender::new(false),
             running: Mutex::new(tokio_util::sync::CancellationToken::new()),
+            metrics: Mutex::new(IDLE_VLLM_METRICS.to_owned()),
         });
         let backend = Backend {
             addr,
@@ -109,6 +113,11 @@ impl Backend {
         self.shared.seen.lock().expect("lock").clone()
     }
 
+    /// What `GET /metrics` answers from now on (vLLM text format).
+    pub fn set_metrics(&self, text: &str) {
+        *self.shared.metrics.lock().expect("lock") = text.to_owned();
+    }
+
     /// Lets held `/hold` responses finish.
     pub fn release(&self) {
         self.shared.released.send_replace(true);
@@ -118,7 +127,7 @@ impl Backend {
 type Body = BoxBody<Bytes, Infallible>;
 
 /// What an idle vLLM reports (enough for kvpick's scrape to count the pod as fresh).
-const IDLE_VLLM_METRICS: &str = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\n\
+pub const IDLE_VLLM_METRICS: &str = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\n\
     vllm:num_requests_running{model_name=\"m\"} 0.0\n\
     vllm:kv_cache_usage_perc{model_name=\"m\"} 0.0\n";
 
@@ -132,7 +141,7 @@ async fn handle(
         return Ok(Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
             .body(BodyExt::boxed(http_body_util::Full::new(Bytes::from(
-                IDLE_VLLM_METRICS,
+                shared.metrics.lock().expect("lock").clone(),
             ))))
             .expect("response"));
     }

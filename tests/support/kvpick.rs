@@ -15,13 +15,15 @@ pub struct Kvpick {
     pub grpc_port: u16,
     pub health_port: u16,
     pub metrics_port: u16,
+    pub debug_port: u16,
     pub pool_file: PathBuf,
     _dir: tempfile::TempDir,
 }
 
 impl Kvpick {
     /// Starts kvpick on free ports with `pool_yaml` as its endpoints file and waits until
-    /// it reports ready.
+    /// it reports ready. Every server binds 127.0.0.1 unless `extra_args` names
+    /// `--bind-address` (the debug server keeps its loopback default either way).
     ///
     /// NOTE: a port found free can be taken by a process of another test before kvpick
     /// binds it (tests run in parallel); kvpick then exits at once, and it is started again
@@ -31,13 +33,18 @@ impl Kvpick {
         let pool_file = dir.path().join("pool.yaml");
         std::fs::write(&pool_file, pool_yaml).expect("write pool");
         for _ in 0..4 {
-            let (grpc_port, health_port, metrics_port) = (free_port(), free_port(), free_port());
-            let mut child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-                .arg("serve")
-                .args(["--bind-address", "127.0.0.1"])
+            let (grpc_port, health_port, metrics_port, debug_port) =
+                (free_port(), free_port(), free_port(), free_port());
+            let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+            command.arg("serve");
+            if !extra_args.contains(&"--bind-address") {
+                command.args(["--bind-address", "127.0.0.1"]);
+            }
+            let mut child = command
                 .args(["--grpc-port", &grpc_port.to_string()])
                 .args(["--grpc-health-port", &health_port.to_string()])
                 .args(["--metrics-port", &metrics_port.to_string()])
+                .args(["--debug-port", &debug_port.to_string()])
                 .arg("--endpoints-file")
                 .arg(&pool_file)
                 .args(["--endpoints-reload-interval", "100ms"])
@@ -63,6 +70,7 @@ impl Kvpick {
                     grpc_port,
                     health_port,
                     metrics_port,
+                    debug_port,
                     pool_file,
                     _dir: dir,
                 };
@@ -95,6 +103,11 @@ impl Kvpick {
 
     pub fn metrics_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.metrics_port)
+    }
+
+    /// A URL on the debug server (`/debug/*`).
+    pub fn debug_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.debug_port)
     }
 }
 

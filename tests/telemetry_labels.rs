@@ -1,0 +1,72 @@
+//! Label values taken from requests are bounded, through the real kvpick binary and a real
+//! Envoy: huge and many distinct model names keep `/metrics` small.
+
+mod support;
+
+use support::backend::Backend;
+use support::envoy::{Envoy, EnvoyOptions};
+use support::http::{post_json, send};
+use support::kvpick::Kvpick;
+
+fn body(model: &str) -> Vec<u8> {
+    serde_json::json!({"model": model, "prompt": "hello"})
+        .to_string()
+        .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_and_many_distinct_model_names_keep_metrics_small() {
+    let backend = Backend::start("127.0.0.1").await;
+    let pool = format!("endpoints:\n  - address: {}\n", backend.addr);
+    let kvpick = Kvpick::start(&pool, &[]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+
+    // Four 1 MB model names (before the bound each one was a 1 MB label value in every
+    // series of six metrics), then more distinct names than the distinct-value bound.
+    for i in 0..4u8 {
+        let huge: String = std::iter::repeat_n(char::from(b'a' + i), 1 << 20).collect();
+        let reply = post_json(&url, &body(&huge)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    for i in 0..1100 {
+        let reply = post_json(&url, &body(&format!("model-{i}"))).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    assert_eq!(backend.seen().len(), 1104, "every request was routed");
+
+    let metrics = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics");
+    assert_eq!(metrics.status, 200);
+    let text = metrics.text();
+    eprintln!("/metrics: {} bytes", text.len());
+    // 1,000 series of a counter and a 12-bucket histogram with short names are ~2.5 MB;
+    // unbounded, this was > 100 MB.
+    assert!(text.len() < 4 << 20, "/metrics is {} bytes", text.len());
+    let longest = text.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 1024, "a {longest}-byte line in /metrics");
+    assert!(
+        text.contains(
+            "inference_objective_request_total{model_name=\"other\",target_model_name=\"other\"}"
+        ),
+        "names past the bound are counted as `other`"
+    );
+    assert!(
+        text.contains("inference_objective_request_total{model_name=\"model-0\",target_model_name=\"model-0\"} 1"),
+        "names within the bound keep their series"
+    );
+    let cut = "a".repeat(256);
+    assert!(
+        text.contains(&format!("model_name=\"{cut}\"")),
+        "a huge name is cut to 256 bytes"
+    );
+    let collapsed = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("kvpick_metric_label_values_bounded_total{action=\"collapsed\"} ")
+        })
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(collapsed > 0.0, "collapses are counted");
+}
