@@ -6,9 +6,12 @@
 //! - [`kvevents`] and [`kvcache`]: which pod holds which prefix, fed by vLLM's KV events;
 //! - [`endpoints`] and [`discovery`]: the pool of model-server pods and their live load;
 //! - [`scheduling`]: the decision;
-//! - [`telemetry`]: our own metrics, health and admin HTTP;
+//! - [`telemetry`]: our own metrics and health;
+//! - [`admin`]: the metrics and debug HTTP servers, above every layer they report on;
+//! - [`app`]: `kvpick serve`, the wiring of all of the above;
 //! - [`sim`]: a vLLM-compatible model-server simulator (the ground truth for tests).
 
+pub mod admin;
 pub mod app;
 pub mod bench;
 pub mod config;

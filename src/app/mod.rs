@@ -22,6 +22,7 @@ mod pool_sync;
 pub mod subsystems;
 pub mod supervise;
 
+use crate::admin;
 use crate::config::ServeConfig;
 use crate::discovery::{PoolFileError, parse_pool};
 use crate::endpoints::Datastore;
@@ -33,7 +34,7 @@ use crate::scheduling::{
     ConfiguredScheduler, FlowControlConfig, FlowController, MetricsSource, SchedulerDeps,
 };
 use crate::scrape::{MetricsStore, ScrapeMetrics};
-use crate::telemetry::{EppMetrics, admin, health};
+use crate::telemetry::{EppMetrics, health};
 use crate::tokenize::{TokenizeError, Tokenizers};
 use supervise::{Policy, SubsystemFailed, Supervisor};
 
@@ -233,7 +234,7 @@ pub async fn serve(
         scheduler: Arc::clone(&scheduler),
         admission: Arc::clone(&admission),
     };
-    let auth = crate::telemetry::auth::AuthState {
+    let auth = crate::admin::auth::AuthState {
         token: config.metrics_bearer_token.clone(),
         refused: metrics.admin_unauthorized.clone(),
     };

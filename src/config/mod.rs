@@ -222,7 +222,7 @@ pub enum ConfigError {
     },
     /// The bearer token file cannot be used.
     #[error("--metrics-bearer-token-file: {0}")]
-    BearerToken(#[from] crate::telemetry::auth::TokenError),
+    BearerToken(#[from] crate::admin::auth::TokenError),
     /// A size flag is out of range.
     #[error("--{flag} must be at least {min} (got {value})")]
     TooSmall {
@@ -247,7 +247,7 @@ pub struct ServeConfig {
     /// Debug-views HTTP listen address.
     pub debug_addr: SocketAddr,
     /// The token `/metrics` and `/debug/*` require, if any.
-    pub metrics_bearer_token: Option<crate::telemetry::auth::BearerToken>,
+    pub metrics_bearer_token: Option<crate::admin::auth::BearerToken>,
     /// The pool's name.
     pub pool_name: String,
     /// The static pool file.
@@ -405,7 +405,7 @@ impl ServeArgs {
         let metrics_bearer_token = self
             .metrics_bearer_token_file
             .as_deref()
-            .map(crate::telemetry::auth::BearerToken::from_file)
+            .map(crate::admin::auth::BearerToken::from_file)
             .transpose()?;
         let ip = self.bind_address;
         Ok(ServeConfig {

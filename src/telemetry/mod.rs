@@ -1,8 +1,7 @@
-//! kvpick's own observability: Prometheus metrics, gRPC health and the admin HTTP server.
+//! kvpick's own observability: Prometheus metrics (with bounded request-derived labels) and
+//! gRPC health. The HTTP servers that expose them (and the debug views) are in
+//! [`crate::admin`], above every layer they report on.
 
-pub mod admin;
-pub mod auth;
-pub mod debug;
 pub mod health;
 pub mod labels;
 mod metrics;

@@ -17,14 +17,16 @@ use axum::routing::{get, post};
 use prometheus::{Encoder, Registry, TextEncoder};
 use std::time::Duration;
 
-use super::auth::{AuthState, require};
-use super::debug;
+pub mod auth;
+pub mod debug;
+
 use crate::endpoints::Datastore;
 use crate::kvcache::PrefixIndex;
 use crate::kvevents::KvEventsManager;
 use crate::scrape::MetricsStore;
 use crate::telemetry::EppMetrics;
 use crate::tokenize::Tokenizers;
+use auth::{AuthState, require};
 
 /// What the admin server reads.
 #[derive(Clone)]

@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use super::admin::AdminState;
+use super::AdminState;
 use crate::endpoints::{PodId, live_candidates};
 use crate::extproc::meta::RequestMeta;
 use crate::extproc::prepare::{Prepared, prepare};
