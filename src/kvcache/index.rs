@@ -116,6 +116,25 @@ pub struct ApplyStats {
     pub cleared: u64,
 }
 
+/// One block of a store event, keyed.
+#[derive(Clone, Copy, Debug)]
+struct StoredBlock {
+    hash: EngineHash,
+    key: BlockKey,
+    tier: Tier,
+}
+
+/// Whether the blocks of a store chain may still be a re-announcement of blocks the pod
+/// already holds (`kv_cache_report_mode: "full"`: a chain from block 0 whose blocks are all
+/// held), or are new physical blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Announcement {
+    /// New blocks: each store adds a reference.
+    New,
+    /// Every block so far was held already: a held block adds no reference.
+    MaybeRepeat,
+}
+
 impl ApplyStats {
     fn add(&mut self, other: &ApplyStats) {
         self.blocks_added += other.blocks_added;
@@ -409,13 +428,16 @@ impl PrefixIndex {
                     Some(key) => {
                         // NOTE: without tokens nothing shows that the listed blocks follow one
                         // another (an offload store may skip blocks it holds): no spans.
+                        let block = StoredBlock {
+                            hash: *hash,
+                            key,
+                            tier,
+                        };
                         self.insert(
                             entry,
                             state,
-                            *hash,
-                            key,
-                            tier,
-                            false,
+                            block,
+                            Announcement::New,
                             ChainLink::Unchained,
                             stats,
                         );
@@ -462,7 +484,11 @@ impl PrefixIndex {
         // would keep those blocks in the index after their single real eviction (a false
         // positive). The cost: two identical physical copies of block 0 stored concurrently are
         // counted once, so the index may forget them one removal early (a false negative).
-        let mut reannounce = stored.parent_block_hash.is_none();
+        let mut announcement = if stored.parent_block_hash.is_none() {
+            Announcement::MaybeRepeat
+        } else {
+            Announcement::New
+        };
         let mut link = match self.parent_span(entry, state, stored.parent_block_hash, tier) {
             Some(span) => ChainLink::After(span),
             None => ChainLink::Start,
@@ -476,8 +502,12 @@ impl PrefixIndex {
             let opaque = stored.extra.get(i).and_then(|e| e.opaque);
             let key = next_key(previous, tokens, opaque);
             previous = key.0;
-            (reannounce, link) =
-                self.insert(entry, state, *hash, key, tier, reannounce, link, stats);
+            let block = StoredBlock {
+                hash: *hash,
+                key,
+                tier,
+            };
+            (announcement, link) = self.insert(entry, state, block, announcement, link, stats);
         }
     }
 
@@ -493,21 +523,20 @@ impl PrefixIndex {
         self.blocks.span_of(*key, entry.slot, tier)
     }
 
-    /// Adds one reference of `hash` in `tier`, placed in a span as `link` says; returns
-    /// whether the re-announcement run continues (the block was already held) and the link of
-    /// the chain's next block.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds one reference of `block`, placed in a span as `link` says; returns whether the
+    /// re-announcement run continues (the block was already held) and the link of the chain's
+    /// next block.
     fn insert(
         &self,
         entry: &PodEntry,
         state: &mut PodBlocks,
-        hash: EngineHash,
-        key: BlockKey,
-        tier: Tier,
-        reannounce: bool,
+        block: StoredBlock,
+        announcement: Announcement,
         link: ChainLink,
         stats: &mut ApplyStats,
-    ) -> (bool, ChainLink) {
+    ) -> (Announcement, ChainLink) {
+        let StoredBlock { hash, key, tier } = block;
+        let reannounce = announcement == Announcement::MaybeRepeat;
         // NOTE: the map of hashes is bounded too: several hashes of one key share one entry.
         let at_limit = state.entries >= state.limit || state.by_hash.len() >= state.limit;
         // The chain continues through this block only if the hash is keyed as the chain keys it:
@@ -528,7 +557,7 @@ impl PrefixIndex {
             None => {
                 if at_limit {
                     stats.capacity_drops += 1;
-                    return (false, restart);
+                    return (Announcement::New, restart);
                 }
                 state.by_hash.insert(hash, key);
                 key
@@ -542,12 +571,15 @@ impl PrefixIndex {
                 && reannounce
             {
                 stats.reannounced += 1;
-                return (true, ChainLink::continuing(chained, span, restart));
+                return (
+                    Announcement::MaybeRepeat,
+                    ChainLink::continuing(chained, span, restart),
+                );
             }
             if held.is_none() && at_limit {
                 stats.capacity_drops += 1;
                 self.forget_hash_if_unheld(entry, state, hash, key);
-                return (false, restart);
+                return (Announcement::New, restart);
             }
         }
         let next = match link {
@@ -559,12 +591,12 @@ impl PrefixIndex {
         let continued = ChainLink::continuing(chained, span, restart);
         if refs > 1 {
             stats.duplicate_stores += 1;
-            return (false, continued);
+            return (Announcement::New, continued);
         }
         state.spans.commit(span, &entry.spans);
         state.entries += 1;
         stats.blocks_added += 1;
-        (false, continued)
+        (Announcement::New, continued)
     }
 
     /// Drops `hash` from the pod's map when the pod holds its key in no tier.
