@@ -6,11 +6,12 @@
 //! - [`kvevents`] and [`kvcache`]: which pod holds which prefix, fed by vLLM's KV events;
 //! - [`endpoints`] and [`discovery`]: the pool of model-server pods and their live load;
 //! - [`scheduling`]: the decision;
-//! - [`telemetry`]: our own metrics, health and admin HTTP;
-//! - [`sim`]: a vLLM-compatible model-server simulator (the ground truth for tests).
+//! - [`telemetry`]: our own metrics, health and admin HTTP.
+//!
+//! The simulator and the load generator are their own crates (`crates/kvpick-sim`,
+//! `crates/kvpick-bench`): the product neither links nor rebuilds with them.
 
 pub mod app;
-pub mod bench;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;
@@ -20,6 +21,5 @@ pub mod kvevents;
 pub mod request;
 pub mod scheduling;
 pub mod scrape;
-pub mod sim;
 pub mod telemetry;
 pub mod tokenize;
