@@ -10,9 +10,11 @@ if ! command -v cargo-nextest >/dev/null 2>&1; then
   echo "test: installing cargo-nextest" >&2
   cargo install --locked cargo-nextest
 fi
-cargo fmt --check
-cargo clippy --all-targets --locked -- -D warnings
-cargo nextest run --locked --no-fail-fast "$@"
+# --all/--workspace: kvpick and its workspace crates (kvpick-sim, kvpick-bench, kvpick-e2e,
+# kvevents-wire); the e2e tests run the binaries the workspace build puts in target/.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo nextest run --workspace --locked --no-fail-fast "$@"
 fuzz_seconds="${KVPICK_FUZZ_SECONDS:-60}"
 if [ "$fuzz_seconds" -gt 0 ]; then
   scripts/fuzz.sh "$fuzz_seconds"

@@ -9,11 +9,12 @@
 //! - [`telemetry`]: our own metrics and health;
 //! - [`admin`]: the metrics and debug HTTP servers, above every layer they report on;
 //! - [`app`]: `kvpick serve`, the wiring of all of the above;
-//! - [`sim`]: a vLLM-compatible model-server simulator (the ground truth for tests).
+//!
+//! The simulator and the load generator are their own crates (`crates/kvpick-sim`,
+//! `crates/kvpick-bench`): the product neither links nor rebuilds with them.
 
 pub mod admin;
 pub mod app;
-pub mod bench;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;
@@ -23,6 +24,5 @@ pub mod kvevents;
 pub mod request;
 pub mod scheduling;
 pub mod scrape;
-pub mod sim;
 pub mod telemetry;
 pub mod tokenize;

@@ -386,7 +386,7 @@ impl SimPod {
     }
 
     fn spawn(http: SocketAddr, events: u16, replay: u16) -> std::process::Child {
-        std::process::Command::new(env!("CARGO_BIN_EXE_kvpick-sim"))
+        std::process::Command::new(support::workspace_bin("kvpick-sim"))
             .args(["--pods", "1", "--time-scale", "0.01"])
             .args(["--base-port", &http.port().to_string()])
             .args(["--events-base-port", &events.to_string()])

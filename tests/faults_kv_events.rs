@@ -6,7 +6,6 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use support::http::send;
@@ -19,18 +18,9 @@ use tokio::net::TcpListener;
 /// tokenizers; one unbounded 16 MiB message per connection would already show).
 const PEAK_RSS_LIMIT: u64 = 200 * 1024 * 1024;
 
-fn fixtures() -> PathBuf {
-    let local = support::repo_root().join("../shared/fixtures");
-    if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    }
-}
-
 /// The payloads of the real vLLM capture, in seq order.
 fn capture() -> Vec<Vec<u8>> {
-    let dir = fixtures().join("vllm-0.32-kv-events");
+    let dir = support::fixtures().join("vllm-0.32-kv-events");
     (0..)
         .map_while(|i| std::fs::read(dir.join(format!("{i:04}.msgpack"))).ok())
         .collect()

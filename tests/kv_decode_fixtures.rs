@@ -1,25 +1,15 @@
 //! Golden test: every payload captured from a real vLLM 0.32 engine decodes to exactly what
 //! the fixture's `expected.jsonl` (decoded without a schema) says.
 
-use std::path::{Path, PathBuf};
+#[path = "support/paths.rs"]
+mod paths;
+
+use std::path::Path;
 
 use kvpick::kvevents::{
     EngineHash, KvEvent, Tier, decode_payload, decode_seq, parse_topic, split_frames,
 };
 use serde_json::Value as Json;
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
-}
-
-fn fixture_root() -> PathBuf {
-    let local = fixtures();
-    if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    }
-}
 
 fn read(path: &Path) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -174,7 +164,7 @@ fn check_replay(dir: &Path) -> usize {
 
 #[test]
 fn main_capture_decodes_exactly() {
-    let dir = fixture_root().join("vllm-0.32-kv-events");
+    let dir = paths::fixtures().join("vllm-0.32-kv-events");
     let (batches, events) = check_capture(&dir);
     // Totals from the fixture README: 68 batches, 55 BlockStored + 241 BlockRemoved.
     assert_eq!((batches, events), (68, 55 + 241));
@@ -192,7 +182,7 @@ fn cbor_and_bytehash_captures_decode_exactly() {
         "vllm-0.32-kv-events-sha256cbor",
         "vllm-0.32-kv-events-bytehash",
     ] {
-        let dir = fixture_root().join(name);
+        let dir = paths::fixtures().join(name);
         let (batches, events) = check_capture(&dir);
         assert!(batches > 0 && events > 0, "{name}");
         assert!(check_replay(&dir.join("replay")) > 0, "{name}");
@@ -202,7 +192,7 @@ fn cbor_and_bytehash_captures_decode_exactly() {
 #[test]
 fn bytehash_capture_ends_in_the_int_hashes() {
     // The 32-byte hashes end in the same 8 bytes as the main capture's int hashes.
-    let root = fixture_root();
+    let root = paths::fixtures();
     let first = |dir: &str| {
         let payload = read(&root.join(dir).join("0000.msgpack"));
         match &decode_payload(&payload).unwrap().events[0] {

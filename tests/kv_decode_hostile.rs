@@ -3,20 +3,17 @@
 //! without panicking or growing past its bounds (the cargo-fuzz target in fuzz/ explores
 //! further).
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 use kvpick::endpoints::PodId;
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
 use kvpick::kvevents::decode_payload;
 
 fn payloads() -> Vec<Vec<u8>> {
-    let local = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
-    let root = if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    };
+    let root = paths::fixtures();
     let mut out = Vec::new();
     for dir in [
         "vllm-0.32-kv-events",

@@ -1,6 +1,9 @@
 //! Golden test: apply the whole real vLLM capture to the index; it must then hold exactly the
 //! blocks the engine still holds, and match every request's prompt as the engine cached it.
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -9,13 +12,7 @@ use kvpick::kvevents::{EngineHash, KvEvent, Tier, decode_payload, parse_topic, s
 use serde_json::Value as Json;
 
 fn capture_dir() -> PathBuf {
-    let local = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
-    let root = if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    };
-    root.join("vllm-0.32-kv-events")
+    paths::fixtures().join("vllm-0.32-kv-events")
 }
 
 struct Message {

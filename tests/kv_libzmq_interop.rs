@@ -6,22 +6,12 @@
 mod support;
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use support::http::send;
 use support::kvpick::Kvpick;
-use support::{free_port, repo_root, wait_until};
-
-fn fixtures() -> PathBuf {
-    let local = repo_root().join("../shared/fixtures");
-    if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    }
-}
+use support::{fixtures, free_port, repo_root, wait_until};
 
 /// The libzmq publisher script as a child process; killed on drop.
 struct LibzmqPublisher {

@@ -1,5 +1,8 @@
 //! Speculative entries (paused tokio time) and the approximate mode for pods without events.
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,13 +13,7 @@ use kvpick::kvevents::{EventBatch, decode_payload};
 use serde_json::Value as Json;
 
 fn capture() -> PathBuf {
-    let local = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
-    let root = if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    };
-    root.join("vllm-0.32-kv-events")
+    paths::fixtures().join("vllm-0.32-kv-events")
 }
 
 fn batch(seq: usize) -> EventBatch {

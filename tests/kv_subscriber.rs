@@ -3,8 +3,10 @@
 //! keep the index equal to applying every batch in order — through lost messages (replay),
 //! missing replay (clear), publisher restarts (seq back to 0), pods leaving, and central mode.
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,18 +18,9 @@ use prometheus::Registry;
 use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-fn fixtures() -> PathBuf {
-    let local = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
-    if local.exists() {
-        local
-    } else {
-        PathBuf::from("/work/shared/fixtures")
-    }
-}
-
 /// (topic, payload) of every batch of a capture folder, by seq.
 fn capture(dir: &str) -> Vec<(Bytes, Bytes)> {
-    let dir = fixtures().join(dir);
+    let dir = paths::fixtures().join(dir);
     let mut out = Vec::new();
     for index in 0.. {
         let base = dir.join(format!("{index:04}"));

@@ -3,6 +3,9 @@
 //! biased towards the regex's corner cases (contractions, whitespace runs before letters,
 //! symbols and newlines, CR/LF mixes, digits, control characters, special tokens).
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
@@ -15,7 +18,7 @@ static MODEL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
 });
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/tokenizer")
+    paths::fixtures().join("tokenizer")
 }
 
 fn assert_same(text: &str) {

@@ -1,6 +1,9 @@
 //! The correctness bar: for every captured request, the ids kvpick computes from the body equal
 //! the ids the real vLLM 0.32 engine used (`prompt_token_ids`, from its `/tokenize`).
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
@@ -10,10 +13,6 @@ use serde_json::Value;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn fixtures() -> PathBuf {
-    repo().join("../shared/fixtures")
 }
 
 /// Loaded once per test binary (the 8 MB tokenizer.json is slow to load in debug builds).
@@ -45,8 +44,8 @@ fn every_captured_request_tokenizes_like_vllm() {
         "vllm-0.32-kv-events-sha256cbor",
         "vllm-0.32-kv-events-bytehash",
     ] {
-        let text =
-            std::fs::read_to_string(fixtures().join(capture).join("requests.jsonl")).unwrap();
+        let text = std::fs::read_to_string(paths::fixtures().join(capture).join("requests.jsonl"))
+            .unwrap();
         for line in text.lines() {
             let rec: Value = serde_json::from_str(line).unwrap();
             let label = rec["label"].as_str().unwrap();
@@ -81,7 +80,8 @@ fn every_captured_request_tokenizes_like_vllm() {
 
 #[test]
 fn shared_test_vectors_match() {
-    let text = std::fs::read_to_string(fixtures().join("tokenizer/test_vectors.jsonl")).unwrap();
+    let text =
+        std::fs::read_to_string(paths::fixtures().join("tokenizer/test_vectors.jsonl")).unwrap();
     let tok = TOKENIZERS.tokenizer_for("tiny").unwrap();
     let mut n = 0;
     for line in text.lines() {
@@ -96,9 +96,9 @@ fn shared_test_vectors_match() {
 
 #[test]
 fn corpus_matches_whole_and_through_the_prefix_cache() {
-    let corpus = std::fs::read_to_string(fixtures().join("tokenizer/corpus.txt")).unwrap();
+    let corpus = std::fs::read_to_string(paths::fixtures().join("tokenizer/corpus.txt")).unwrap();
     let expected: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("tokenizer/corpus.ids.json")).unwrap(),
+        &std::fs::read_to_string(paths::fixtures().join("tokenizer/corpus.ids.json")).unwrap(),
     )
     .unwrap();
     let expected = match &expected {

@@ -1,5 +1,8 @@
 //! Request parsing through the public `kvpick::request` API.
 
+#[path = "support/paths.rs"]
+mod paths;
+
 use kvpick::request::{
     ApiKind, ContentPart, MessageContent, ParseLimits, Prompt, RequestError, parse,
     parse_with_limits, rewrite_model,
@@ -202,10 +205,7 @@ fn unknown_paths_guess_from_shape() {
 
 #[test]
 fn model_rewrite_keeps_every_other_byte_on_fixture_bodies() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../shared/fixtures/vllm-0.32-kv-events/requests.jsonl"
-    );
+    let path = paths::fixtures().join("vllm-0.32-kv-events/requests.jsonl");
     let text = std::fs::read_to_string(path).unwrap();
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();

@@ -8,7 +8,14 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::{free_port, ready_or_exited};
+use super::{free_port, ready_or_exited, workspace_bin};
+
+/// The kvpick binary: cargo's own path in kvpick's tests, else the workspace's build of it.
+fn kvpick_bin() -> PathBuf {
+    option_env!("CARGO_BIN_EXE_kvpick")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_bin("kvpick"))
+}
 
 pub struct Kvpick {
     pub child: Child,
@@ -35,7 +42,7 @@ impl Kvpick {
         for _ in 0..4 {
             let (grpc_port, health_port, metrics_port, debug_port) =
                 (free_port(), free_port(), free_port(), free_port());
-            let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+            let mut command = Command::new(kvpick_bin());
             command.arg("serve");
             if !extra_args.contains(&"--bind-address") {
                 command.args(["--bind-address", "127.0.0.1"]);

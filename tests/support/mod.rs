@@ -14,16 +14,14 @@ pub mod http;
 pub mod kv_reference;
 pub mod kvpick;
 pub mod metrics;
+pub mod paths;
 pub mod zmtp_peer;
 
 use std::net::TcpListener;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// The repository root.
-pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+#[allow(unused_imports)] // each test binary uses some of them
+pub use paths::{fixtures, repo_root, workspace_bin};
 
 /// A port free right now on 127.0.0.1.
 pub fn free_port() -> u16 {

@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use kvpick::sim::engine::{EngineConfig, StepCost};
-use kvpick::sim::events::EventLayout;
-use kvpick::sim::fleet::{FleetConfig, parse_override, start_fleet};
-use kvpick::sim::hashing::HashAlgo;
-use kvpick::sim::tokenizer::SimTokenizer;
+use kvpick_sim::engine::{EngineConfig, StepCost};
+use kvpick_sim::events::EventLayout;
+use kvpick_sim::fleet::{FleetConfig, parse_override, start_fleet};
+use kvpick_sim::hashing::HashAlgo;
+use kvpick_sim::tokenizer::SimTokenizer;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -3,16 +3,17 @@
 //! a real Envoy. What a client sees is what is asserted: prefix-cache hits reported by the
 //! pods, statuses, and kvpick's per-endpoint counters.
 
+#[path = "../../../tests/support/mod.rs"]
 mod support;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpick::sim::engine::EngineConfig;
-use kvpick::sim::events::EventLayout;
-use kvpick::sim::fleet::{FleetConfig, FleetPod, PodOverride, start_fleet};
-use kvpick::sim::tokenizer::SimTokenizer;
+use kvpick_sim::engine::EngineConfig;
+use kvpick_sim::events::EventLayout;
+use kvpick_sim::fleet::{FleetConfig, FleetPod, PodOverride, start_fleet};
+use kvpick_sim::tokenizer::SimTokenizer;
 use serde_json::{Value, json};
 use support::envoy::{Envoy, EnvoyOptions};
 use support::http::{post_json, send};
@@ -21,7 +22,7 @@ use support::kvpick::Kvpick;
 const MODEL: &str = "sim-model";
 
 fn repo(path: &str) -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    support::repo_root()
         .join(path)
         .to_string_lossy()
         .into_owned()

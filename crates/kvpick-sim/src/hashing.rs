@@ -6,7 +6,7 @@
 //! `pickle.dumps(.., protocol=5)` (`sha256`, the default) or through `cbor2.dumps(..,
 //! canonical=True)` (`sha256_cbor`). Both serialisations are mirrored here for exactly the Python
 //! types involved (bytes, tuples, ints, str, None), verified against the captures in
-//! `../shared/fixtures/` (`tests/sim_hashing.rs`).
+//! `../shared/fixtures/` (`tests/sim_conformance.rs`).
 //!
 //! Pure functions, no shared state.
 

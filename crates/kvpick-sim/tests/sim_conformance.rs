@@ -2,16 +2,18 @@
 //! `../shared/fixtures/`: block hashes (sha256/pickle, sha256_cbor, byte hashes) and the
 //! msgpack bytes of every captured event batch.
 
+// The workspace's one fixture lookup (tests/support/paths.rs).
+#[path = "../../../tests/support/paths.rs"]
+mod paths;
+
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use kvpick::sim::events::{EngineHash, EventBatch, EventLayout, KvEvent, event_keys};
-use kvpick::sim::hashing::{HashAlgo, chain_hashes, low64};
+use kvpick_sim::events::{EngineHash, EventBatch, EventLayout, KvEvent, event_keys};
+use kvpick_sim::hashing::{HashAlgo, chain_hashes, low64};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
-}
+use paths::fixtures;
 
 fn jsonl(path: PathBuf) -> Vec<Value> {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
@@ -196,8 +198,8 @@ fn replayed_payloads_reencode_identically() {
 /// template, tools and tool calls included) to the ids vLLM's `/tokenize` returned.
 #[test]
 fn prompts_tokenize_to_the_real_engines_ids() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer");
-    let tok = kvpick::sim::tokenizer::SimTokenizer::load(&dir).expect("tokenizer");
+    let dir = paths::repo_root().join("assets/tokenizer");
+    let tok = kvpick_sim::tokenizer::SimTokenizer::load(&dir).expect("tokenizer");
     let mut checked = 0;
     let mut mismatched = Vec::new();
     for request in jsonl(fixtures().join("vllm-0.32-kv-events/requests.jsonl")) {

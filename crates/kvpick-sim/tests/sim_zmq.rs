@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvpick::sim::events::{EngineHash, EventBatch, EventLayout, KvEvent};
-use kvpick::sim::publisher::{END_MARKER_SEQ, PublisherConfig, PublisherHandle, spawn_publisher};
+use kvpick_sim::events::{EngineHash, EventBatch, EventLayout, KvEvent};
+use kvpick_sim::publisher::{END_MARKER_SEQ, PublisherConfig, PublisherHandle, spawn_publisher};
 use tokio::time::timeout;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 

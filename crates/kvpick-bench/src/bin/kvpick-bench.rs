@@ -1,11 +1,11 @@
 //! `kvpick-bench`: load generator and a trivial backend for whole-system benchmarks.
-//! Wiring only; the work lives in `kvpick::bench`.
+//! Wiring only; the work lives in `kvpick_bench`.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kvpick::bench::{backend, load};
+use kvpick_bench::{backend, load};
 
 #[derive(Parser)]
 #[command(name = "kvpick-bench", about = "Load generator for kvpick benchmarks")]

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use kvpick::sim::engine::{Engine, EngineConfig, SimRequest, StepOutput};
-use kvpick::sim::events::{EngineHash, KvEvent};
-use kvpick::sim::hashing::low64;
+use kvpick_sim::engine::{Engine, EngineConfig, SimRequest, StepOutput};
+use kvpick_sim::events::{EngineHash, KvEvent};
+use kvpick_sim::hashing::low64;
 
 fn cfg(num_gpu_blocks: usize) -> EngineConfig {
     EngineConfig {
@@ -296,8 +296,8 @@ mod paused_time {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use kvpick::sim::engine::{EngineConfig, SimRequest, StepCost};
-    use kvpick::sim::pod::{Faults, Pod, PodConfig, collect};
+    use kvpick_sim::engine::{EngineConfig, SimRequest, StepCost};
+    use kvpick_sim::pod::{Faults, Pod, PodConfig, collect};
     use tokio::time::Instant;
 
     fn pod_config(max_num_seqs: usize) -> PodConfig {
@@ -366,7 +366,7 @@ mod paused_time {
             ttft(&pod, request(200, 3)).await,
             Duration::from_micros(11_600),
         );
-        let text = kvpick::sim::metrics::render(&pod.registry);
+        let text = kvpick_sim::metrics::render(&pod.registry);
         assert!(
             text.contains(
                 "vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"sim-model\"} 3"

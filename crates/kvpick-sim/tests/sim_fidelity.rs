@@ -6,18 +6,20 @@
 //! synthetic, so decode-block hashes cannot match; their counts can. Run with `--nocapture` to
 //! print the table used in docs/simulator.md.
 
+// The workspace's one fixture lookup (tests/support/paths.rs).
+#[path = "../../../tests/support/paths.rs"]
+mod paths;
+
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use kvpick::sim::engine::{Engine, EngineConfig, SimRequest, StepOutput};
-use kvpick::sim::events::{EngineHash, EventBatch, EventLayout, KvEvent, event_keys};
-use kvpick::sim::hashing::HashAlgo;
+use kvpick_sim::engine::{Engine, EngineConfig, SimRequest, StepOutput};
+use kvpick_sim::events::{EngineHash, EventBatch, EventLayout, KvEvent, event_keys};
+use kvpick_sim::hashing::HashAlgo;
 use serde_json::Value;
 
 fn dir(capture: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/fixtures")
-        .join(capture)
+    paths::fixtures().join(capture)
 }
 
 fn jsonl(capture: &str, name: &str) -> Vec<Value> {

@@ -2,6 +2,10 @@
 //! tokenizer, plus its KV events through real ZMQ sockets: the fixture's own request bodies give
 //! the same token counts and the same event payload as the real vLLM engine.
 
+// The workspace's one fixture lookup (tests/support/paths.rs).
+#[path = "../../../tests/support/paths.rs"]
+mod paths;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,16 +14,16 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvpick::sim::engine::EngineConfig;
-use kvpick::sim::events::{EventBatch, EventLayout};
-use kvpick::sim::fleet::{FleetConfig, FleetPod, start_fleet};
-use kvpick::sim::hashing::HashAlgo;
-use kvpick::sim::tokenizer::SimTokenizer;
+use kvpick_sim::engine::EngineConfig;
+use kvpick_sim::events::{EventBatch, EventLayout};
+use kvpick_sim::fleet::{FleetConfig, FleetPod, start_fleet};
+use kvpick_sim::hashing::HashAlgo;
+use kvpick_sim::tokenizer::SimTokenizer;
 use serde_json::{Value, json};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/vllm-0.32-kv-events")
+    paths::fixtures().join("vllm-0.32-kv-events")
 }
 
 fn fixture_requests() -> Vec<Value> {
@@ -31,9 +35,7 @@ fn fixture_requests() -> Vec<Value> {
 }
 
 async fn fleet(pods: usize, max_loras: usize) -> Vec<FleetPod> {
-    let tok =
-        SimTokenizer::load(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer"))
-            .expect("tokenizer");
+    let tok = SimTokenizer::load(&paths::repo_root().join("assets/tokenizer")).expect("tokenizer");
     start_fleet(
         FleetConfig {
             pods,

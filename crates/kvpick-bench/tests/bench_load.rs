@@ -1,6 +1,6 @@
 //! kvpick-bench's load generator against its own backend, over real HTTP.
 
-use kvpick::bench::{backend, load};
+use kvpick_bench::{backend, load};
 
 #[tokio::test]
 async fn load_run_counts_every_request_and_orders_percentiles() {
