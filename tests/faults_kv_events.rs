@@ -43,6 +43,19 @@ async fn capture_applied(kvpick: &Kvpick) -> bool {
     pod["index_blocks"] == 62 && pod["kv_events"]["last_seq"] == 67
 }
 
+/// Publishes the whole capture under `topic` and waits until kvpick has applied it.
+async fn publish_capture(publisher: &mut RawPub, topic: &str, kvpick: &Kvpick) {
+    for (seq, payload) in capture().iter().enumerate() {
+        publisher
+            .send_batch(topic.as_bytes(), seq as u64, payload)
+            .await;
+    }
+    wait_until("the capture applied", Duration::from_secs(10), || async {
+        capture_applied(kvpick).await
+    })
+    .await;
+}
+
 async fn index_blocks(kvpick: &Kvpick) -> u64 {
     let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
         .await
@@ -125,15 +138,7 @@ async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
     // The same pod then behaves: reconnected within the capped backoff, events applied.
     let mut publisher = RawPub::accept(&listener, Duration::from_secs(3)).await;
     let topic = format!("kv@{pod}@tiny");
-    for (seq, payload) in capture().iter().enumerate() {
-        publisher
-            .send_batch(topic.as_bytes(), seq as u64, payload)
-            .await;
-    }
-    wait_until("the capture applied", Duration::from_secs(10), || async {
-        capture_applied(&kvpick).await
-    })
-    .await;
+    publish_capture(&mut publisher, &topic, &kvpick).await;
     let metrics = metrics_text(&kvpick).await;
     for reason in ["message_too_large", "too_many_frames"] {
         assert!(
@@ -202,15 +207,7 @@ async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
             break publisher;
         }
     };
-    for (seq, payload) in capture().iter().enumerate() {
-        publisher
-            .send_batch(topic.as_bytes(), seq as u64, payload)
-            .await;
-    }
-    wait_until("the capture applied", Duration::from_secs(10), || async {
-        capture_applied(&kvpick).await
-    })
-    .await;
+    publish_capture(&mut publisher, &topic, &kvpick).await;
     let metrics = metrics_text(&kvpick).await;
     for reason in ["message_too_large", "too_many_frames", "too_many_peers"] {
         assert!(
@@ -342,15 +339,7 @@ async fn a_restarted_engine_is_cleared_at_once_and_resubscribed_within_the_backo
     let kvpick = Kvpick::start(&pool, &[]).await;
     let mut publisher = RawPub::accept(&listener, Duration::from_secs(10)).await;
     let topic = format!("kv@{pod}@tiny");
-    for (seq, payload) in capture().iter().enumerate() {
-        publisher
-            .send_batch(topic.as_bytes(), seq as u64, payload)
-            .await;
-    }
-    wait_until("the capture applied", Duration::from_secs(10), || async {
-        capture_applied(&kvpick).await
-    })
-    .await;
+    publish_capture(&mut publisher, &topic, &kvpick).await;
 
     // The engine restarts: its /metrics shows a new process start time while its event
     // stream has said nothing yet. Its entries go at once (within a few scrapes).
