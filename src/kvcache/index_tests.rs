@@ -1,6 +1,6 @@
 //! Unit tests of the index (limits, tiers, many-pod walks).
 use super::*;
-use kvpick_kvevents_wire::BlockExtra;
+use kvpick_kvevents_wire::{BlockExtra, BlockStored, EventBatch, KvEvent};
 use std::net::SocketAddr;
 
 fn pod() -> PodId {

@@ -14,6 +14,7 @@
 //! *runs*, both with an intact length; a walk proves with one probe that every candidate
 //! still on its run holds many blocks ahead, and gallops (`matching`).
 
+mod apply;
 mod approx;
 mod blockmap;
 pub mod index;
