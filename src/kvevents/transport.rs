@@ -167,10 +167,15 @@ pub struct ByteBudget {
 }
 
 impl ByteBudget {
-    /// A budget of `bytes` (at least one read chunk).
+    /// A budget of `bytes`, plus two read chunks of headroom: one connection buffering a
+    /// whole message of the largest allowed size (plus the chunk it is reading) must always
+    /// fit, or it would wait for permits that can never exist.
     pub fn new(bytes: usize) -> Self {
+        let permits = bytes
+            .saturating_add(2 * READ_CHUNK)
+            .min(Semaphore::MAX_PERMITS);
         Self {
-            semaphore: Arc::new(Semaphore::new(bytes.max(READ_CHUNK))),
+            semaphore: Arc::new(Semaphore::new(permits)),
         }
     }
 
