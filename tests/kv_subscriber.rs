@@ -197,6 +197,27 @@ fn reference(batches: &[(Bytes, Bytes)]) -> PrefixIndex {
     index
 }
 
+/// Polls until the pod's index equals applying `batches` in order (bounded wait).
+async fn wait_for_index(
+    index: &PrefixIndex,
+    manager: &KvEventsManager,
+    batches: &[(Bytes, Bytes)],
+    what: &str,
+) {
+    let expected = reference(batches);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while index.pod_engine_hashes(pod()) != expected.pod_engine_hashes(pod()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: index {} entries, expected {} ({:?})",
+            index.pod_entries(pod()),
+            expected.pod_entries(pod()),
+            manager.status(pod())
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Polls the pod's status until `done` holds (bounded wait on real sockets).
 async fn wait_for(manager: &KvEventsManager, what: &str, done: impl Fn(&KvEventsStatus) -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -369,17 +390,7 @@ async fn restart_clears_stale_entries() {
     })
     .await;
     // Wait for the writer to drain the last batch.
-    let expected = reference(&after);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while index.pod_engine_hashes(pod()) != expected.pod_engine_hashes(pod()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "index {} entries, expected {}",
-            index.pod_entries(pod()),
-            expected.pod_entries(pod())
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_index(&index, &manager, &after, "after applied").await;
     // The first life's blocks that the second life did not store again are gone.
     assert!(index.pod_entries(pod()) < 62);
 }
@@ -423,17 +434,7 @@ async fn restart_unseen_across_a_reconnect_is_rebuilt_not_patched() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let expected = reference(&life_b);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while index.pod_engine_hashes(pod()) != expected.pod_engine_hashes(pod()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{:?} vs {} expected entries",
-            manager.status(pod()),
-            expected.pod_entries(pod())
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_index(&index, &manager, &life_b, "life_b applied").await;
     assert!(manager.status(pod()).unwrap().clears >= 1);
 }
 
@@ -539,11 +540,7 @@ async fn a_malformed_batch_is_not_a_gap() {
     );
     let mut expected: Vec<(Bytes, Bytes)> = batches[..30].to_vec();
     expected.push(batches[30].clone());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while index.pod_engine_hashes(pod()) != reference(&expected).pod_engine_hashes(pod()) {
-        assert!(tokio::time::Instant::now() < deadline, "index not rebuilt");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_index(&index, &manager, &expected, "index rebuilt").await;
 }
 
 #[tokio::test]
@@ -575,13 +572,5 @@ async fn an_engine_restart_signal_clears_at_once_and_the_next_batch_rebuilds() {
         publisher.publish(seq as u64, topic, payload, seq < 2).await;
     }
     wait_for(&manager, "second life applied", |s| s.last_seq == Some(2)).await;
-    let expected = reference(&after);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while index.pod_engine_hashes(pod()) != expected.pod_engine_hashes(pod()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "second life not rebuilt"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_index(&index, &manager, &after, "after applied").await;
 }
