@@ -7,18 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use support::backend::Backend;
+use support::backend::{Backend, pool_yaml};
 use support::envoy::{Envoy, EnvoyOptions};
 use support::http::send;
 use support::kvpick::Kvpick;
-
-fn pool_yaml(backends: &[&Backend]) -> String {
-    let mut yaml = String::from("endpoints:\n");
-    for b in backends {
-        yaml.push_str(&format!("  - address: {}\n", b.addr));
-    }
-    yaml
-}
 
 const BODY: &[u8] = br#"{"model":"m","prompt":"hello"}"#;
 

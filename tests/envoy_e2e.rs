@@ -5,19 +5,11 @@ mod support;
 
 use std::time::Duration;
 
-use support::backend::Backend;
+use support::backend::{Backend, pool_yaml};
 use support::envoy::{Envoy, EnvoyOptions, METADATA_ECHO_HEADER};
 use support::http::{post_json, send};
 use support::kvpick::{Kvpick, health};
 use tonic_health::pb::health_check_response::ServingStatus;
-
-fn pool_yaml(backends: &[&Backend]) -> String {
-    let mut yaml = String::from("endpoints:\n");
-    for b in backends {
-        yaml.push_str(&format!("  - address: {}\n", b.addr));
-    }
-    yaml
-}
 
 const BODY: &[u8] = br#"{"model":"m","prompt":"hello"}"#;
 

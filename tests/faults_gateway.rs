@@ -9,20 +9,12 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::backend::Backend;
+use support::backend::{Backend, pool_yaml};
 use support::envoy::{
     ATTEMPTS_ECHO_HEADER, Envoy, EnvoyOptions, METADATA_ECHO_HEADER, UPSTREAM_ECHO_HEADER,
 };
 use support::http::{Reply, post_json, send};
 use support::kvpick::Kvpick;
-
-fn pool_yaml(backends: &[&Backend]) -> String {
-    let mut yaml = String::from("endpoints:\n");
-    for b in backends {
-        yaml.push_str(&format!("  - address: {}\n", b.addr));
-    }
-    yaml
-}
 
 /// A prompt long enough for kvpick's prefix affinity (approximate, from routing history).
 fn prompt_body() -> Vec<u8> {
@@ -62,6 +54,19 @@ impl Tally {
             self.failed
         );
         eprintln!("{what}: {} sent, {} ok, 0 lost", self.sent, self.ok);
+    }
+}
+
+/// The backend that served (`served` is its address) and the other one.
+fn served_and_other<'a>(
+    served: &str,
+    a: &'a Backend,
+    b: &'a Backend,
+) -> (&'a Backend, &'a Backend) {
+    if served == a.addr.to_string() {
+        (a, b)
+    } else {
+        (b, a)
     }
 }
 
@@ -117,11 +122,7 @@ async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers
     let first = post_json(&url, &body).await;
     tally.count(&first);
     let dead_addr = served_by(&first);
-    let (dead, live) = if dead_addr == a.addr.to_string() {
-        (&a, &b)
-    } else {
-        (&b, &a)
-    };
+    let (dead, live) = served_and_other(&dead_addr, &a, &b);
     assert_eq!(dead_addr, dead.addr.to_string(), "{:?}", first.headers);
     dead.stop();
     let stopped = Instant::now();
@@ -216,11 +217,7 @@ async fn a_failed_connect_to_the_primary_is_retried_on_the_fallback() {
     let first = post_json(&url, &body).await;
     tally.count(&first);
     let dead_addr = served_by(&first);
-    let (dead, live) = if dead_addr == a.addr.to_string() {
-        (&a, &b)
-    } else {
-        (&b, &a)
-    };
+    let (dead, live) = served_and_other(&dead_addr, &a, &b);
     dead.stop();
 
     let mut retried = 0;

@@ -104,6 +104,16 @@ impl PodStream {
         self.counters.last_seq.store(u64::MAX, Ordering::Relaxed);
     }
 
+    /// What stands in for a batch that did not decode: no events, on the last rank seen (its
+    /// own rank is unreadable), so only its seq is recorded.
+    fn skipped_batch(&self) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events: Vec::new(),
+            dp_rank: self.last_rank,
+        }
+    }
+
     /// Whether a dropped batch still waits for repair.
     pub(crate) fn has_pending(&self) -> bool {
         self.pending.is_some()
@@ -158,11 +168,7 @@ impl PodStream {
                 // or the engine restarts.
                 warn!(pod = %self.pod, seq, %error, "malformed KV-event payload skipped; its seq is kept");
                 self.malformed();
-                EventBatch {
-                    ts: 0.0,
-                    events: Vec::new(),
-                    dp_rank: self.last_rank,
-                }
+                self.skipped_batch()
             }
         };
         self.last_rank = batch.dp_rank;
@@ -317,13 +323,9 @@ impl PodStream {
                 Err(error) => {
                     warn!(pod = %self.pod, seq = reply.seq, %error, "malformed replayed payload; its seq is kept");
                     self.malformed();
-                    let rank = self.last_rank;
-                    let empty = EventBatch {
-                        ts: 0.0,
-                        events: Vec::new(),
-                        dp_rank: rank,
-                    };
-                    self.deliver(model.clone(), rank, reply.seq, empty).await;
+                    let empty = self.skipped_batch();
+                    self.deliver(model.clone(), empty.dp_rank, reply.seq, empty)
+                        .await;
                 }
             }
         }

@@ -44,6 +44,15 @@ pub struct Backend {
     shared: Arc<Shared>,
 }
 
+/// A pool file (DESIGN §2.1) listing `backends`.
+pub fn pool_yaml(backends: &[&Backend]) -> String {
+    let mut yaml = String::from("endpoints:\n");
+    for b in backends {
+        yaml.push_str(&format!("  - address: {}\n", b.addr));
+    }
+    yaml
+}
+
 impl Backend {
     /// Starts a backend on `ip` (any loopback address) and a free port.
     pub async fn start(ip: &str) -> Backend {
