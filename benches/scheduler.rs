@@ -17,14 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
-use kvpick::kvcache::{IndexConfig, KeyChain, KeyContext, PrefixIndex};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
 use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 use kvpick::scheduling::{
     ConfiguredScheduler, MetricsSource, Scheduler, SchedulerConfig, SchedulerDeps,
     SchedulingRequest,
 };
 use kvpick::scrape::{PodMetrics, ScrapeStatus};
-use kvpick::tokenize::PromptTokens;
 
 const BLOCK: usize = 16;
 const PROMPT_TOKENS: usize = 32 * 1024;
@@ -51,10 +50,23 @@ impl MetricsSource for Frozen {
     }
 }
 
-fn keys(prompt: &[u32], block_size: u32) -> KeyChain {
-    let mut chain = KeyChain::new(KeyContext::model("m").seed(), block_size);
-    chain.extend_to(prompt, usize::MAX);
-    chain
+/// A fresh copy of `template` as a new request would arrive: its own [`PromptKeys`], keyed
+/// ahead by `warm` as the ext-proc path does on the preparing thread (`Scheduler::warm_keys`),
+/// or not keyed at all. Built outside the timed regions.
+fn fresh(template: &SchedulingRequest, warm: Option<&dyn Scheduler>) -> SchedulingRequest {
+    let tokens = template
+        .prompt
+        .keyable_tokens()
+        .unwrap_or_default()
+        .to_vec();
+    let keys = PromptKeys::exact(KeyContext::model("m"), tokens);
+    if let Some(scheduler) = warm {
+        scheduler.warm_keys(&keys);
+    }
+    SchedulingRequest {
+        prompt: Arc::new(keys),
+        ..template.clone()
+    }
 }
 
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -140,11 +152,8 @@ fn setup(n: usize, config: IndexConfig) -> Setup {
             SchedulingRequest {
                 model: Some("m".into()),
                 target_model: Some("m".into()),
-                key_context: Some(KeyContext::model("m")),
                 body_bytes: PROMPT_TOKENS * 4,
-                // As the request path computes them with the tokens (`extproc::prepare`).
-                block_keys: Some(Arc::new(keys(&prompt, index.typical_block_size()))),
-                prompt: Arc::new(PromptTokens::Exact(prompt)),
+                prompt: Arc::new(PromptKeys::exact(KeyContext::model("m"), prompt)),
                 ..SchedulingRequest::default()
             }
         })
@@ -168,14 +177,19 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     (at(0.50), at(0.99))
 }
 
-fn measure(mut f: impl FnMut(usize)) -> (Duration, Duration) {
+/// Times `run` over what `make` built for it (untimed), after a warm-up.
+fn measure<T>(
+    mut make: impl FnMut(usize) -> T,
+    mut run: impl FnMut(usize, T),
+) -> (Duration, Duration) {
     for i in 0..ITERATIONS / 10 {
-        f(i);
+        run(i, make(i));
     }
     let samples = (0..ITERATIONS)
         .map(|i| {
+            let input = make(i);
             let started = Instant::now();
-            f(i);
+            run(i, input);
             started.elapsed()
         })
         .collect();
@@ -197,48 +211,37 @@ fn main() {
     {
         let s = setup(n, IndexConfig::default());
         let ids: Vec<PodId> = s.pods.iter().map(|p| p.id()).collect();
-        let (p50, p99) = measure(|i| {
-            let r = &s.requests[i % s.requests.len()];
-            if let (Some(ctx), PromptTokens::Exact(t)) = (&r.key_context, r.prompt.as_ref()) {
-                black_box(s.index.match_prefix(ctx, t, &ids));
-            }
-        });
+        let (p50, p99) = measure(
+            |i| fresh(&s.requests[i % s.requests.len()], None),
+            |_, r| {
+                black_box(s.index.lookup(&r.prompt, &ids));
+            },
+        );
         println!(
             "{n:>5}  {:<26} {:>10.1?} {:>10.1?}",
-            "index match_prefix", p50, p99
+            "index lookup (keying)", p50, p99
         );
         let mut load_only = SchedulerConfig::gie_default();
         load_only.scorers.retain(|w| !w.scorer.needs_prefix());
-        // Without the request's keys, the decision keys the prompt itself.
-        let unkeyed: Vec<SchedulingRequest> = s
-            .requests
-            .iter()
-            .map(|r| SchedulingRequest {
-                block_keys: None,
-                ..r.clone()
-            })
-            .collect();
-        for (name, config, requests) in [
-            ("queue+kv pick (no prefix)", load_only, &s.requests),
-            (
-                "gie-default decision",
-                SchedulerConfig::gie_default(),
-                &s.requests,
-            ),
+        // Warmed: the keys computed ahead, as the ext-proc path does with the tokens; else
+        // the decision keys the prompt itself.
+        for (name, config, warmed) in [
+            ("queue+kv pick (no prefix)", load_only, true),
+            ("gie-default decision", SchedulerConfig::gie_default(), true),
             (
                 "  same, keying inside",
                 SchedulerConfig::gie_default(),
-                &unkeyed,
+                false,
             ),
             (
                 "recommended decision",
                 SchedulerConfig::kvpick_recommended(),
-                &s.requests,
+                true,
             ),
             (
                 "  same, keying inside",
                 SchedulerConfig::kvpick_recommended(),
-                &unkeyed,
+                false,
             ),
         ] {
             let deps = SchedulerDeps {
@@ -249,10 +252,11 @@ fn main() {
             // The decision as the ext-proc path times it, then its record, timed apart.
             let mut decisions = Vec::with_capacity(ITERATIONS);
             let mut records = Vec::with_capacity(ITERATIONS);
+            let warm = warmed.then_some(&scheduler as &dyn Scheduler);
             for i in 0..ITERATIONS + ITERATIONS / 10 {
-                let r = &requests[i % requests.len()];
+                let r = fresh(&s.requests[i % s.requests.len()], warm);
                 let started = Instant::now();
-                let decided = scheduler.pick_deferred(r, &s.pods).ok();
+                let decided = scheduler.pick_deferred(&r, &s.pods).ok();
                 let decided_at = Instant::now();
                 if let Some((pick, record)) = decided {
                     black_box(pick);
@@ -270,10 +274,12 @@ fn main() {
                 "{n:>5}  {:<26} {r50:>10.1?} {r99:>10.1?}",
                 "  then record after reply"
             );
-            let (p50, p99) = measure(|i| {
-                let r = &requests[i % requests.len()];
-                black_box(scheduler.pick(r, &s.pods).ok());
-            });
+            let (p50, p99) = measure(
+                |i| fresh(&s.requests[i % s.requests.len()], warm),
+                |_, r| {
+                    black_box(scheduler.pick(&r, &s.pods).ok());
+                },
+            );
             println!(
                 "{n:>5}  {:<26} {p50:>10.1?} {p99:>10.1?}",
                 "  pick (both back to back)"
@@ -298,9 +304,9 @@ fn main() {
             );
             let mut decisions = Vec::with_capacity(ITERATIONS);
             for i in 0..ITERATIONS + ITERATIONS / 10 {
-                let r = &s.requests[i % s.requests.len()];
+                let r = fresh(&s.requests[i % s.requests.len()], Some(&scheduler));
                 let started = Instant::now();
-                let decided = scheduler.pick_deferred(r, &s.pods).ok();
+                let decided = scheduler.pick_deferred(&r, &s.pods).ok();
                 let took = started.elapsed();
                 if let Some((pick, record)) = decided {
                     black_box(pick);
@@ -317,12 +323,10 @@ fn main() {
             );
         }
         // Last: recording to every pod adds speculative holders that slow later matches.
-        let (p50, p99) = measure(|i| {
-            let r = &s.requests[i % s.requests.len()];
-            if let (Some(ctx), PromptTokens::Exact(t)) = (&r.key_context, r.prompt.as_ref()) {
-                s.index.record_routed(ids[i % ids.len()], ctx, t);
-            }
-        });
+        let (p50, p99) = measure(
+            |i| fresh(&s.requests[i % s.requests.len()], None),
+            |i, r| s.index.record_routed(ids[i % ids.len()], &r.prompt, None),
+        );
         println!(
             "{n:>5}  {:<26} {:>10.1?} {:>10.1?}",
             "index record_routed", p50, p99

@@ -868,17 +868,17 @@ async fn the_scheduler_sees_model_priority_fairness_session_and_prompt() {
     assert_eq!(seen[0].priority, 10);
     assert_eq!(seen[0].fairness_id.as_deref(), Some("tenant-a"));
     assert_eq!(seen[0].session_id.as_deref(), Some("s1"));
-    let context = seen[0].key_context.as_ref().expect("key context");
+    let context = seen[0].key_context().expect("key context");
     assert_eq!(
         (context.model.as_str(), context.cache_salt.as_deref()),
         ("m", Some("salt-1"))
     );
     assert!(
-        matches!(seen[0].prompt.as_ref(), PromptTokens::Approximate(_)),
+        matches!(seen[0].prompt.prompt(), PromptTokens::Approximate(_)),
         "no tokenizer configured: approximate text"
     );
     assert_eq!(seen[1].priority, 0, "unknown objective: default priority");
-    assert_eq!(seen[1].prompt.as_ref(), &PromptTokens::Exact(vec![1, 2, 3]));
+    assert_eq!(seen[1].prompt.prompt(), &PromptTokens::Exact(vec![1, 2, 3]));
 }
 
 #[tokio::test]

@@ -3,10 +3,8 @@
 //! in the middle, re-stored, offloaded to CPU, cleared) over several pods give the same
 //! matches as a naive reference that checks every block.
 
-use std::sync::Arc;
-
 use kvpick::endpoints::PodId;
-use kvpick::kvcache::{IndexConfig, KeyChain, KeyContext, PrefixIndex};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
 use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
 use proptest::prelude::*;
 
@@ -166,9 +164,9 @@ proptest! {
             let context = KeyContext::model(MODEL);
             let found = index.match_prefix(&context, request, &candidates);
             // Keys computed ahead (as the request path does with the tokens) give the same.
-            let mut chain = KeyChain::new(context.seed(), BLOCK as u32);
-            chain.extend_to(request, usize::MAX);
-            let keyed = index.lookup_keyed(&context, request, Some(&Arc::new(chain)), &candidates);
+            let keys = PromptKeys::exact(context.clone(), request.to_vec());
+            keys.warm(BLOCK as u32);
+            let keyed = index.lookup(&keys, &candidates);
             prop_assert_eq!(&keyed.matches, &found);
             for (p, m) in found.iter().enumerate() {
                 let (blocks, weighted) = reference.matched(p, request);
@@ -345,15 +343,17 @@ proptest! {
             match step {
                 Step::Route { pod: p, doc, blocks } => {
                     let request = &docs[*doc][..blocks * BLOCK];
-                    let mut a = galloping.lookup(&context, request, &everyone);
-                    let mut b = stepping.lookup(&context, request, &everyone);
+                    let keys_a = PromptKeys::exact(context.clone(), request.to_vec());
+                    let a = galloping.lookup(&keys_a, &everyone);
+                    let keys_b = PromptKeys::exact(context.clone(), request.to_vec());
+                    let b = stepping.lookup(&keys_b, &everyone);
                     prop_assert_eq!(&a.matches, &b.matches);
                     prop_assert_eq!(
                         a.confirmed_run(pod(*p), BLOCK as u32),
                         b.confirmed_run(pod(*p), BLOCK as u32)
                     );
-                    galloping.record_routed_lookup(pod(*p), &context, request, &mut a);
-                    stepping.record_routed_lookup(pod(*p), &context, request, &mut b);
+                    galloping.record_routed(pod(*p), &keys_a, Some(&a));
+                    stepping.record_routed(pod(*p), &keys_b, Some(&b));
                 }
                 other => {
                     apply_step(&galloping, &docs, other);
@@ -365,8 +365,10 @@ proptest! {
             let request = &docs[doc][..blocks * BLOCK];
             let candidates: Vec<PodId> =
                 (0..PODS).filter(|p| subset & (1 << p) != 0).map(pod).collect();
-            let a = galloping.lookup(&context, request, &candidates);
-            let b = stepping.lookup(&context, request, &candidates);
+            let keys_a = PromptKeys::exact(context.clone(), request.to_vec());
+            let a = galloping.lookup(&keys_a, &candidates);
+            let keys_b = PromptKeys::exact(context.clone(), request.to_vec());
+            let b = stepping.lookup(&keys_b, &candidates);
             prop_assert_eq!(&a.matches, &b.matches, "doc {} blocks {}", doc, blocks);
             for candidate in &candidates {
                 prop_assert_eq!(
@@ -397,7 +399,8 @@ fn long_chains_are_galloped_over_not_walked() {
         );
     }
     let candidates: Vec<PodId> = (0..3).map(pod).collect();
-    let found = index.lookup(&context, &docs[0], &candidates);
+    let keys_found = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    let found = index.lookup(&keys_found, &candidates);
     let matched: Vec<usize> = found.matches.iter().map(|m| m.matched_blocks).collect();
     assert_eq!(matched, vec![DOC_BLOCKS, DOC_BLOCKS, 0]);
     assert!(
@@ -408,7 +411,8 @@ fn long_chains_are_galloped_over_not_walked() {
     // A hole in pod 1's chain ends its run there; pod 0 still gallops to the end.
     let hole = engine_hash(&docs[0][..50 * BLOCK]);
     index.apply_batch(pod(1), MODEL, &batch(removed(vec![hole], Tier::Gpu)));
-    let found = index.lookup(&context, &docs[0], &candidates);
+    let keys_found = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    let found = index.lookup(&keys_found, &candidates);
     let matched: Vec<usize> = found.matches.iter().map(|m| m.matched_blocks).collect();
     assert_eq!(matched, vec![DOC_BLOCKS, 49, 0]);
     assert!(found.galloped_blocks() > DOC_BLOCKS / 2);
@@ -423,7 +427,8 @@ fn long_chains_are_galloped_over_not_walked() {
         MODEL,
         &batch(stored(&docs[0], 100, DOC_BLOCKS, Tier::Gpu)),
     );
-    let found = index.lookup(&context, &docs[0], &[pod(0)]);
+    let keys_found = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    let found = index.lookup(&keys_found, &[pod(0)]);
     assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
     assert!(found.galloped_blocks() >= DOC_BLOCKS - 20);
     // With galloping off, the same answers, nothing jumped.
@@ -441,7 +446,8 @@ fn long_chains_are_galloped_over_not_walked() {
             chunk: 16,
         },
     );
-    let found = stepping.lookup(&context, &docs[0], &[pod(0)]);
+    let keys_found = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    let found = stepping.lookup(&keys_found, &[pod(0)]);
     assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
     assert_eq!(found.galloped_blocks(), 0);
 }

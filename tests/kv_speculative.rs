@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvpick::endpoints::PodId;
-use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
 use kvpick::kvevents::{EventBatch, decode_payload};
 use serde_json::Value as Json;
 
@@ -66,7 +66,7 @@ async fn speculation_lasts_its_ttl_and_yields_to_confirmed_events() {
     let billing = prompt(2); // chat-billing: 14 full blocks, held by nobody yet
     assert_eq!(matched(&index, &billing, &[a, b]), vec![0, 0]);
 
-    index.record_routed(b, &KeyContext::model("tiny"), &billing);
+    index.record_routed_tokens(b, &KeyContext::model("tiny"), &billing);
     assert_eq!(index.speculative_entries(), 14);
     assert_eq!(matched(&index, &billing, &[a, b]), vec![0, 14]);
     // Another salt is another prefix: no speculative hit.
@@ -87,13 +87,13 @@ async fn speculation_lasts_its_ttl_and_yields_to_confirmed_events() {
 
     // Routed again, then the engine confirms (chat-billing's events, seq 2): the confirmed
     // blocks replace the speculation and outlive the TTL.
-    index.record_routed(b, &KeyContext::model("tiny"), &billing);
+    index.record_routed_tokens(b, &KeyContext::model("tiny"), &billing);
     index.apply_batch(b, "tiny", &batch(2));
     assert_eq!(index.speculative_entries(), 0);
     tokio::time::advance(Duration::from_secs(10)).await;
     assert_eq!(matched(&index, &billing, &[a, b]), vec![0, 14]);
     // Already-held blocks are not speculated again.
-    index.record_routed(b, &KeyContext::model("tiny"), &billing);
+    index.record_routed_tokens(b, &KeyContext::model("tiny"), &billing);
     assert_eq!(index.speculative_entries(), 0);
 }
 
@@ -107,16 +107,16 @@ async fn approximate_mode_learns_from_routing_with_lru_capacity() {
     index.set_pod_block_size(c, 4);
     let first: Vec<u32> = (0..40).collect(); // 10 blocks
     let second: Vec<u32> = (1000..1060).collect(); // 15 blocks
-    index.record_routed(c, &KeyContext::model("tiny"), &first);
+    index.record_routed_tokens(c, &KeyContext::model("tiny"), &first);
     assert_eq!(matched(&index, &first, &[c]), vec![10]);
     assert_eq!(index.pod_entries(c), 10);
     // 25 blocks over a capacity of 20: the least recent go, tail first.
-    index.record_routed(c, &KeyContext::model("tiny"), &second);
+    index.record_routed_tokens(c, &KeyContext::model("tiny"), &second);
     assert_eq!(index.pod_entries(c), 20);
     assert_eq!(matched(&index, &second, &[c]), vec![15]);
     assert_eq!(matched(&index, &first, &[c]), vec![5]);
     // Touching the first prefix again makes it recent; the second loses its tail.
-    index.record_routed(c, &KeyContext::model("tiny"), &first);
+    index.record_routed_tokens(c, &KeyContext::model("tiny"), &first);
     assert_eq!(matched(&index, &first, &[c]), vec![10]);
     assert_eq!(matched(&index, &second, &[c]), vec![10]);
     // Speculation is not involved, and time does not expire approximate entries.
@@ -143,14 +143,15 @@ async fn record_after_lookup_reuses_keys_and_refreshes_only_speculation() {
     // after a lookup: the lookup's keys are reused and b's speculative head is refreshed, so
     // the whole run outlives the first record's TTL.
     let head = &billing[..6 * 32];
-    index.record_routed(b, &context, head);
+    index.record_routed_tokens(b, &context, head);
     assert_eq!(index.speculative_entries(), 6);
     tokio::time::advance(Duration::from_millis(1500)).await;
-    let mut lookup = index.lookup(&context, &billing, &[a, b]);
+    let keys_lookup = PromptKeys::exact(context.clone(), billing.to_vec());
+    let lookup = index.lookup(&keys_lookup, &[a, b]);
     let runs: Vec<usize> = lookup.matches.iter().map(|m| m.matched_blocks).collect();
     assert_eq!(runs, vec![0, 6]);
     assert_eq!(lookup.confirmed_run(b, 32), 0, "b's run is speculative");
-    index.record_routed_lookup(b, &context, &billing, &mut lookup);
+    index.record_routed(b, &keys_lookup, Some(&lookup));
     assert_eq!(index.speculative_entries(), 14);
     tokio::time::advance(Duration::from_millis(600)).await;
     assert_eq!(matched(&index, &billing, &[a, b]), vec![0, 14]);
@@ -158,19 +159,21 @@ async fn record_after_lookup_reuses_keys_and_refreshes_only_speculation() {
     // events (seq 2) b's run is confirmed and a record adds nothing.
     index.apply_batch(b, "tiny", &batch(2));
     assert_eq!(index.speculative_entries(), 0);
-    let mut lookup = index.lookup(&context, &billing, &[a, b]);
+    let keys_lookup = PromptKeys::exact(context.clone(), billing.to_vec());
+    let lookup = index.lookup(&keys_lookup, &[a, b]);
     assert_eq!(lookup.confirmed_run(b, 32), 14);
-    index.record_routed_lookup(b, &context, &billing, &mut lookup);
+    index.record_routed(b, &keys_lookup, Some(&lookup));
     assert_eq!(index.speculative_entries(), 0);
     // The keys the lookup reused are the keys a fresh record computes: recording the whole
     // prompt on a from scratch lands on the same blocks.
-    index.record_routed(a, &context, &billing);
+    index.record_routed_tokens(a, &context, &billing);
     assert_eq!(matched(&index, &billing, &[a, b]), vec![14, 14]);
     assert_eq!(index.speculative_entries(), 14);
     // A lookup whose chain was taken by another pod's record still records correctly.
-    let mut lookup = index.lookup(&context, &billing[..10 * 32], &[a]);
+    let keys_lookup = PromptKeys::exact(context.clone(), billing[..10 * 32].to_vec());
+    let lookup = index.lookup(&keys_lookup, &[a]);
     let c = pod(8106);
     index.apply_batch(c, "tiny", &batch(0));
-    index.record_routed_lookup(c, &context, &billing[..10 * 32], &mut lookup);
+    index.record_routed(c, &keys_lookup, Some(&lookup));
     assert_eq!(matched(&index, &billing, &[c]), vec![10]);
 }

@@ -19,14 +19,14 @@ use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::extproc::admission::Admission;
 use kvpick::extproc::{BodyBudget, StreamContext, StreamTimeouts};
-use kvpick::kvcache::{IndexConfig, PrefixIndex};
+use kvpick::kvcache::{IndexConfig, PrefixIndex, PromptKeys};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{
     ConfiguredScheduler, MetricsSource, SaturationConfig, SaturationDetector, SchedulerConfig,
     SchedulerDeps, SchedulingRequest,
 };
 use kvpick::telemetry::EppMetrics;
-use kvpick::tokenize::{PromptTokens, Tokenizers, TokenizersConfig};
+use kvpick::tokenize::{Tokenizers, TokenizersConfig};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -247,7 +247,7 @@ async fn emitted_scores_match_explain_and_replace_client_copies() {
     // flight); the prompt is too short for any prefix score either way.
     let request = SchedulingRequest {
         model: Some("m".into()),
-        prompt: Arc::new(PromptTokens::Empty),
+        prompt: Arc::new(PromptKeys::default()),
         ..SchedulingRequest::default()
     };
     let explained = h.scheduler.explain(&request, &h.pods);

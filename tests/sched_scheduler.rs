@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
-use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
 use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 use kvpick::scheduling::{
     ConfiguredScheduler, ScheduleError, Scheduler, SchedulerConfig, SchedulerDeps,
@@ -106,8 +106,7 @@ fn exact(tokens: Vec<u32>) -> SchedulingRequest {
     SchedulingRequest {
         model: Some("m".into()),
         target_model: Some("m".into()),
-        key_context: Some(KeyContext::model("m")),
-        prompt: Arc::new(PromptTokens::Exact(tokens)),
+        prompt: Arc::new(PromptKeys::exact(KeyContext::model("m"), tokens)),
         ..SchedulingRequest::default()
     }
 }
@@ -258,11 +257,13 @@ fn approximate_prompts_follow_routing_history() {
     let scheduler = f.scheduler(SchedulerConfig::gie_default(), 0);
     let system = "You are a helpful assistant. ".repeat(40);
     let request = |question: &str| SchedulingRequest {
-        key_context: Some(KeyContext::model("m")),
-        prompt: Arc::new(PromptTokens::Approximate(ApproximatePrompt {
-            text: format!("{system}{question}"),
-            reason: ApproximateReason::NoTokenizer,
-        })),
+        prompt: Arc::new(PromptKeys::new(
+            PromptTokens::Approximate(ApproximatePrompt {
+                text: format!("{system}{question}"),
+                reason: ApproximateReason::NoTokenizer,
+            }),
+            Some(KeyContext::model("m")),
+        )),
         ..SchedulingRequest::default()
     };
     let first = scheduler
@@ -497,6 +498,33 @@ fn a_deferred_record_lands_when_applied_or_dropped() {
     assert_eq!(cached_on(&other, pick.primary), 0.0);
     drop(record);
     assert_eq!(cached_on(&other, pick.primary), 320.0);
+}
+
+#[test]
+fn the_lookup_and_the_record_share_one_set_of_keys() {
+    let f = Fixture::new(3);
+    let scheduler = f.scheduler(SchedulerConfig::gie_default(), 0);
+    // Pod 1 holds the first 10 of the prompt's 100 blocks; nobody holds block 10.
+    let prompt = tokens(31, 100 * BLOCK);
+    f.holds(1, &prompt[..10 * BLOCK]);
+    let request = exact(prompt.clone());
+    let (pick, record) = scheduler.pick_deferred(&request, &f.pods).expect("pick");
+    assert_eq!(pick.primary, f.id(1));
+    // The lookup keyed the prompt only as far as some pod held it (and the probe batch
+    // after it), not all 100 blocks.
+    let keyed = request.prompt.keyed_blocks(BLOCK as u32);
+    assert!((11..100).contains(&keyed), "keyed {keyed}");
+    // The record keys the rest into the request's own keys (shared, not a copy).
+    record.apply();
+    assert_eq!(request.prompt.keyed_blocks(BLOCK as u32), 100);
+    // Keys computed ahead (as the ext-proc path does on the preparing thread) are used as
+    // they are: the same pick, nothing keyed again at another size.
+    let warmed = exact(prompt);
+    scheduler.warm_keys(&warmed.prompt);
+    assert_eq!(warmed.prompt.keyed_blocks(BLOCK as u32), 100);
+    let (again, record) = scheduler.pick_deferred(&warmed, &f.pods).expect("pick");
+    drop(record);
+    assert_eq!(again.primary, f.id(1));
 }
 
 /// llm-d's P/D config with `threshold` uncached tokens.

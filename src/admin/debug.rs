@@ -119,7 +119,7 @@ async fn prepare_request(
     let permit = state.tokenizers.gate().enter(body.len()).await;
     let work = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        prepare(&tokenizers, &rules, &meta, &body, None)
+        prepare(&tokenizers, &rules, &meta, &body)
     });
     match work.await {
         Ok(Ok(prepared)) => Ok(prepared),
@@ -156,7 +156,6 @@ pub async fn explain(
     let request = SchedulingRequest {
         model: Some(prepared.client_model),
         target_model: Some(prepared.target_model),
-        key_context: Some(prepared.key_context),
         prompt: Arc::new(prepared.prompt),
         body_bytes,
         priority: query.priority.unwrap_or(0),
@@ -220,7 +219,12 @@ pub async fn prefix(
             PromptTokens::Exact(direct.token_ids),
         ),
         None => match prepare_request(&state, query.path, body).await {
-            Ok(prepared) => (prepared.key_context, prepared.prompt),
+            Ok(prepared) => {
+                // `prepare` keys every prompt in its target model's context.
+                let (prompt, context) = prepared.prompt.into_parts();
+                let context = context.unwrap_or_else(|| KeyContext::model(&prepared.target_model));
+                (context, prompt)
+            }
             Err(response) => return response,
         },
     };

@@ -1,17 +1,16 @@
-//! The CPU-heavy part of a request: parse the body, apply a model rewrite, tokenize, and key
-//! the prompt's blocks for the prefix index (so the decision does not hash a long prompt).
+//! The CPU-heavy part of a request: parse the body, apply a model rewrite, tokenize (the
+//! caller then lets the scheduler key what it will need of the prompt on the same thread,
+//! `Scheduler::warm_keys`, so the decision does not hash a long prompt).
 //!
 //! Runs on the blocking pool (a cold 400 KB chat prompt costs tens of milliseconds), never on
 //! the task that drives the gRPC stream.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 
 use super::meta::RequestMeta;
-use crate::kvcache::{KeyChain, KeyContext};
+use crate::kvcache::{KeyContext, PromptKeys};
 use crate::request::{self, ModelRewriteRules, RequestError};
-use crate::tokenize::{PromptTokens, Tokenizers};
+use crate::tokenize::Tokenizers;
 
 /// A request ready for scheduling.
 #[derive(Debug)]
@@ -22,25 +21,19 @@ pub struct Prepared {
     pub target_model: String,
     /// The body to forward when it differs from what the client sent.
     pub rewritten_body: Option<Bytes>,
-    /// How the prefix index keys this request.
-    pub key_context: KeyContext,
-    /// The prompt as the model server will tokenize it.
-    pub prompt: PromptTokens,
-    /// The prompt's block keys, when a block size was asked for and the prompt is exact.
-    pub block_keys: Option<Arc<KeyChain>>,
+    /// The prompt as the model server will tokenize it, and how the prefix index keys it.
+    pub prompt: PromptKeys,
     /// Whether the client asked for an SSE stream.
     pub stream: bool,
 }
 
 /// Parses `body` (sent to `meta.path`), rewrites its model if asked (the
-/// `x-gateway-model-name-rewrite` header, else the first matching rule), tokenizes it, and
-/// keys its blocks at `key_block_size` when given.
+/// `x-gateway-model-name-rewrite` header, else the first matching rule), and tokenizes it.
 pub fn prepare(
     tokenizers: &Tokenizers,
     rules: &ModelRewriteRules,
     meta: &RequestMeta,
     body: &[u8],
-    key_block_size: Option<u32>,
 ) -> Result<Prepared, RequestError> {
     let path = meta.path.split('?').next().unwrap_or_default();
     let mut parsed = request::parse_cached(path, body, tokenizers.long_strings())?;
@@ -73,21 +66,11 @@ pub fn prepare(
             cache_salt: parsed.cache_salt.clone(),
         },
     };
-    let block_keys = match (&prompt, key_block_size) {
-        (PromptTokens::Exact(tokens), Some(size)) => {
-            let mut chain = KeyChain::new(key_context.seed(), size);
-            chain.extend_to(tokens, usize::MAX);
-            Some(Arc::new(chain))
-        }
-        _ => None,
-    };
     Ok(Prepared {
         client_model,
         target_model,
         rewritten_body,
-        key_context,
-        prompt,
-        block_keys,
+        prompt: PromptKeys::new(prompt, Some(key_context)),
         stream: parsed.stream,
     })
 }

@@ -33,10 +33,11 @@ use super::scores;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId, live_candidates};
+use crate::kvcache::PromptKeys;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
-use crate::tokenize::{PromptTokens, Tokenizers};
+use crate::tokenize::Tokenizers;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
 };
@@ -382,17 +383,17 @@ impl RequestStream {
         // NOTE: a small body tokenizes in well under a millisecond (tens of microseconds when
         // its prefix is cached), less than the two thread hand-offs of the blocking pool
         // cost in latency and CPU; only large bodies are worth moving off the async worker.
-        // The prompt's block keys are computed here too, with the tokens: off the async worker
-        // for a large body, and out of the decision.
-        let key_block_size = self.ctx.scheduler.key_block_size();
+        // The prompt's block keys are computed here too, with the tokens (as far as the
+        // scheduler asks, `warm_keys`): off the async worker for a large body, and out of the
+        // decision.
         if self.body.len() <= INLINE_PREPARE_BYTES {
             let prepared = prepare(
                 &self.ctx.tokenizers,
                 &self.ctx.model_rewrites,
                 &self.meta,
                 &self.body,
-                key_block_size,
             )?;
+            self.ctx.scheduler.warm_keys(&prepared.prompt);
             return Ok(Some(prepared));
         }
         // Bounded: at most --max-preparing-bytes of bodies are prepared at once.
@@ -400,10 +401,14 @@ impl RequestStream {
         let body = std::mem::take(&mut self.body);
         let tokenizers = Arc::clone(&self.ctx.tokenizers);
         let rules = Arc::clone(&self.ctx.model_rewrites);
+        let scheduler = Arc::clone(&self.ctx.scheduler);
         let meta = self.meta.clone();
         let work = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            let prepared = prepare(&tokenizers, &rules, &meta, &body, key_block_size);
+            let prepared = prepare(&tokenizers, &rules, &meta, &body);
+            if let Ok(prepared) = &prepared {
+                scheduler.warm_keys(&prepared.prompt);
+            }
             (prepared, body)
         });
         let (result, body) = work
@@ -443,23 +448,20 @@ impl RequestStream {
             };
             return Err((rejection, model));
         }
-        let (target_model, key_context, prompt, block_keys) = match prepared.as_mut() {
-            // The token ids move into the Arc the scheduler shares (no copy of a long prompt);
-            // what the reply still needs of `prepared` is the body, model names and `stream`.
+        let (target_model, prompt) = match prepared.as_mut() {
+            // The prompt moves into the Arc the scheduler and the routing record share (no
+            // copy of a long prompt or its keys); what the reply still needs of `prepared` is
+            // the body, model names and `stream`.
             Some(p) => (
                 Some(p.target_model.clone()),
-                Some(p.key_context.clone()),
-                Arc::new(std::mem::replace(&mut p.prompt, PromptTokens::Empty)),
-                p.block_keys.take(),
+                Arc::new(std::mem::take(&mut p.prompt)),
             ),
-            None => (None, None, Arc::new(PromptTokens::Empty), None),
+            None => (None, Arc::new(PromptKeys::default())),
         };
         let request = SchedulingRequest {
             model: model.clone(),
             target_model: target_model.clone(),
-            key_context,
             prompt,
-            block_keys,
             body_bytes: self.body.len(),
             priority,
             fairness_id: self.meta.fairness_id.clone(),

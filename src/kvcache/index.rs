@@ -27,9 +27,10 @@ use tokio::time::Instant;
 
 use super::approx::LruBlocks;
 use super::blockmap::{BlockMap, MAX_SLOTS};
-use super::key::{BlockKey, KeyChain, KeyContext, PrehashedState};
+use super::key::{BlockKey, KeyContext, PrehashedState};
 use super::matching::PrefixLookup;
 use super::metrics::IndexMetrics;
+use super::prompt_keys::PromptKeys;
 use super::span::{SpanBook, SpanIntact, SpanRef};
 use super::speculative::Speculative;
 use crate::endpoints::PodId;
@@ -354,67 +355,50 @@ impl PrefixIndex {
         }
     }
 
-    /// Records that kvpick routed a request with these tokens to `pod`. For a pod that
-    /// publishes events, its blocks count as held for the speculative TTL (until confirmed);
-    /// for a pod without events, they enter its approximate LRU set.
-    pub fn record_routed(&self, pod: PodId, context: &KeyContext, tokens: &[u32]) {
-        let chain = KeyChain::new(context.seed(), self.block_size_for(pod));
-        self.record_routed_chain(pod, tokens, chain, 0);
+    /// Records that kvpick routed a request with these tokens to `pod` (a one-off record, e.g.
+    /// in tests; the request path uses [`Self::record_routed`] with the request's keys).
+    pub fn record_routed_tokens(&self, pod: PodId, context: &KeyContext, tokens: &[u32]) {
+        let keys = PromptKeys::exact(context.clone(), tokens.to_vec());
+        self.record_routed(pod, &keys, None);
     }
 
-    /// [`Self::record_routed`] after a [`Self::lookup`] that had `pod` among its candidates:
-    /// reuses the keys the lookup computed, and skips the leading blocks the lookup found
-    /// `pod` holding confirmed (speculative ones are refreshed).
-    pub fn record_routed_lookup(
-        &self,
-        pod: PodId,
-        context: &KeyContext,
-        tokens: &[u32],
-        lookup: &mut PrefixLookup,
-    ) {
-        let (chain, held) = self.record_start(pod, context, lookup);
-        self.record_routed_chain(pod, tokens, chain, held);
+    /// Records that kvpick routed the prompt of `keys` to `pod`. For a pod that publishes
+    /// events, its blocks count as held for the speculative TTL (until confirmed); for a pod
+    /// without events, they enter its approximate LRU set. After a [`Self::lookup`] that had
+    /// `pod` among its candidates (`after`), the leading blocks the lookup found `pod` holding
+    /// confirmed are skipped (speculative ones are refreshed), and the keys it computed are
+    /// reused.
+    pub fn record_routed(&self, pod: PodId, keys: &PromptKeys, after: Option<&PrefixLookup>) {
+        let held = after.map_or(0, |lookup| self.confirmed_run(pod, lookup));
+        self.record_routed_from(pod, keys, held);
     }
 
-    /// Where a routing record of `pod` after `lookup` starts: the lookup's key chain at the
-    /// pod's block size (taken out of it) and the pod's confirmed run, for
-    /// [`Self::record_routed_chain`] (e.g. on another thread).
-    pub fn record_start(
-        &self,
-        pod: PodId,
-        context: &KeyContext,
-        lookup: &mut PrefixLookup,
-    ) -> (KeyChain, usize) {
-        let size = self.block_size_for(pod);
-        let held = lookup.confirmed_run(pod, size);
-        let chain = lookup
-            .take_chain(size)
-            .unwrap_or_else(|| KeyChain::new(context.seed(), size));
-        (chain, held)
+    /// Leading blocks `lookup` found `pod` holding confirmed, at the pod's block size: where
+    /// a routing record of `pod` starts ([`Self::record_routed_from`]).
+    pub fn confirmed_run(&self, pod: PodId, lookup: &PrefixLookup) -> usize {
+        lookup.confirmed_run(pod, self.block_size_for(pod))
     }
 
-    /// Records `pod` as holding `tokens`' blocks from block `held` on (the ones before are
-    /// known to be held confirmed), keyed through `chain` (which must have been built for `tokens` in
-    /// the request's context).
-    pub fn record_routed_chain(
-        &self,
-        pod: PodId,
-        tokens: &[u32],
-        mut chain: KeyChain,
-        held: usize,
-    ) {
+    /// Records `pod` as holding the prompt's blocks from block `held` on (the ones before are
+    /// known to be held confirmed).
+    pub fn record_routed_from(&self, pod: PodId, keys: &PromptKeys, held: usize) {
         if self.recently_purged(pod) {
             return;
         }
         let entry = self.pod_or_insert(pod);
-        if chain.block_size() != self.block_size_for(pod) {
-            // The pod's block size changed since the lookup: the chain keys another layout.
-            return;
-        }
-        let keys = chain.extend_to(tokens, usize::MAX);
-        if keys.is_empty() {
-            return;
-        }
+        // NOTE: keyed at the pod's block size now; should it have changed since the lookup,
+        // the record keys the new layout (another chain of the same prompt).
+        let size = self.block_size_for(pod);
+        let _ = keys.with_keys(size, |lazy| {
+            let keys = lazy.upto(usize::MAX);
+            if !keys.is_empty() {
+                self.record_keys(&entry, keys, held);
+            }
+        });
+    }
+
+    /// [`Self::record_routed_from`] over the prompt's keys at the pod's block size.
+    fn record_keys(&self, entry: &Arc<PodEntry>, keys: &[BlockKey], held: usize) {
         let mut state = entry.lock();
         if state.retired {
             return;

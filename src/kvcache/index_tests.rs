@@ -1,5 +1,6 @@
 //! Unit tests of the index (limits, tiers, many-pod walks).
 use super::*;
+use crate::kvcache::PromptKeys;
 use kvpick_kvevents_wire::{BlockExtra, BlockStored, EventBatch, KvEvent};
 use std::net::SocketAddr;
 
@@ -107,8 +108,9 @@ async fn walks_over_many_pods_give_each_its_own_run_and_tier_weight() {
         },
     );
     let context = KeyContext::model("m");
-    index.record_routed(last, &context, &tokens);
-    let lookup = index.lookup(&context, &tokens, &pods);
+    index.record_routed_tokens(last, &context, &tokens);
+    let keys_lookup = PromptKeys::exact(context.clone(), tokens.to_vec());
+    let lookup = index.lookup(&keys_lookup, &pods);
     for (i, found) in lookup.matches.iter().enumerate().take(129) {
         let blocks = i % 10 + 1;
         let weight = if i % 2 == 0 { 1.0 } else { 0.8 };
@@ -135,19 +137,20 @@ async fn a_record_landing_after_a_purge_does_not_bring_the_pod_back() {
     index.ensure_pod(pod());
     index.apply_batch(pod(), "m", &stored(8, Tier::Gpu, true));
     let tokens: Vec<u32> = (0..64).collect();
-    let mut lookup = index.lookup(&context, &tokens, &[pod()]);
+    let keys_lookup = PromptKeys::exact(context.clone(), tokens.to_vec());
+    let lookup = index.lookup(&keys_lookup, &[pod()]);
     // The pod leaves the pool between its pick and the record (applied after the reply).
     index.purge_pod(pod());
-    index.record_routed_lookup(pod(), &context, &tokens, &mut lookup);
+    index.record_routed(pod(), &keys_lookup, Some(&lookup));
     assert!(index.pods().is_empty(), "{:?}", index.pods());
     assert_eq!(index.speculative_entries(), 0);
     // Back in the pool (its subscriber registers it): records land again.
     index.ensure_pod(pod());
-    index.record_routed(pod(), &context, &tokens);
+    index.record_routed_tokens(pod(), &context, &tokens);
     assert_eq!(index.pods(), vec![pod()]);
     // A pod without events that was purged long ago is learned again.
     index.purge_pod(pod());
     tokio::time::advance(PURGE_MEMORY + std::time::Duration::from_secs(1)).await;
-    index.record_routed(pod(), &context, &tokens);
+    index.record_routed_tokens(pod(), &context, &tokens);
     assert_eq!(index.pods(), vec![pod()]);
 }

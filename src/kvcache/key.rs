@@ -98,9 +98,10 @@ pub fn block_keys(context: &KeyContext, tokens: &[u32], block_size: u32) -> Vec<
 /// matching (which stops at the first block no pod holds) and the routing record that follows
 /// hash each block at most once.
 ///
-/// A chain belongs to one token sequence: every call must pass the same `tokens`.
+/// A chain belongs to one token sequence: only [`super::PromptKeys`], which owns the tokens,
+/// drives one (so every call passes the same tokens).
 #[derive(Clone, Debug)]
-pub struct KeyChain {
+pub(crate) struct KeyChain {
     seed: u64,
     block_size: u32,
     keys: Vec<BlockKey>,
@@ -108,7 +109,7 @@ pub struct KeyChain {
 
 impl KeyChain {
     /// An empty chain seeded by a [`KeyContext::seed`], at `block_size` (0 is treated as 1).
-    pub fn new(seed: u64, block_size: u32) -> Self {
+    pub(crate) fn new(seed: u64, block_size: u32) -> Self {
         Self {
             seed,
             block_size: block_size.max(1),
@@ -117,28 +118,23 @@ impl KeyChain {
     }
 
     /// The block size the keys are computed at.
-    pub fn block_size(&self) -> u32 {
+    pub(crate) fn block_size(&self) -> u32 {
         self.block_size
     }
 
-    /// The seed block 0's key was chained from ([`KeyContext::seed`]).
-    pub fn seed(&self) -> u64 {
-        self.seed
-    }
-
     /// Full blocks in `tokens` at this chain's block size.
-    pub fn total_blocks(&self, tokens: &[u32]) -> usize {
+    pub(crate) fn total_blocks(&self, tokens: &[u32]) -> usize {
         tokens.len() / self.block_size as usize
     }
 
     /// The keys computed so far.
-    pub fn keys(&self) -> &[BlockKey] {
+    pub(crate) fn keys(&self) -> &[BlockKey] {
         &self.keys
     }
 
     /// Computes keys until there are `blocks` of them (or every full block of `tokens` has
     /// one) and returns them all.
-    pub fn extend_to(&mut self, tokens: &[u32], blocks: usize) -> &[BlockKey] {
+    pub(crate) fn extend_to(&mut self, tokens: &[u32], blocks: usize) -> &[BlockKey] {
         let size = self.block_size as usize;
         let total = self.total_blocks(tokens);
         let target = blocks.min(total);

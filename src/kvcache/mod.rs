@@ -21,10 +21,12 @@ pub mod index;
 pub mod key;
 pub mod matching;
 pub mod metrics;
+mod prompt_keys;
 mod span;
 mod speculative;
 
 pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
-pub use key::{BlockKey, KeyChain, KeyContext, block_keys};
+pub use key::{BlockKey, KeyContext, block_keys};
 pub use matching::{DebugPrefix, DebugPrefixPod, PrefixLookup, PrefixMatch};
 pub use metrics::IndexMetrics;
+pub use prompt_keys::PromptKeys;

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::endpoints::{EndpointState, PodId};
-use crate::kvcache::{KeyChain, PrefixIndex};
+use crate::kvcache::{PrefixIndex, PromptKeys};
 use crate::tokenize::PromptTokens;
 
 use super::record::PendingRecord;
@@ -431,23 +431,15 @@ impl ConfiguredScheduler {
     }
 
     fn prefix_hits(&self, cycle: &mut Cycle<'_>) {
-        match cycle.request.prompt.as_ref() {
+        match cycle.request.prompt.prompt() {
             PromptTokens::Empty => {}
             PromptTokens::Exact(tokens) => {
                 cycle.prompt_tokens = tokens.len() as f64;
-                let Some(context) = cycle.request.key_context.as_ref() else {
-                    return;
-                };
-                if self.prefix.is_none() {
+                if self.prefix.is_none() || cycle.request.key_context().is_none() {
                     return;
                 }
                 let ids: Vec<PodId> = cycle.pods.iter().map(|p| p.id).collect();
-                let lookup = self.deps.index.lookup_keyed(
-                    context,
-                    tokens,
-                    cycle.request.block_keys.as_ref(),
-                    &ids,
-                );
+                let lookup = self.deps.index.lookup(&cycle.request.prompt, &ids);
                 cycle.prefix = lookup
                     .matches
                     .iter()
@@ -491,7 +483,7 @@ impl ConfiguredScheduler {
         text: &str,
         params: &PrefixCacheParams,
     ) -> Vec<u64> {
-        let seed = request.key_context.as_ref().map_or(0, |c| c.seed());
+        let seed = request.key_context().map_or(0, |c| c.seed());
         chunk_hashes(
             seed,
             text,
@@ -510,24 +502,20 @@ impl ConfiguredScheduler {
         let Some(params) = self.prefix.as_ref() else {
             return pending;
         };
-        match cycle.request.prompt.as_ref() {
+        match cycle.request.prompt.prompt() {
             PromptTokens::Exact(_) => {
-                let Some(context) = cycle.request.key_context.as_ref() else {
+                if cycle.request.key_context().is_none() {
                     return pending;
-                };
+                }
                 let index = &self.deps.index;
-                let (chain, held) = match cycle.lookup.as_mut() {
-                    Some(lookup) => index.record_start(primary, context, lookup),
-                    None => (
-                        KeyChain::new(context.seed(), index.block_size_for(primary)),
-                        0,
-                    ),
-                };
+                let held = cycle
+                    .lookup
+                    .as_ref()
+                    .map_or(0, |lookup| index.confirmed_run(primary, lookup));
                 pending.push(
                     Arc::clone(index),
                     primary,
                     Arc::clone(&cycle.request.prompt),
-                    chain,
                     held,
                 );
             }
@@ -560,10 +548,10 @@ impl Scheduler for ConfiguredScheduler {
         Ok(pick)
     }
 
-    fn key_block_size(&self) -> Option<u32> {
-        self.prefix
-            .is_some()
-            .then(|| self.deps.index.typical_block_size())
+    fn warm_keys(&self, keys: &PromptKeys) {
+        if self.prefix.is_some() {
+            keys.warm(self.deps.index.typical_block_size());
+        }
     }
 
     fn pick_deferred(

@@ -47,10 +47,7 @@ pub fn apply(
             )
         }
         FilterKind::LoraCapacity => {
-            let adapter = request
-                .key_context
-                .as_ref()
-                .and_then(|c| c.lora_name.as_deref());
+            let adapter = request.key_context().and_then(|c| c.lora_name.as_deref());
             let Some(adapter) = adapter else {
                 return (Vec::new(), false);
             };
@@ -112,9 +109,11 @@ pub fn apply(
 mod tests {
     use super::super::cycle::test_support::*;
     use super::*;
-    use crate::kvcache::KeyContext;
+    use crate::kvcache::{KeyContext, PromptKeys};
     use crate::scrape::PodMetrics;
+    use crate::tokenize::PromptTokens;
     use std::collections::BTreeMap;
+    use std::sync::Arc;
 
     fn ids(pods: &[PodView]) -> Vec<usize> {
         pods.iter()
@@ -193,18 +192,24 @@ mod tests {
         let mut p = pods();
         apply(&FilterKind::LoraCapacity, &req, &sat, &mut p);
         assert_eq!(p.len(), 4, "base-model requests are not filtered");
-        req.key_context = Some(KeyContext {
-            lora_name: Some("a".into()),
-            ..KeyContext::model("m")
-        });
+        req.prompt = Arc::new(PromptKeys::new(
+            PromptTokens::Empty,
+            Some(KeyContext {
+                lora_name: Some("a".into()),
+                ..KeyContext::model("m")
+            }),
+        ));
         let mut p = pods();
         let (removed, _) = apply(&FilterKind::LoraCapacity, &req, &sat, &mut p);
         assert_eq!(ids(&p), vec![0, 2]);
         assert_eq!(removed.len(), 2);
-        req.key_context = Some(KeyContext {
-            lora_name: Some("z".into()),
-            ..KeyContext::model("m")
-        });
+        req.prompt = Arc::new(PromptKeys::new(
+            PromptTokens::Empty,
+            Some(KeyContext {
+                lora_name: Some("z".into()),
+                ..KeyContext::model("m")
+            }),
+        ));
         let mut p = vec![view(1, with(lora(&["b"], &[], 1)), 0)];
         let (_, kept_all) = apply(&FilterKind::LoraCapacity, &req, &sat, &mut p);
         assert!(kept_all && p.len() == 1);

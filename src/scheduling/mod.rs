@@ -30,8 +30,7 @@ pub mod spec;
 use std::sync::Arc;
 
 use crate::endpoints::{EndpointState, PodId};
-use crate::kvcache::{KeyChain, KeyContext};
-use crate::tokenize::PromptTokens;
+use crate::kvcache::{KeyContext, PromptKeys};
 
 pub use configured::{
     CandidateExplain, ConfiguredScheduler, DisaggregationExplain, Explanation, SchedulerDeps,
@@ -54,14 +53,11 @@ pub struct SchedulingRequest {
     /// The model the pods serve for this request (after any rewrite); a LoRA adapter's name
     /// when the request runs on one.
     pub target_model: Option<String>,
-    /// How the prefix index keys this request (base model as in the pods' KV-event topics,
-    /// LoRA adapter, cache salt); `None` without a model.
-    pub key_context: Option<KeyContext>,
-    /// The prompt as the model server will tokenize it (or approximate text).
-    pub prompt: Arc<PromptTokens>,
-    /// The prompt's block keys, when computed with its tokens (at the pool's usual block
-    /// size, in `key_context`); the prefix lookup keys lazily whatever this does not cover.
-    pub block_keys: Option<Arc<KeyChain>>,
+    /// The prompt as the model server will tokenize it (or approximate text), how the prefix
+    /// index keys it (base model as in the pods' KV-event topics, LoRA adapter, cache salt;
+    /// no context without a model), and its block keys as far as computed. Shared with the
+    /// routing record that follows the pick.
+    pub prompt: Arc<PromptKeys>,
     /// The request body size in bytes.
     pub body_bytes: usize,
     /// Priority from the request's objective: higher is more important, negative is
@@ -78,14 +74,19 @@ impl Default for SchedulingRequest {
         Self {
             model: None,
             target_model: None,
-            key_context: None,
-            prompt: Arc::new(PromptTokens::Empty),
-            block_keys: None,
+            prompt: Arc::new(PromptKeys::default()),
             body_bytes: 0,
             priority: 0,
             fairness_id: None,
             session_id: None,
         }
+    }
+}
+
+impl SchedulingRequest {
+    /// How the prefix index keys this request (`None` without a model).
+    pub fn key_context(&self) -> Option<&KeyContext> {
+        self.prompt.context()
     }
 }
 
@@ -165,9 +166,7 @@ pub trait Scheduler: Send + Sync + 'static {
             .map(|pick| (pick, PendingRecord::default()))
     }
 
-    /// The block size at which [`SchedulingRequest::block_keys`] are worth computing with a
-    /// request's tokens (`None`: this scheduler does not use them).
-    fn key_block_size(&self) -> Option<u32> {
-        None
-    }
+    /// Computes ahead what this scheduler will need of a request's block keys, on the thread
+    /// that tokenized the prompt (so the decision finds them ready). The default needs none.
+    fn warm_keys(&self, _keys: &PromptKeys) {}
 }

@@ -1,7 +1,7 @@
 //! A pick's routing record, applied after the reply: [`PendingRecord`].
 //!
 //! Why deferred: recording the picked pod as holding the prompt's blocks (the prefix index's
-//! speculative entries, `PrefixIndex::record_routed_chain`) is bookkeeping for the *next*
+//! speculative entries, `PrefixIndex::record_routed_from`) is bookkeeping for the *next*
 //! requests, and for a long prompt it costs as much as the rest of the decision (keying the
 //! uncached tail, checking and writing each of its blocks). The ext-proc path sends the
 //! gateway its answer first and records afterwards on the same task, so the request never
@@ -14,8 +14,7 @@
 use std::sync::Arc;
 
 use crate::endpoints::PodId;
-use crate::kvcache::{KeyChain, PrefixIndex};
-use crate::tokenize::PromptTokens;
+use crate::kvcache::{PrefixIndex, PromptKeys};
 
 /// Routing records of one pick, not applied yet. [`Self::apply`] applies them; dropping
 /// applies them too, so a record is never lost by a caller that forgets.
@@ -29,9 +28,8 @@ pub struct PendingRecord {
 struct RouteRecord {
     index: Arc<PrefixIndex>,
     pod: PodId,
-    prompt: Arc<PromptTokens>,
-    /// The prompt's block keys at the pod's block size (as far as the lookup computed them).
-    chain: KeyChain,
+    /// The request's prompt and the keys its lookup computed (shared, not copied).
+    prompt: Arc<PromptKeys>,
     /// Leading blocks the pod was found to hold confirmed (not recorded again).
     held: usize,
 }
@@ -42,15 +40,13 @@ impl PendingRecord {
         &mut self,
         index: Arc<PrefixIndex>,
         pod: PodId,
-        prompt: Arc<PromptTokens>,
-        chain: KeyChain,
+        prompt: Arc<PromptKeys>,
         held: usize,
     ) {
         self.records.push(RouteRecord {
             index,
             pod,
             prompt,
-            chain,
             held,
         });
     }
@@ -72,11 +68,9 @@ impl PendingRecord {
 
     fn apply_all(&mut self) {
         for record in self.records.drain(..) {
-            if let PromptTokens::Exact(tokens) = record.prompt.as_ref() {
-                record
-                    .index
-                    .record_routed_chain(record.pod, tokens, record.chain, record.held);
-            }
+            record
+                .index
+                .record_routed_from(record.pod, &record.prompt, record.held);
         }
     }
 }

@@ -99,8 +99,7 @@ impl Scorer {
             Self::LoraAffinity => {
                 let adapter = cycle
                     .request
-                    .key_context
-                    .as_ref()
+                    .key_context()
                     .and_then(|c| c.lora_name.as_deref());
                 for (slot, pod) in out.iter_mut().zip(pods) {
                     *slot = lora_affinity(adapter, pod);
@@ -221,7 +220,9 @@ mod tests {
     use super::super::cycle::PrefixHit;
     use super::super::cycle::test_support::*;
     use super::*;
-    use crate::kvcache::KeyContext;
+    use crate::kvcache::{KeyContext, PromptKeys};
+    use crate::tokenize::PromptTokens;
+    use std::sync::Arc;
 
     fn run(
         scorer: &Scorer,
@@ -342,10 +343,13 @@ mod tests {
             vec![1.0; 5],
             "base model"
         );
-        req.key_context = Some(KeyContext {
-            lora_name: Some("a".into()),
-            ..KeyContext::model("m")
-        });
+        req.prompt = Arc::new(PromptKeys::new(
+            PromptTokens::Empty,
+            Some(KeyContext {
+                lora_name: Some("a".into()),
+                ..KeyContext::model("m")
+            }),
+        ));
         assert_eq!(
             run(&Scorer::LoraAffinity, &req, pods(), vec![], 0.0),
             vec![1.0, 0.6, 0.8, 0.0, 0.0]

@@ -33,7 +33,7 @@ impl Walk {
         &mut self,
         index: &PrefixIndex,
         blocks: &BlockMapReader<'_>,
-        keys: &mut Keys<'_>,
+        keys: &mut Keys<'_, '_>,
         mut i: usize,
         total: usize,
     ) -> usize {

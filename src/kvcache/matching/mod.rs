@@ -9,14 +9,14 @@
 //! block size, the debug view); [`walk`] is one walk over the blocks in pod-slot space;
 //! [`gallop`] is how a walk jumps over spans with one probe.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 mod gallop;
 mod walk;
 
 use super::index::PrefixIndex;
-use super::key::{BlockKey, KeyChain, KeyContext};
+use super::key::{BlockKey, KeyContext};
+use super::prompt_keys::{LazyKeys, PromptKeys};
 use crate::endpoints::PodId;
 use walk::{Walk, Walked};
 
@@ -57,14 +57,12 @@ impl PrefixMatch {
     }
 }
 
-/// The result of one lookup: the matches, plus the block keys computed on the way so that the
-/// routing record of the chosen pod does not hash the prompt again.
+/// The result of one lookup. The keys it computed stay in the request's [`PromptKeys`], where
+/// the routing record of the chosen pod finds them.
 #[derive(Clone, Debug)]
 pub struct PrefixLookup {
     /// One match per candidate, in candidate order.
     pub matches: Vec<PrefixMatch>,
-    /// One chain per distinct block size among the candidates.
-    chains: Vec<LookupChain>,
     /// Per candidate, the first block of its run it held only speculatively (`usize::MAX`
     /// when none): a record must refresh speculation from there.
     speculative_from: Vec<usize>,
@@ -72,40 +70,11 @@ pub struct PrefixLookup {
     galloped: usize,
 }
 
-/// A lookup's key chain: computed by the lookup, or the request's own (shared, copied only
-/// if a routing record takes it).
-#[derive(Clone, Debug)]
-enum LookupChain {
-    Owned(KeyChain),
-    Shared(Arc<KeyChain>),
-}
-
-impl LookupChain {
-    fn block_size(&self) -> u32 {
-        match self {
-            LookupChain::Owned(chain) => chain.block_size(),
-            LookupChain::Shared(chain) => chain.block_size(),
-        }
-    }
-}
-
 impl PrefixLookup {
     /// Blocks the lookup proved held without visiting them one by one (galloping over spans
     /// and speculative runs).
     pub fn galloped_blocks(&self) -> usize {
         self.galloped
-    }
-
-    /// Takes the key chain computed at `block_size` (if a candidate had that size).
-    pub fn take_chain(&mut self, block_size: u32) -> Option<KeyChain> {
-        let position = self
-            .chains
-            .iter()
-            .position(|c| c.block_size() == block_size)?;
-        Some(match self.chains.swap_remove(position) {
-            LookupChain::Owned(chain) => chain,
-            LookupChain::Shared(chain) => Arc::unwrap_or_clone(chain),
-        })
     }
 
     /// Leading blocks `pod` holds confirmed (from its events): its run up to the first block
@@ -121,21 +90,18 @@ impl PrefixLookup {
 }
 
 /// Where a walk's block keys come from.
-enum Keys<'a> {
-    /// Computed on demand from the prompt's tokens.
-    Chain {
-        chain: &'a mut KeyChain,
-        tokens: &'a [u32],
-    },
+enum Keys<'a, 'k> {
+    /// The prompt's own keys, computed on demand.
+    Lazy(&'a mut LazyKeys<'k>),
     /// Computed already.
     Fixed(&'a [BlockKey]),
 }
 
-impl Keys<'_> {
+impl Keys<'_, '_> {
     /// The keys of blocks `0..blocks` (fewer when the prompt has fewer).
     fn upto(&mut self, blocks: usize) -> &[BlockKey] {
         match self {
-            Keys::Chain { chain, tokens } => chain.extend_to(tokens, blocks),
+            Keys::Lazy(keys) => keys.upto(blocks),
             Keys::Fixed(keys) => keys.get(..blocks.min(keys.len())).unwrap_or_default(),
         }
     }
@@ -147,39 +113,27 @@ impl Keys<'_> {
 
 impl PrefixIndex {
     /// For each candidate, the longest run of leading blocks of `tokens` it holds, keyed in
-    /// `context` at the pod's block size. Cost O(matched blocks × holders per block) per
-    /// distinct block size among the candidates; stops at the first block no candidate holds.
+    /// `context` at the pod's block size: a one-off question (the debug view, tests). The
+    /// request path asks [`Self::lookup`] with the request's own [`PromptKeys`] instead, so
+    /// the routing record reuses the keys.
     pub fn match_prefix(
         &self,
         context: &KeyContext,
         tokens: &[u32],
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
-        self.lookup(context, tokens, candidates).matches
+        let keys = PromptKeys::exact(context.clone(), tokens.to_vec());
+        self.lookup(&keys, candidates).matches
     }
 
-    /// [`Self::match_prefix`], keeping the block keys computed for a later
-    /// [`PrefixIndex::record_routed_lookup`].
-    pub fn lookup(
-        &self,
-        context: &KeyContext,
-        tokens: &[u32],
-        candidates: &[PodId],
-    ) -> PrefixLookup {
-        self.lookup_keyed(context, tokens, None, candidates)
-    }
-
-    /// [`Self::lookup`] with the request's block keys computed already (`keys`, in
-    /// `context`): used where their seed and block size fit, else the lookup keys itself.
-    pub fn lookup_keyed(
-        &self,
-        context: &KeyContext,
-        tokens: &[u32],
-        keys: Option<&Arc<KeyChain>>,
-        candidates: &[PodId],
-    ) -> PrefixLookup {
+    /// For each candidate, the longest run of the prompt's leading blocks it holds, at the
+    /// pod's block size. Cost O(matched blocks × holders per block) per distinct block size
+    /// among the candidates; stops at the first block no candidate holds. The keys computed
+    /// on the way stay in `keys` for [`PrefixIndex::record_routed`]. A prompt that cannot be
+    /// keyed (approximate, no model) matches nothing.
+    pub fn lookup(&self, keys: &PromptKeys, candidates: &[PodId]) -> PrefixLookup {
         let started = std::time::Instant::now();
-        let found = self.lookup_grouped(context, tokens, keys, candidates);
+        let found = self.lookup_grouped(keys, candidates);
         if let Some(metrics) = &self.metrics {
             metrics
                 .lookup_seconds
@@ -199,13 +153,7 @@ impl PrefixIndex {
         found
     }
 
-    fn lookup_grouped(
-        &self,
-        context: &KeyContext,
-        tokens: &[u32],
-        keys: Option<&Arc<KeyChain>>,
-        candidates: &[PodId],
-    ) -> PrefixLookup {
+    fn lookup_grouped(&self, keys: &PromptKeys, candidates: &[PodId]) -> PrefixLookup {
         let default_size = self.config().default_block_size.max(1);
         let per_candidate: Vec<u32> = {
             let table = self.table_read();
@@ -221,33 +169,20 @@ impl PrefixIndex {
                 })
                 .collect()
         };
-        let seed = context.seed();
-        // The request's own keys, where they are this chain's (same seed and size, every
-        // full block keyed).
-        let precomputed = |size: u32| {
-            keys.filter(|k| {
-                k.seed() == seed
-                    && k.block_size() == size
-                    && k.keys().len() == tokens.len() / size.max(1) as usize
-            })
-        };
         let mut sizes = per_candidate.clone();
         sizes.sort_unstable();
         sizes.dedup();
         if let [size] = sizes[..] {
             // The common case: one block size for every candidate.
-            let (walked, chain) =
-                self.match_size(seed, size, precomputed(size), tokens, candidates);
+            let walked = self.match_size(keys, size, candidates);
             return PrefixLookup {
                 matches: walked.matches,
-                chains: vec![chain],
                 speculative_from: walked.speculative_from,
                 galloped: walked.galloped,
             };
         }
         let mut out: Vec<Option<PrefixMatch>> = vec![None; candidates.len()];
         let mut speculative_from = vec![usize::MAX; candidates.len()];
-        let mut chains = Vec::with_capacity(sizes.len());
         let mut galloped = 0;
         for size in sizes {
             let group: Vec<(usize, PodId)> = candidates
@@ -257,7 +192,7 @@ impl PrefixIndex {
                 .map(|(i, pod)| (i, *pod))
                 .collect();
             let pods: Vec<PodId> = group.iter().map(|(_, pod)| *pod).collect();
-            let (walked, chain) = self.match_size(seed, size, precomputed(size), tokens, &pods);
+            let walked = self.match_size(keys, size, &pods);
             galloped += walked.galloped;
             for (((i, _), found), from) in group
                 .iter()
@@ -271,11 +206,9 @@ impl PrefixIndex {
                     *cell = from;
                 }
             }
-            chains.push(chain);
         }
         PrefixLookup {
             matches: out.into_iter().flatten().collect(),
-            chains,
             speculative_from,
             galloped,
         }
@@ -294,11 +227,6 @@ impl PrefixIndex {
         block_size: u32,
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
-        self.walk_keys(keys, block_size, candidates).matches
-    }
-
-    /// Walks keys already computed at `block_size`.
-    fn walk_keys(&self, keys: &[BlockKey], block_size: u32, candidates: &[PodId]) -> Walked {
         let mut walk = Walk::new(self, candidates);
         let blocks = self.blocks.reader(keys.len());
         walk.run(
@@ -308,47 +236,21 @@ impl PrefixIndex {
             keys.len(),
             candidates,
         );
-        walk.finish(candidates, keys.len(), block_size)
+        walk.finish(candidates, keys.len(), block_size).matches
     }
 
-    /// Matches at one block size: over `precomputed` keys when given, else keying lazily;
-    /// also returns per candidate the first block of its run held only speculatively, and
-    /// the chain for a later routing record.
-    fn match_size(
-        &self,
-        seed: u64,
-        size: u32,
-        precomputed: Option<&Arc<KeyChain>>,
-        tokens: &[u32],
-        candidates: &[PodId],
-    ) -> (Walked, LookupChain) {
-        match precomputed {
-            Some(chain) => {
-                let walked = self.walk_keys(chain.keys(), size, candidates);
-                (walked, LookupChain::Shared(Arc::clone(chain)))
-            }
-            None => {
-                let mut chain = KeyChain::new(seed, size);
-                let walked = self.match_chain(&mut chain, tokens, candidates);
-                (walked, LookupChain::Owned(chain))
-            }
-        }
-    }
-
-    /// Walks `tokens`' blocks, keying them lazily through `chain`.
-    fn match_chain(&self, chain: &mut KeyChain, tokens: &[u32], candidates: &[PodId]) -> Walked {
-        let total = chain.total_blocks(tokens);
-        let block_size = chain.block_size();
-        let mut walk = Walk::new(self, candidates);
-        let blocks = self.blocks.reader(total);
-        walk.run(
-            self,
-            &blocks,
-            &mut Keys::Chain { chain, tokens },
-            total,
-            candidates,
-        );
-        walk.finish(candidates, total, block_size)
+    /// Matches at one block size, keying the prompt lazily; also returns per candidate the
+    /// first block of its run held only speculatively.
+    fn match_size(&self, keys: &PromptKeys, size: u32, candidates: &[PodId]) -> Walked {
+        keys.with_keys(size, |lazy| {
+            let total = lazy.total_blocks();
+            let block_size = lazy.block_size();
+            let mut walk = Walk::new(self, candidates);
+            let blocks = self.blocks.reader(total);
+            walk.run(self, &blocks, &mut Keys::Lazy(lazy), total, candidates);
+            walk.finish(candidates, total, block_size)
+        })
+        .unwrap_or_else(|| Walk::new(self, candidates).finish(candidates, 0, size))
     }
 }
 

@@ -145,7 +145,7 @@ impl Walk {
         &mut self,
         index: &PrefixIndex,
         blocks: &BlockMapReader<'_>,
-        keys: &mut Keys<'_>,
+        keys: &mut Keys<'_, '_>,
         total: usize,
         candidates: &[PodId],
     ) {
