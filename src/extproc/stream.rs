@@ -35,7 +35,7 @@ use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId, live_candidates};
 use crate::kvcache::PromptKeys;
 use crate::request::ModelRewriteRules;
-use crate::scheduling::{PendingRecord, ScheduleError, Scheduler, SchedulingRequest};
+use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
 use crate::tokenize::Tokenizers;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -430,6 +430,7 @@ impl RequestStream {
         }
     }
 
+    /// The decision for the prepared request, then the replies that carry it.
     fn pick(
         &mut self,
         mut prepared: Option<Prepared>,
@@ -437,18 +438,33 @@ impl RequestStream {
         started: Instant,
     ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
         let model = prepared.as_ref().map(|p| p.client_model.clone());
+        let target_model = prepared.as_ref().map(|p| p.target_model.clone());
+        let pick = self
+            .schedule(prepared.as_mut(), model.clone(), priority)
+            .map_err(|rejection| (rejection, model.clone()))?;
+        self.count_routed(&pick, model, target_model, started);
+        Ok(self.reply(&pick, prepared.as_ref()))
+    }
+
+    /// Asks the scheduler for a pod among the live candidates; keeps the pick's routing
+    /// record (applied after the reply) and counts the request in flight on the primary.
+    fn schedule(
+        &mut self,
+        prepared: Option<&mut Prepared>,
+        model: Option<String>,
+        priority: i32,
+    ) -> Result<Pick, Rejection> {
         // A fresh look at the pool: flow control may have held the request a while.
         let candidates = self.candidates();
         if candidates.is_empty() {
             let pool_empty = self.ctx.datastore.snapshot().endpoints.is_empty();
-            let rejection = if self.subset.is_some() && !pool_empty {
+            return Err(if self.subset.is_some() && !pool_empty {
                 Rejection::EmptySubset
             } else {
                 Rejection::Schedule(ScheduleError::NoCandidates)
-            };
-            return Err((rejection, model));
+            });
         }
-        let (target_model, prompt) = match prepared.as_mut() {
+        let (target_model, prompt) = match prepared {
             // The prompt moves into the Arc the scheduler and the routing record share (no
             // copy of a long prompt or its keys); what the reply still needs of `prepared` is
             // the body, model names and `stream`.
@@ -459,24 +475,30 @@ impl RequestStream {
             None => (None, Arc::new(PromptKeys::default())),
         };
         let request = SchedulingRequest {
-            model: model.clone(),
-            target_model: target_model.clone(),
+            model,
+            target_model,
             prompt,
             body_bytes: self.body.len(),
             priority,
             fairness_id: self.meta.fairness_id.clone(),
             session_id: self.meta.session_id.clone(),
         };
-        let (pick, record) = self
-            .ctx
-            .scheduler
-            .pick_deferred(&request, &candidates)
-            .map_err(|e| (e.into(), model.clone()))?;
+        let (pick, record) = self.ctx.scheduler.pick_deferred(&request, &candidates)?;
         self.record = (!record.is_empty()).then_some(record);
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
             self.in_flight = Some(primary.in_flight.start());
         }
+        Ok(pick)
+    }
 
+    /// The decision's metrics, and what the response phase needs to know of it.
+    fn count_routed(
+        &mut self,
+        pick: &Pick,
+        model: Option<String>,
+        target_model: Option<String>,
+        started: Instant,
+    ) {
         let metrics = &self.ctx.metrics;
         metrics
             .scheduler_e2e
@@ -496,11 +518,16 @@ impl RequestStream {
             model: model_label.to_owned(),
             target_model: target_label.to_owned(),
         });
-        let destination = pick.header_value();
-        tracing::debug!(%destination, model = model_label, bytes = self.body.len(), "picked");
+    }
 
+    /// The replies that send the request on to `pick`: the destination header (and score
+    /// headers), the body (rewritten or as received) and trailers; the response phase is
+    /// armed to restore a rewritten model name.
+    fn reply(&mut self, pick: &Pick, prepared: Option<&Prepared>) -> Vec<ProcessingResponse> {
+        let destination = pick.header_value();
+        tracing::debug!(%destination, bytes = self.body.len(), "picked");
         let has_body = self.end != RequestEnd::Bodyless;
-        let forwarded = match prepared.as_ref().and_then(|p| p.rewritten_body.as_ref()) {
+        let forwarded = match prepared.and_then(|p| p.rewritten_body.as_ref()) {
             Some(rewritten) => &rewritten[..],
             None => &self.body[..],
         };
@@ -508,7 +535,7 @@ impl RequestStream {
             &destination,
             has_body.then_some(forwarded.len()),
             std::mem::take(&mut self.meta.control_headers),
-            &scores::pick_headers(&pick),
+            &scores::pick_headers(pick),
         )];
         if has_body {
             out.extend(mutations::request_body_chunks(
@@ -519,7 +546,7 @@ impl RequestStream {
         if self.end == RequestEnd::Trailers {
             out.push(mutations::request_trailers_continue());
         }
-        if let Some(p) = prepared.as_ref().filter(|p| p.rewritten_body.is_some()) {
+        if let Some(p) = prepared.filter(|p| p.rewritten_body.is_some()) {
             self.response =
                 ResponseBody::restoring(&p.client_model, p.stream, self.ctx.max_body_bytes);
         }
@@ -527,7 +554,7 @@ impl RequestStream {
         // gateway-facing send path of this stream.
         self.release_body();
         self.phase = Phase::AwaitResponse;
-        Ok(out)
+        out
     }
 
     fn reject(&mut self, rejection: Rejection, model: Option<&str>) -> Vec<ProcessingResponse> {
