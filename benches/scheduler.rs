@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::hint::black_box;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
@@ -33,20 +33,21 @@ const SHARED_TOKENS: usize = 30 * 1024;
 const DISTINCT_PROMPTS: usize = 64;
 const ITERATIONS: usize = 5_000;
 
-/// Metrics that never go stale during the run (the bench measures scheduling, not scraping).
-struct Frozen(Mutex<HashMap<PodId, ScrapeStatus>>);
+/// Metrics that never go stale during the run (the bench measures scheduling, not scraping):
+/// published snapshots read under one lock, as `MetricsStore` does, stamped an hour ahead so
+/// their age stays 0.
+struct Frozen(RwLock<HashMap<PodId, Arc<ScrapeStatus>>>);
 
 impl MetricsSource for Frozen {
-    fn status(&self, pod: PodId) -> ScrapeStatus {
-        let mut status = self
-            .0
-            .lock()
-            .map(|m| m.get(&pod).cloned())
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        status.fetched_at = Some(Instant::now());
-        status
+    fn status(&self, pod: PodId) -> Arc<ScrapeStatus> {
+        self.statuses(&[pod]).pop().unwrap_or_default()
+    }
+
+    fn statuses(&self, pods: &[PodId]) -> Vec<Arc<ScrapeStatus>> {
+        let map = self.0.read().expect("lock");
+        pods.iter()
+            .map(|pod| map.get(pod).cloned().unwrap_or_default())
+            .collect()
     }
 }
 
@@ -133,16 +134,16 @@ fn setup(n: usize, config: IndexConfig) -> Setup {
         );
         statuses.insert(
             pod.id(),
-            ScrapeStatus {
-                metrics: Some(PodMetrics {
+            Arc::new(ScrapeStatus {
+                metrics: Some(Arc::new(PodMetrics {
                     waiting: (i % 5) as f64,
                     running: (i % 7) as f64 * 4.0,
                     kv_usage: (i % 10) as f64 / 12.0,
                     ..PodMetrics::default()
-                }),
-                fetched_at: Some(Instant::now()),
+                })),
+                fetched_at: Some(Instant::now() + Duration::from_secs(3600)),
                 ..ScrapeStatus::default()
-            },
+            }),
         );
     }
     let requests = (0..DISTINCT_PROMPTS)
@@ -161,7 +162,7 @@ fn setup(n: usize, config: IndexConfig) -> Setup {
     Setup {
         pods,
         index,
-        metrics: Arc::new(Frozen(Mutex::new(statuses))),
+        metrics: Arc::new(Frozen(RwLock::new(statuses))),
         requests,
     }
 }

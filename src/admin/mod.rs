@@ -86,7 +86,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         .filter_map(|e| {
             let status = state.scrapes.status(e.id());
             if status.is_fresh(now, state.staleness) {
-                status.metrics
+                status.metrics.clone()
             } else {
                 None
             }

@@ -59,7 +59,7 @@ pub async fn follow_pool(
             _ = housekeeping.tick() => {
                 for endpoint in &current {
                     let status = store.status(endpoint.id);
-                    if let Some(metrics) = status.metrics {
+                    if let Some(metrics) = &status.metrics {
                         if let Some(block_size) = metrics.block_size {
                             index.set_pod_block_size(endpoint.id, block_size);
                         }

@@ -368,9 +368,12 @@ impl ConfiguredScheduler {
     ) -> Option<(Cycle<'r>, Vec<Vec<f64>>, Vec<f64>, Vec<usize>)> {
         let now = Instant::now();
         let staleness = self.config.saturation.metrics_staleness;
+        let ids: Vec<PodId> = candidates.iter().map(|e| e.id()).collect();
+        let statuses = self.deps.metrics.statuses(&ids);
         let mut pods: Vec<PodView> = candidates
             .iter()
-            .map(|e| PodView::read(e, self.deps.metrics.as_ref(), now, staleness))
+            .zip(&statuses)
+            .map(|(e, status)| PodView::with_status(e, status, now, staleness))
             .collect();
         for filter in &self.filters {
             let started = Instant::now();

@@ -16,13 +16,22 @@ use super::SchedulingRequest;
 /// Where the scheduler reads endpoint metrics from (the [`MetricsStore`] in production, a
 /// plain map in tests).
 pub trait MetricsSource: Send + Sync + 'static {
-    /// The scrape status of `pod` (default when never scraped).
-    fn status(&self, pod: PodId) -> ScrapeStatus;
+    /// The scrape status of `pod` (default when never scraped): a published snapshot.
+    fn status(&self, pod: PodId) -> Arc<ScrapeStatus>;
+
+    /// The statuses of `pods`, in order (one read of the source where it can).
+    fn statuses(&self, pods: &[PodId]) -> Vec<Arc<ScrapeStatus>> {
+        pods.iter().map(|pod| self.status(*pod)).collect()
+    }
 }
 
 impl MetricsSource for MetricsStore {
-    fn status(&self, pod: PodId) -> ScrapeStatus {
+    fn status(&self, pod: PodId) -> Arc<ScrapeStatus> {
         MetricsStore::status(self, pod)
+    }
+
+    fn statuses(&self, pods: &[PodId]) -> Vec<Arc<ScrapeStatus>> {
+        MetricsStore::statuses(self, pods)
     }
 }
 
@@ -35,8 +44,8 @@ pub struct PodView {
     pub id: PodId,
     /// kvpick's in-flight count, read once.
     pub in_flight: u64,
-    /// The last good metrics (possibly stale).
-    pub metrics: Option<PodMetrics>,
+    /// The last good metrics (possibly stale), shared with the store's snapshot.
+    pub metrics: Option<Arc<PodMetrics>>,
     /// Whether the metrics are fresh and the last scrape succeeded.
     pub fresh: bool,
 }
@@ -49,14 +58,22 @@ impl PodView {
         now: Instant,
         staleness: std::time::Duration,
     ) -> Self {
-        let id = endpoint.id();
-        let status = source.status(id);
+        Self::with_status(endpoint, &source.status(endpoint.id()), now, staleness)
+    }
+
+    /// One endpoint's state at `now`, given its scrape status.
+    pub fn with_status(
+        endpoint: &Arc<EndpointState>,
+        status: &ScrapeStatus,
+        now: Instant,
+        staleness: std::time::Duration,
+    ) -> Self {
         Self {
             endpoint: Arc::clone(endpoint),
-            id,
+            id: endpoint.id(),
             in_flight: endpoint.in_flight.get(),
             fresh: status.is_fresh(now, staleness),
-            metrics: status.metrics,
+            metrics: status.metrics.clone(),
         }
     }
 
@@ -131,7 +148,7 @@ pub(crate) mod test_support {
     impl FakeMetrics {
         pub fn set(&self, pod: PodId, metrics: PodMetrics) {
             let status = ScrapeStatus {
-                metrics: Some(metrics),
+                metrics: Some(Arc::new(metrics)),
                 fetched_at: Some(Instant::now()),
                 ..ScrapeStatus::default()
             };
@@ -143,13 +160,15 @@ pub(crate) mod test_support {
     }
 
     impl MetricsSource for FakeMetrics {
-        fn status(&self, pod: PodId) -> ScrapeStatus {
-            self.0
-                .lock()
-                .expect("lock")
-                .get(&pod)
-                .cloned()
-                .unwrap_or_default()
+        fn status(&self, pod: PodId) -> Arc<ScrapeStatus> {
+            Arc::new(
+                self.0
+                    .lock()
+                    .expect("lock")
+                    .get(&pod)
+                    .cloned()
+                    .unwrap_or_default(),
+            )
         }
     }
 
@@ -184,7 +203,7 @@ pub(crate) mod test_support {
             id: endpoint(i).id(),
             in_flight,
             fresh: m.is_some(),
-            metrics: m,
+            metrics: m.map(Arc::new),
         }
     }
 

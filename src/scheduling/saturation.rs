@@ -193,7 +193,7 @@ mod tests {
         fake.set_status(
             pods[0].id(),
             ScrapeStatus {
-                metrics: Some(metrics(0.0, 0.0, 0.0)),
+                metrics: Some(Arc::new(metrics(0.0, 0.0, 0.0))),
                 fetched_at: Some(Instant::now()),
                 last_error: Some(crate::scrape::scraper::ScrapeError::Timeout),
                 consecutive_failures: 1,
@@ -240,7 +240,7 @@ mod tests {
         fake.set_status(
             pod.id(),
             ScrapeStatus {
-                metrics: Some(metrics(0.0, 0.0, 0.0)),
+                metrics: Some(Arc::new(metrics(0.0, 0.0, 0.0))),
                 fetched_at: Some(old),
                 ..ScrapeStatus::default()
             },

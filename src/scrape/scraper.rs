@@ -1,13 +1,17 @@
 //! Scraping every endpoint's `/metrics` on an interval, and the store scheduling reads.
 //!
-//! Concurrency rules: one task per endpoint writes only its own entry of the
-//! [`MetricsStore`] (a short mutex per pod); readers copy what they need under the same
-//! mutex. The [`ScrapeManager`] starts a task when an endpoint joins the pool and cancels it
-//! (and drops its entry) when it leaves. A scrape never blocks a request: scheduling reads
-//! the last result and its age.
+//! Concurrency rules: one task per endpoint owns that endpoint's [`ScrapeStatus`] and, after
+//! every scrape, publishes an immutable copy (`Arc<ScrapeStatus>`, its metrics an
+//! `Arc<PodMetrics>`) into the [`MetricsStore`], replacing the previous one under a short
+//! write lock. Readers take the read lock only to clone that `Arc` (one lock for all the
+//! candidates of a pick), never copy metrics, and never wait for a scrape. The
+//! [`ScrapeManager`] registers an endpoint's entry and starts its task when it joins the
+//! pool, and cancels the task and drops the entry when it leaves; a task publishes only into
+//! the registration it was started for, so a task that finishes its last scrape after its
+//! pod left (or left and came back) cannot bring back a stale entry.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -86,8 +90,8 @@ impl ScrapeError {
 /// The scrape state of one endpoint.
 #[derive(Debug, Clone, Default)]
 pub struct ScrapeStatus {
-    /// The last successful scrape's metrics.
-    pub metrics: Option<PodMetrics>,
+    /// The last successful scrape's metrics (shared, immutable).
+    pub metrics: Option<Arc<PodMetrics>>,
     /// When the last successful scrape finished.
     pub fetched_at: Option<Instant>,
     /// The last scrape's error, cleared by a success.
@@ -113,30 +117,81 @@ impl ScrapeStatus {
     }
 }
 
-/// The latest scrape of every endpoint.
+/// The latest scrape of every endpoint, as immutable snapshots.
 #[derive(Debug, Default)]
 pub struct MetricsStore {
-    pods: Mutex<HashMap<PodId, Arc<Mutex<ScrapeStatus>>>>,
+    pods: RwLock<HashMap<PodId, Published>>,
 }
 
+/// One endpoint's entry: the registration it belongs to and its last published status.
+#[derive(Debug)]
+struct Published {
+    registration: u64,
+    status: Arc<ScrapeStatus>,
+}
+
+/// Which registration of a pod a scrape task publishes into (see [`MetricsStore::publish`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration(u64);
+
 impl MetricsStore {
-    /// A copy of `pod`'s status (default when it is not scraped).
-    pub fn status(&self, pod: PodId) -> ScrapeStatus {
-        let entry = self.pods.lock().ok().and_then(|p| p.get(&pod).cloned());
-        entry
-            .and_then(|e| e.lock().ok().map(|s| s.clone()))
+    /// `pod`'s last published status (the default when it is not scraped).
+    pub fn status(&self, pod: PodId) -> Arc<ScrapeStatus> {
+        self.read()
+            .get(&pod)
+            .map(|p| Arc::clone(&p.status))
             .unwrap_or_default()
     }
 
-    fn entry(&self, pod: PodId) -> Arc<Mutex<ScrapeStatus>> {
-        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
-        Arc::clone(pods.entry(pod).or_default())
+    /// The last published status of each of `pods`, in order, under one read lock.
+    pub fn statuses(&self, pods: &[PodId]) -> Vec<Arc<ScrapeStatus>> {
+        let map = self.read();
+        pods.iter()
+            .map(|pod| {
+                map.get(pod)
+                    .map(|p| Arc::clone(&p.status))
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+
+    /// Starts a fresh entry for `pod` (replacing any earlier one) and names it.
+    fn register(&self, pod: PodId) -> Registration {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let registration = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.write().insert(
+            pod,
+            Published {
+                registration,
+                status: Arc::default(),
+            },
+        );
+        Registration(registration)
+    }
+
+    /// Replaces `pod`'s status, if its entry is still the one `registration` names.
+    fn publish(&self, pod: PodId, registration: Registration, status: ScrapeStatus) {
+        let status = Arc::new(status);
+        if let Some(entry) = self
+            .write()
+            .get_mut(&pod)
+            .filter(|e| e.registration == registration.0)
+        {
+            entry.status = status;
+        }
     }
 
     fn remove(&self, pod: PodId) {
-        if let Ok(mut pods) = self.pods.lock() {
-            pods.remove(&pod);
-        }
+        self.write().remove(&pod);
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<PodId, Published>> {
+        // Entries are replaced whole, so a panic elsewhere cannot leave one half-written.
+        self.pods.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<PodId, Published>> {
+        self.pods.write().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -249,6 +304,7 @@ struct ScrapeContext {
     config: ScrapeConfig,
     metrics: ScrapeMetrics,
     observer: Option<Arc<dyn ScrapeObserver>>,
+    store: Arc<MetricsStore>,
 }
 
 /// Whether `error` (or what caused it) says nothing listens at the address: refused, reset,
@@ -293,7 +349,7 @@ async fn scrape_loop(
     pod: PodId,
     engine: EngineKind,
     context: ScrapeContext,
-    status: Arc<Mutex<ScrapeStatus>>,
+    registration: Registration,
     cancel: CancellationToken,
 ) {
     let ScrapeContext {
@@ -301,7 +357,10 @@ async fn scrape_loop(
         config,
         metrics,
         observer,
+        store,
     } = context;
+    // This task's own status; every scrape publishes a copy (cheap: the metrics are shared).
+    let mut state = ScrapeStatus::default();
     let label = pod.to_string();
     let mut start_time: Option<f64> = None;
     let mut ticker = tokio::time::interval(config.interval);
@@ -320,7 +379,6 @@ async fn scrape_loop(
             .duration
             .with_label_values(&[&label])
             .observe(started.elapsed().as_secs_f64());
-        let Ok(mut state) = status.lock() else { return };
         match result {
             Ok((pod_metrics, started_at)) => {
                 let recovered = state.last_error.is_some();
@@ -335,8 +393,7 @@ async fn scrape_loop(
                     start_time = started_at;
                 }
                 if let Some(observer) = &observer {
-                    // NOTE: called under the pod's status lock; observers only signal
-                    // (no locks of their own, no awaits).
+                    // NOTE: observers only signal (no locks of their own, no awaits).
                     if restarted {
                         observer.restarted(pod);
                     }
@@ -344,7 +401,7 @@ async fn scrape_loop(
                         observer.recovered(pod);
                     }
                 }
-                state.metrics = Some(pod_metrics);
+                state.metrics = Some(Arc::new(pod_metrics));
                 state.fetched_at = Some(Instant::now());
                 state.last_error = None;
                 state.consecutive_failures = 0;
@@ -361,6 +418,7 @@ async fn scrape_loop(
                 state.last_error = Some(error);
             }
         }
+        store.publish(pod, registration, state.clone());
     }
 }
 
@@ -428,12 +486,14 @@ impl ScrapeManager {
                 config: self.config.clone(),
                 metrics: self.metrics.clone(),
                 observer: self.observer.clone(),
+                store: Arc::clone(&self.store),
             };
+            let registration = self.store.register(pod);
             tokio::spawn(scrape_loop(
                 pod,
                 engine,
                 context,
-                self.store.entry(pod),
+                registration,
                 cancel.clone(),
             ));
             self.tasks.insert(pod, (engine, cancel));
@@ -489,6 +549,39 @@ mod tests {
     }
 
     #[test]
+    fn the_store_publishes_snapshots_only_into_the_live_registration() {
+        let store = MetricsStore::default();
+        let pod = PodId("10.0.0.1:8000".parse().expect("addr"));
+        let scraped = |waiting: f64| ScrapeStatus {
+            metrics: Some(Arc::new(PodMetrics {
+                waiting,
+                ..PodMetrics::default()
+            })),
+            fetched_at: Some(Instant::now()),
+            ..ScrapeStatus::default()
+        };
+        let waiting = |status: &ScrapeStatus| status.metrics.as_ref().map(|m| m.waiting);
+        let first = store.register(pod);
+        store.publish(pod, first, scraped(1.0));
+        let held = store.status(pod);
+        store.publish(pod, first, scraped(2.0));
+        // A reader's snapshot does not change under it; the next read sees the new one.
+        assert_eq!(waiting(&held), Some(1.0));
+        assert_eq!(waiting(&store.status(pod)), Some(2.0));
+        assert_eq!(waiting(&store.statuses(&[pod, pod])[1]), Some(2.0));
+        // The pod leaves: a last scrape of its task does not bring the entry back.
+        store.remove(pod);
+        store.publish(pod, first, scraped(3.0));
+        assert_eq!(waiting(&store.status(pod)), None);
+        // It comes back: only the new task's scrapes land.
+        let second = store.register(pod);
+        store.publish(pod, first, scraped(4.0));
+        assert_eq!(waiting(&store.status(pod)), None);
+        store.publish(pod, second, scraped(5.0));
+        assert_eq!(waiting(&store.status(pod)), Some(5.0));
+    }
+
+    #[test]
     fn a_restart_is_a_changed_start_time() {
         assert!(!restarted_between(None, Some(1.7e9)));
         assert!(!restarted_between(Some(1.7e9), None));
@@ -503,7 +596,7 @@ mod tests {
         let mut status = ScrapeStatus::default();
         assert!(!status.is_fresh(now, staleness), "never scraped");
         status.fetched_at = Some(now);
-        status.metrics = Some(PodMetrics::default());
+        status.metrics = Some(Arc::new(PodMetrics::default()));
         assert!(status.is_fresh(now + Duration::from_millis(150), staleness));
         assert!(!status.is_fresh(now + Duration::from_millis(250), staleness));
         status.last_error = Some(ScrapeError::Timeout);

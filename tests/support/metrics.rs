@@ -1,7 +1,7 @@
 //! A metrics source for scheduler tests: scrape statuses set by hand.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kvpick::endpoints::PodId;
@@ -21,12 +21,12 @@ impl FakeMetrics {
     /// `pod` scraped at `at` with these gauges.
     pub fn set_at(&self, pod: PodId, waiting: f64, running: f64, kv: f64, at: Instant) {
         let status = ScrapeStatus {
-            metrics: Some(PodMetrics {
+            metrics: Some(Arc::new(PodMetrics {
                 waiting,
                 running,
                 kv_usage: kv,
                 ..PodMetrics::default()
-            }),
+            })),
             fetched_at: Some(at),
             ..ScrapeStatus::default()
         };
@@ -35,12 +35,14 @@ impl FakeMetrics {
 }
 
 impl MetricsSource for FakeMetrics {
-    fn status(&self, pod: PodId) -> ScrapeStatus {
-        self.0
-            .lock()
-            .expect("lock")
-            .get(&pod)
-            .cloned()
-            .unwrap_or_default()
+    fn status(&self, pod: PodId) -> Arc<ScrapeStatus> {
+        Arc::new(
+            self.0
+                .lock()
+                .expect("lock")
+                .get(&pod)
+                .cloned()
+                .unwrap_or_default(),
+        )
     }
 }
