@@ -349,10 +349,22 @@ impl Walk {
         on_run
     }
 
+    /// The per-word vectors all cover the same slots (a walk sizes them once, in
+    /// [`Self::new`]): the word loops below index them directly, so a broken invariant fails
+    /// loudly in tests instead of scoring silently wrong.
+    fn debug_assert_shapes(&self) {
+        const { assert!(TIERS == 3, "the word loops read three tiers") };
+        let words = self.alive.len();
+        debug_assert_eq!(self.held.len(), words * TIERS);
+        debug_assert_eq!(self.speculative.len(), words);
+        debug_assert_eq!(self.speculative_seen.len(), words);
+        debug_assert!(self.class.iter().all(|c| c.len() == words));
+    }
+
     /// Ends every run at block `i`.
     pub(super) fn end_all(&mut self, i: usize) {
         for w in 0..self.alive.len() {
-            let alive = self.alive.get(w).copied().unwrap_or(0);
+            let alive = self.alive[w];
             for_each_slot(w, alive, |slot| self.end_run(slot, i));
         }
     }
@@ -367,8 +379,7 @@ impl Walk {
         }
         if self.alive_count > 1 {
             for v in 0..self.alive.len() {
-                let others =
-                    self.alive.get(v).copied().unwrap_or(0) & if v == w { !bit } else { !0 };
+                let others = self.alive[v] & if v == w { !bit } else { !0 };
                 for_each_slot(v, others, |other| self.end_run(other, i));
             }
         }
@@ -379,27 +390,30 @@ impl Walk {
     /// Block `i` held by several slots (per-tier bits in `held`) and/or speculatively.
     pub(super) fn step_many(&mut self, i: usize, any_speculative: bool) -> bool {
         let mut on_run = false;
+        self.debug_assert_shapes();
         for w in 0..self.alive.len() {
-            let tier_word = |t: usize| self.held.get(w * TIERS + t).copied().unwrap_or(0);
-            let (gpu, cpu, slower) = (tier_word(0), tier_word(1), tier_word(2));
+            let (gpu, cpu, slower) = (
+                self.held[w * TIERS],
+                self.held[w * TIERS + 1],
+                self.held[w * TIERS + 2],
+            );
             let speculative = if any_speculative {
-                self.speculative.get(w).copied().unwrap_or(0)
+                self.speculative[w]
             } else {
                 0
             };
             let confirmed = gpu | cpu | slower;
-            let alive = self.alive.get(w).copied().unwrap_or(0);
+            let alive = self.alive[w];
             for_each_slot(w, alive & !(confirmed | speculative), |slot| {
                 self.end_run(slot, i)
             });
-            let alive = self.alive.get(w).copied().unwrap_or(0);
+            let alive = self.alive[w];
             on_run |= alive != 0;
             // The best tier of each surviving slot (speculation counts as GPU).
             let best_gpu = gpu | speculative;
             let cpu_class = alive & !best_gpu & cpu;
             let slower_class = alive & !best_gpu & !cpu;
-            let changed = (cpu_class ^ self.class[0].get(w).copied().unwrap_or(0))
-                | (slower_class ^ self.class[1].get(w).copied().unwrap_or(0));
+            let changed = (cpu_class ^ self.class[0][w]) | (slower_class ^ self.class[1][w]);
             for_each_slot(w, changed, |slot| {
                 let bit = 1u64 << (slot % 64);
                 let class = if cpu_class & bit != 0 {
@@ -412,7 +426,7 @@ impl Walk {
                 self.set_class(slot, class, i);
             });
             // Held only speculatively, for the first time on this run.
-            let seen = self.speculative_seen.get(w).copied().unwrap_or(0);
+            let seen = self.speculative_seen[w];
             let first_speculative = alive & speculative & !confirmed & !seen;
             if first_speculative != 0 {
                 for_each_slot(w, first_speculative, |slot| {
@@ -439,6 +453,9 @@ impl Walk {
         // Runs still going end where the walk stopped.
         let walked = self.walked;
         self.end_all(walked);
+        // The per-candidate vectors were sized for these candidates in `new`.
+        debug_assert_eq!(self.run_end.len(), candidates.len());
+        debug_assert_eq!(self.weight_loss.len(), candidates.len());
         let mut in_index = vec![false; candidates.len()];
         for p in self.position_of_slot.iter().filter(|p| **p != u32::MAX) {
             if let Some(cell) = in_index.get_mut(*p as usize) {
@@ -449,11 +466,13 @@ impl Walk {
             .iter()
             .enumerate()
             .map(|(p, pod)| {
-                let matched = match self.run_end.get(p).copied() {
-                    Some(end) if end != usize::MAX && in_index.get(p).copied() == Some(true) => end,
-                    _ => 0,
+                let end = self.run_end[p];
+                let matched = if end != usize::MAX && in_index[p] {
+                    end
+                } else {
+                    0
                 };
-                let loss = self.weight_loss.get(p).copied().unwrap_or(0.0);
+                let loss = self.weight_loss[p];
                 PrefixMatch {
                     pod: *pod,
                     block_size,
