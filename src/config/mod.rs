@@ -3,7 +3,9 @@
 //! Everything downstream takes the typed config; nothing re-reads flags or re-validates.
 
 mod duration;
+mod handler;
 pub mod picker_config;
+mod picker_doc;
 mod plugins;
 mod profiles;
 

@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_yaml::Value;
 
-use super::picker_config::{PLUGIN_TYPES, PickerConfigError, PluginSpec};
-use super::profiles::{HandlerPlugin, PdParams};
+use super::handler::{HandlerPlugin, PdParams};
+use super::picker_doc::{PLUGIN_TYPES, PickerConfigError, PluginSpec};
 use crate::scheduling::{
     CostModel, FilterKind, PickerSpec, PrefixCacheParams, PrefixMode, ScorerSpec,
 };

@@ -6,17 +6,15 @@
 //! coming back (a scrape answers, the event stream reconnects) makes it live again.
 //!
 //! Down endpoints are left out of the candidates, so a dead engine stops getting traffic;
-//! when every candidate is down all are kept ([`live_candidates`]): a pick among doubtful
+//! when every candidate is down all are kept (`super::live_candidates`): a pick among doubtful
 //! pods is better than a certain 503, and the gateway retries on the fallbacks.
 //!
 //! One tracker task (`app::liveness`) writes the verdict; requests read it lock-free. It
 //! lives beside the in-flight count in [`super::EndpointState`] and, like it, survives pool
 //! reloads for endpoints that stay.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-
-use super::EndpointState;
 
 /// One endpoint's down/up verdict and why.
 #[derive(Debug, Default)]
@@ -71,21 +69,9 @@ pub fn judge(signals: &Signals) -> Option<String> {
         .then(|| format!("metrics scrape {scrape}; KV-event stream disconnected"))
 }
 
-/// The endpoints that are not down; all of them when every one is down.
-pub fn live_candidates<'a>(
-    endpoints: impl IntoIterator<Item = &'a Arc<EndpointState>>,
-) -> Vec<Arc<EndpointState>> {
-    let all: Vec<Arc<EndpointState>> = endpoints.into_iter().cloned().collect();
-    if all.iter().all(|e| e.liveness.is_down()) {
-        return all;
-    }
-    all.into_iter().filter(|e| !e.liveness.is_down()).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoints::Endpoint;
 
     fn signals(refused: bool, configured: bool, connected: bool) -> Signals {
         Signals {
@@ -121,24 +107,5 @@ mod tests {
         assert_eq!(live.reason().as_deref(), Some("still gone"));
         assert!(live.set(None));
         assert!(!live.is_down() && live.reason().is_none());
-    }
-
-    #[test]
-    fn down_endpoints_are_left_out_unless_none_is_left() {
-        let state = |i: u8| {
-            Arc::new(EndpointState {
-                endpoint: Endpoint::new(format!("10.0.0.{i}:8000").parse().expect("addr")),
-                in_flight: Arc::default(),
-                liveness: Arc::default(),
-            })
-        };
-        let pool = vec![state(1), state(2)];
-        pool[0].liveness.set(Some("gone".into()));
-        let live = live_candidates(&pool);
-        assert_eq!(live.len(), 1);
-        assert_eq!(live[0].id(), pool[1].id());
-        pool[1].liveness.set(Some("gone".into()));
-        assert_eq!(live_candidates(&pool).len(), 2, "all down: keep all");
-        assert!(live_candidates(&[]).is_empty());
     }
 }

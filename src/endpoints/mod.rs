@@ -1,11 +1,13 @@
 //! The datastore: the pool's endpoints and what kvpick knows about each one.
 
+mod candidates;
 mod datastore;
 pub mod liveness;
 mod load;
 mod pod;
 
+pub use candidates::live_candidates;
 pub use datastore::{Datastore, EndpointState, PoolSnapshot};
-pub use liveness::{Liveness, live_candidates};
+pub use liveness::Liveness;
 pub use load::{InFlight, InFlightGuard};
 pub use pod::{ENGINE_TYPE_LABEL, Endpoint, PodId};

@@ -1,6 +1,6 @@
 //! Unit tests of the index (limits, tiers, many-pod walks).
 use super::*;
-use crate::kvcache::PromptKeys;
+use crate::kvcache::{KeyContext, PromptKeys};
 use kvpick_kvevents_wire::{BlockExtra, BlockStored, EventBatch, KvEvent};
 use std::net::SocketAddr;
 

@@ -22,6 +22,7 @@ pub mod key;
 pub mod matching;
 pub mod metrics;
 mod prompt_keys;
+mod record;
 mod span;
 mod speculative;
 

@@ -21,6 +21,7 @@ pub mod manager;
 pub mod metrics;
 pub mod replay;
 pub mod sequence;
+mod shared;
 pub mod status;
 mod stream;
 pub mod subscriber;

@@ -15,27 +15,11 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::decode::{EventBatch, decode_payload};
-use super::manager::Shared;
 use super::replay::fetch_replay;
 use super::sequence::{SeqTracker, SeqVerdict};
+use super::shared::{IndexUpdate, Shared};
 use super::status::{PodEventCounters, bump};
 use crate::endpoints::PodId;
-
-/// A change to the index, in stream order.
-#[derive(Debug)]
-pub(crate) enum IndexUpdate {
-    Apply {
-        pod: PodId,
-        model: Arc<str>,
-        batch: EventBatch,
-    },
-    Clear {
-        pod: PodId,
-    },
-    Purge {
-        pod: PodId,
-    },
-}
 
 /// Stream state of one pod.
 pub(crate) struct PodStream {

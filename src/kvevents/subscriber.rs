@@ -12,18 +12,18 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::decode::{decode_seq, parse_topic};
-use super::manager::Shared;
-use super::stream::{IndexUpdate, PodStream};
+use super::shared::{IndexUpdate, PodSignals, Shared};
+use super::stream::PodStream;
 use super::transport::{BudgetGuard, ByteBudget, Connection, Role, SubListener, TransportError};
 use crate::endpoints::{Endpoint, PodId};
 
@@ -63,16 +63,6 @@ impl Backoff {
     pub(crate) fn reset(&mut self) {
         self.current = self.initial;
     }
-}
-
-/// Signals from outside the event stream about one pod (its scrape saw it come back, or saw
-/// its engine restart).
-#[derive(Debug, Default)]
-pub(crate) struct PodSignals {
-    /// Wakes the subscriber (reconnect now, or act on `restarted`).
-    pub(crate) nudge: Notify,
-    /// The engine process restarted (its `process_start_time_seconds` changed).
-    pub(crate) restarted: AtomicBool,
 }
 
 /// Splits a message into (topic, seq, payload) frames.

@@ -4,7 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::error::RequestError;
-use super::parse::{ToolFlags, content, invalid, message, normalised_tool};
+use super::fields::{ToolFlags, content, invalid, message, normalised_tool};
 use super::types::{ChatMessage, ChatPrompt, ContentPart, MessageContent, ToolCall};
 
 /// Claude Code's attribution header: its per-request hash would defeat prefix caching, so vLLM

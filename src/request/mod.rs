@@ -18,6 +18,7 @@
 
 mod anthropic;
 mod error;
+mod fields;
 mod parse;
 mod pyrepr;
 mod responses;

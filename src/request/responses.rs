@@ -4,7 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::error::RequestError;
-use super::parse::{
+use super::fields::{
     ToolFlags, content, invalid, message, normalised_tool, openai_tool, opt_string, parse_arguments,
 };
 use super::types::{ChatMessage, ChatPrompt, MessageContent, ToolCall};

@@ -362,6 +362,52 @@ fn key_is_model(raw: &[u8]) -> bool {
 mod tests {
     use super::*;
 
+    /// The scanner's unescaping of one string.
+    fn unescape(raw: &str) -> Option<String> {
+        let body = format!("\"{raw}\"");
+        let mut found = Vec::new();
+        scan_collecting(&body, ParseLimits::default(), 0, &mut found, None).ok()?;
+        assert_eq!(found.len(), 1);
+        found.pop()?.text
+    }
+
+    fn serde_string(raw: &str) -> Option<String> {
+        serde_json::from_str::<String>(&format!("\"{raw}\"")).ok()
+    }
+
+    #[test]
+    fn unescape_agrees_with_serde_json() {
+        let cases = [
+            "plain text",
+            "",
+            r#"a\"b\\c\/d\b\f\n\r\t"#,
+            r"\u00e9\u00E9 caf\u00e9 \u4e2d\u6587",
+            r"\ud83d\ude00 emoji",
+            r"\u0000 nul",
+            "naïve ü 한국어 👩‍👩‍👧 raw",
+            r"long run of text with an escape at the end\n",
+        ];
+        for raw in cases {
+            assert!(unescape(raw).is_some(), "{raw:?}");
+            assert_eq!(unescape(raw), serde_string(raw), "{raw:?}");
+        }
+        // What the fast path leaves to serde_json (which rejects all of these).
+        for raw in [
+            r"\ud83d alone",
+            r"\ude00 alone",
+            r"\ud83d\u0041",
+            r"\x41",
+            r"\u12",
+            r"\u12g4",
+            "tab\there",
+            "new\nline",
+            r"trailing\",
+        ] {
+            assert_eq!(unescape(raw), None, "{raw:?}");
+            assert_eq!(serde_string(raw), None, "{raw:?}");
+        }
+    }
+
     fn span(body: &str) -> Option<String> {
         scan(body.as_bytes(), ParseLimits::default())
             .unwrap()

@@ -1,0 +1,102 @@
+//! Routing records: what kvpick itself routed, kept so the next requests of a prefix find it
+//! before the engine's events arrive ([`PrefixIndex::record_routed`]).
+//!
+//! A pod that publishes events gets short-lived speculative runs (confirmed or dropped by
+//! its events, `speculative`); a pod without events gets the blocks in its approximate LRU
+//! set (`approx`). A record after a lookup starts where the lookup found the pod's confirmed
+//! run ending, and keys the rest through the request's [`PromptKeys`].
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tokio::time::Instant;
+
+use super::index::{PodEntry, PrefixIndex};
+use super::key::{BlockKey, KeyContext};
+use super::matching::PrefixLookup;
+use super::prompt_keys::PromptKeys;
+use super::span::SpanRef;
+use crate::endpoints::PodId;
+use kvpick_kvevents_wire::Tier;
+
+impl PrefixIndex {
+    /// Records that kvpick routed a request with these tokens to `pod` (a one-off record, e.g.
+    /// in tests; the request path uses [`Self::record_routed`] with the request's keys).
+    pub fn record_routed_tokens(&self, pod: PodId, context: &KeyContext, tokens: &[u32]) {
+        let keys = PromptKeys::exact(context.clone(), tokens.to_vec());
+        self.record_routed(pod, &keys, None);
+    }
+
+    /// Records that kvpick routed the prompt of `keys` to `pod`. For a pod that publishes
+    /// events, its blocks count as held for the speculative TTL (until confirmed); for a pod
+    /// without events, they enter its approximate LRU set. After a [`Self::lookup`] that had
+    /// `pod` among its candidates (`after`), the leading blocks the lookup found `pod` holding
+    /// confirmed are skipped (speculative ones are refreshed), and the keys it computed are
+    /// reused.
+    pub fn record_routed(&self, pod: PodId, keys: &PromptKeys, after: Option<&PrefixLookup>) {
+        let held = after.map_or(0, |lookup| self.confirmed_run(pod, lookup));
+        self.record_routed_from(pod, keys, held);
+    }
+
+    /// Leading blocks `lookup` found `pod` holding confirmed, at the pod's block size: where
+    /// a routing record of `pod` starts ([`Self::record_routed_from`]).
+    pub fn confirmed_run(&self, pod: PodId, lookup: &PrefixLookup) -> usize {
+        lookup.confirmed_run(pod, self.block_size_for(pod))
+    }
+
+    /// Records `pod` as holding the prompt's blocks from block `held` on (the ones before are
+    /// known to be held confirmed).
+    pub fn record_routed_from(&self, pod: PodId, keys: &PromptKeys, held: usize) {
+        if self.recently_purged(pod) {
+            return;
+        }
+        let entry = self.pod_or_insert(pod);
+        // NOTE: keyed at the pod's block size now; should it have changed since the lookup,
+        // the record keys the new layout (another chain of the same prompt).
+        let size = self.block_size_for(pod);
+        let _ = keys.with_keys(size, |lazy| {
+            let keys = lazy.upto(usize::MAX);
+            if !keys.is_empty() {
+                self.record_keys(&entry, keys, held);
+            }
+        });
+    }
+
+    /// [`Self::record_routed_from`] over the prompt's keys at the pod's block size.
+    fn record_keys(&self, entry: &Arc<PodEntry>, keys: &[BlockKey], held: usize) {
+        let mut state = entry.lock();
+        if state.retired {
+            return;
+        }
+        if state.precise {
+            drop(state);
+            // NOTE: the blocks after the pod's confirmed run are recorded as one run of
+            // consecutive blocks, which a walk can verify with one probe; a pod that holds a
+            // later block confirmed (its prefix evicted out of order) gets a redundant entry
+            // for the TTL, a few bytes. The confirmed run is extended first where the caller
+            // did not know it (no lookup: `held` = 0), one block at a time.
+            let tail = keys.get(held..).unwrap_or_default();
+            let confirmed = {
+                let blocks = self.blocks.reader(0);
+                tail.iter()
+                    .take_while(|key| blocks.holds(**key, entry.slot))
+                    .count()
+            };
+            let tail = tail.get(confirmed..).unwrap_or_default();
+            self.speculative.record(entry.slot, tail, Instant::now());
+            return;
+        }
+        // Approximate mode: every block is touched, so the LRU order follows recency.
+        let capacity = state.approx_capacity;
+        let (added, evicted) = state.approx.touch(keys, capacity);
+        for key in &added {
+            // Approximate holders belong to no span: walks step over them one by one.
+            self.add_holder(*key, entry.slot, Tier::Gpu, SpanRef::NONE);
+        }
+        for key in &evicted {
+            self.remove_holder(*key, entry.slot, Tier::Gpu);
+        }
+        state.entries = (state.entries + added.len()).saturating_sub(evicted.len());
+        entry.entries.store(state.entries as u64, Ordering::Relaxed);
+    }
+}
