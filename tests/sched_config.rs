@@ -241,6 +241,16 @@ fn errors_name_the_bad_field() {
         "{e}"
     );
 
+    // A parameter of the wrong type is named by its full path.
+    let wrong_type = format!(
+        "{HEAD}plugins:\n- type: queue-scorer\n- name: p\n  type: prefix-cache-scorer\n  parameters: {{blockSize: sixteen}}\nschedulingProfiles:\n- name: d\n"
+    );
+    let e = error_of(&wrong_type);
+    assert!(
+        e.contains("plugins[1].parameters.blockSize:") && e.contains("invalid type"),
+        "{e}"
+    );
+
     let top_typo = format!("{HEAD}plugin: []\n");
     let e = error_of(&top_typo);
     assert!(e.contains("unknown field `plugin`"), "{e}");

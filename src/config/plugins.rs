@@ -54,12 +54,24 @@ fn params<T: DeserializeOwned + Default>(
 ) -> Result<T, PickerConfigError> {
     match &spec.parameters {
         None | Some(Value::Null) => Ok(T::default()),
-        Some(value) => {
-            serde_yaml::from_value(value.clone()).map_err(|e| PickerConfigError::BadParameter {
-                field: format!("plugins[{index}].parameters"),
-                message: format!("{} ({}): {e}", spec.instance_name(), spec.plugin_type),
-            })
-        }
+        // The path serde was at names the parameter (`plugins[2].parameters.blockSize`);
+        // an unknown parameter is reported at the object holding it, and names itself.
+        Some(value) => serde_path_to_error::deserialize(value.clone()).map_err(|e| {
+            let path = e.path().to_string();
+            let field = match path.as_str() {
+                "" | "." => format!("plugins[{index}].parameters"),
+                path => format!("plugins[{index}].parameters.{path}"),
+            };
+            PickerConfigError::BadParameter {
+                field,
+                message: format!(
+                    "{} ({}): {}",
+                    spec.instance_name(),
+                    spec.plugin_type,
+                    e.into_inner()
+                ),
+            }
+        }),
     }
 }
 
