@@ -3,8 +3,7 @@
 //! biased towards the regex's corner cases (contractions, whitespace runs before letters,
 //! symbols and newlines, CR/LF mixes, digits, control characters, special tokens).
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::path::PathBuf;
 use std::sync::LazyLock;

@@ -15,7 +15,7 @@ use kvpick::scheduling::{
 };
 use kvpick::tokenize::{ApproximatePrompt, ApproximateReason, PromptTokens};
 
-mod support;
+use crate::support;
 
 use support::metrics::FakeMetrics;
 

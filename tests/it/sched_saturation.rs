@@ -2,7 +2,7 @@
 //! stand-ins whose `/metrics` say how loaded they are: one overloaded pod must not make a
 //! pool with idle pods shed (429) or queue (flow control) its traffic.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

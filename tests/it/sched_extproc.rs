@@ -2,7 +2,7 @@
 //! client (no Envoy): what the headers reply carries besides the destination — the score
 //! tracing of `--emit-endpoint-scores` and, under P/D disaggregation, the prefill endpoint.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Reliability of the kvpick process through its real interfaces: SIGTERM under traffic
 //! behind a real Envoy, slow uploaders against the body budget, idle ext-proc streams.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,7 +3,7 @@
 //! connect, client-forged control headers, kvpick itself down. Every request sent is
 //! counted; none may be lost.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

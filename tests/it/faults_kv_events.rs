@@ -4,7 +4,7 @@
 //! end, more connections than allowed — and then behaves. kvpick must stay up, keep its
 //! memory bounded, drop and count the bad connections, and apply the good peer's events.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -15,7 +15,7 @@ use kvpick::scheduling::{
 const EXAMPLES: &[&str] = &[
     GIE_DEFAULT_YAML,
     KVPICK_RECOMMENDED_YAML,
-    include_str!("../deploy/config/gie-default.yaml"),
+    include_str!("../../deploy/config/gie-default.yaml"),
     // GIE prefix-aware with explicit parameters and a named plugin.
     "\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -311,7 +311,7 @@ fn profile_without_picker_gets_max_score_and_sections_kvpick_ignores_warn() {
     );
 }
 
-const PD_YAML: &str = include_str!("../deploy/config/pd-disaggregation.yaml");
+const PD_YAML: &str = include_str!("../../deploy/config/pd-disaggregation.yaml");
 
 fn role(roles: &[&str], allows_no_label: bool) -> FilterKind {
     FilterKind::ByLabel {

@@ -1,7 +1,6 @@
 //! Request parsing through the public `kvpick::request` API.
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use kvpick::request::{
     ApiKind, ContentPart, MessageContent, ParseLimits, Prompt, RequestError, parse,

@@ -1,7 +1,7 @@
 //! The ext-proc stream state machine, driven through its real gRPC interface by a plain
 //! client (no Envoy): ordering, truncation, aborts, limits, subset hints.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::Arc;

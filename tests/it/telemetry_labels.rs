@@ -1,7 +1,7 @@
 //! Label values taken from requests are bounded, through the real kvpick binary and a real
 //! Envoy: huge and many distinct model names keep `/metrics` small.
 
-mod support;
+use crate::support;
 
 use support::backend::Backend;
 use support::envoy::{Envoy, EnvoyOptions};

@@ -3,7 +3,7 @@
 //! repairs lost batches from a libzmq ROUTER, ending with the same index as applying the real
 //! vLLM capture in order.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};

@@ -3,8 +3,7 @@
 //! keep the index equal to applying every batch in order — through lost messages (replay),
 //! missing replay (clear), publisher restarts (seq back to 0), pods leaving, and central mode.
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

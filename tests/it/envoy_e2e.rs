@@ -1,7 +1,7 @@
 //! End to end through a real Envoy (deploy/envoy/envoy.yaml), the real kvpick binary and
 //! real HTTP backends on loopback.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,7 +1,6 @@
 //! Speculative entries (paused tokio time) and the approximate mode for pods without events.
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

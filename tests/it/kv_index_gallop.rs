@@ -8,7 +8,7 @@ use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
 use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, EngineHash, KvEvent, Tier};
 use proptest::prelude::*;
 
-mod support;
+use crate::support;
 use support::kv_reference::{Reference, batch, engine_hash, pod, tier};
 
 const BLOCK: usize = 2;

@@ -1,7 +1,7 @@
 //! Scheduler observability end to end, through a real Envoy, the real kvpick binary and real
 //! HTTP backends on loopback: plugin timings labelled like GIE's.
 
-mod support;
+use crate::support;
 
 use support::backend::{Backend, pool_yaml};
 use support::envoy::{Envoy, EnvoyOptions};
@@ -169,7 +169,7 @@ async fn the_decode_pod_behind_envoy_receives_the_prefill_pod_in_x_prefiller_hos
         "endpoints:\n  - address: {}\n    labels: {{llm-d.ai/role: decode}}\n  - address: {}\n    labels: {{llm-d.ai/role: prefill}}\n",
         decode.addr, prefill.addr
     );
-    let config = include_str!("../deploy/config/pd-disaggregation.yaml")
+    let config = include_str!("../../deploy/config/pd-disaggregation.yaml")
         .replace("threshold: 256", "threshold: 0");
     let kvpick = Kvpick::start(&pool, &["--config-text", &config]).await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;

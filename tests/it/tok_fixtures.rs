@@ -1,8 +1,7 @@
 //! The correctness bar: for every captured request, the ids kvpick computes from the body equal
 //! the ids the real vLLM 0.32 engine used (`prompt_token_ids`, from its `/tokenize`).
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::path::PathBuf;
 use std::sync::LazyLock;

@@ -7,7 +7,7 @@ use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex};
 use kvpick::kvevents::{BlockExtra, BlockRemoved, BlockStored, KvEvent, Tier};
 use proptest::prelude::*;
 
-mod support;
+use crate::support;
 use support::kv_reference::{Reference, batch, engine_hash, pod, tier};
 
 const BLOCK: usize = 4;

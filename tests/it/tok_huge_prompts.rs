@@ -3,7 +3,7 @@
 //! memory bound (peak RSS of the kvpick process, `VmHWM`); 16 MB prompts of words wait
 //! their turn to be tokenized.
 
-mod support;
+use crate::support;
 
 use std::time::Instant;
 

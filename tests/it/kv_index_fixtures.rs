@@ -1,8 +1,7 @@
 //! Golden test: apply the whole real vLLM capture to the index; it must then hold exactly the
 //! blocks the engine still holds, and match every request's prompt as the engine cached it.
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

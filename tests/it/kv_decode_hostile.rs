@@ -3,8 +3,7 @@
 //! without panicking or growing past its bounds (the cargo-fuzz target in fuzz/ explores
 //! further).
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::net::SocketAddr;
 

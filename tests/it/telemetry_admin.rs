@@ -2,7 +2,7 @@
 //! views (a cross-tenant cache oracle) only on loopback, off the metrics port; with a bearer
 //! token file, nothing without the token.
 
-mod support;
+use crate::support;
 
 use support::backend::Backend;
 use support::http::send;

@@ -1,8 +1,7 @@
 //! Golden test: every payload captured from a real vLLM 0.32 engine decodes to exactly what
 //! the fixture's `expected.jsonl` (decoded without a schema) says.
 
-#[path = "support/paths.rs"]
-mod paths;
+use crate::support::paths;
 
 use std::path::Path;
 

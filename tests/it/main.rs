@@ -1,0 +1,38 @@
+//! kvpick's integration tests, one binary: each module is one former test file (its name says
+//! what it covers), sharing `tests/support` (real Envoy, the kvpick binary, stand-in model
+//! servers, KV-event peers). One binary links the library once instead of once per file,
+//! which is most of an incremental test build on two cores (docs/benchmarks.md).
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod app_reliability;
+mod envoy_e2e;
+mod extproc_stream;
+mod faults_gateway;
+mod faults_kv_events;
+mod kv_decode_fixtures;
+mod kv_decode_hostile;
+mod kv_index_fixtures;
+mod kv_index_gallop;
+mod kv_index_proptest;
+mod kv_libzmq_interop;
+mod kv_speculative;
+mod kv_subscriber;
+mod layering;
+mod quickstart;
+mod req_long_strings;
+mod sched_config;
+mod sched_extproc;
+mod sched_saturation;
+mod sched_scheduler;
+mod sched_tracing;
+mod telemetry_admin;
+mod telemetry_labels;
+mod tok_api_captures;
+mod tok_fast_bpe;
+mod tok_fixtures;
+mod tok_huge_prompts;
+mod tok_prefix_cache;
+mod tok_request;
+mod tok_template;
