@@ -16,17 +16,21 @@ import sys
 
 import numpy as np
 
-_original = np.random.default_rng
-_seeds = itertools.count(int(os.environ.get("KVPICK_BENCH_SEED", "1")) * 1_000_003)
-
-
-def _seeded_default_rng(seed=None):
-    return _original(next(_seeds) if seed is None else seed)
+# Kept on numpy itself so that installing twice (tests) never wraps the wrapper.
+if not hasattr(np.random, "_kvpick_unseeded_default_rng"):
+    np.random._kvpick_unseeded_default_rng = np.random.default_rng
+_original = np.random._kvpick_unseeded_default_rng
 
 
 def install():
-    """Route unseeded default_rng() calls through the fixed seed sequence."""
-    np.random.default_rng = _seeded_default_rng
+    """Route unseeded default_rng() calls through a fixed seed sequence, restarted from
+    KVPICK_BENCH_SEED."""
+    seeds = itertools.count(int(os.environ.get("KVPICK_BENCH_SEED", "1")) * 1_000_003)
+
+    def seeded_default_rng(seed=None):
+        return _original(next(seeds) if seed is None else seed)
+
+    np.random.default_rng = seeded_default_rng
 
 
 if __name__ == "__main__":
