@@ -133,7 +133,7 @@ def _start_vllm_router(ctx, procs, policy):
         os.path.join(ctx.venv_bin, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *ctx.fleet.urls(), "--policy", policy,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-        "--log-level", "warn",
+        "--log-level", "warning",
     ]
     if policy == "kv_aware":
         for url, ev, rp in zip(ctx.fleet.urls(), ctx.fleet.events, ctx.fleet.replay):
