@@ -32,13 +32,13 @@ MODES = {
     "default": dict(
         pods=8, time_scale=4.0,
         workload=Workload(groups=45, prompts_per_group=5, system_len=2000, question_len=200,
-                          output_len=64, rates=[4.0, 8.0, 12.0, 16.0], stage_seconds=30),
+                          output_len=64, rates=[6.0, 12.0, 18.0, 24.0], stage_seconds=30),
         systems=list(SYSTEMS),
     ),
     "quick": dict(
         pods=4, time_scale=4.0,
         workload=Workload(groups=14, prompts_per_group=4, system_len=1000, question_len=100,
-                          output_len=32, rates=[4.0, 8.0], stage_seconds=8),
+                          output_len=32, rates=[4.0, 8.0], stage_seconds=5),
         systems=list(SYSTEMS),
     ),
     # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, two systems.

@@ -18,9 +18,10 @@ from kvbench.workload import Workload, blocks_per_pod, inference_perf_config, ma
 class WorkloadTest(unittest.TestCase):
     def test_gie_shaped_workload_sizes_a_pod_to_a_third_of_the_prefixes(self):
         w = Workload(groups=45, prompts_per_group=5, system_len=2000, question_len=200, output_len=64)
-        # 45 × 2000 tokens = 5625 blocks of 16; a third is 1875; 8 requests of
+        # 45 × 2000 tokens = 5625 blocks of 16; a third is 1875; one request of
         # ceil(2264 / 16) = 142 blocks of headroom; +1 null block.
-        self.assertEqual(blocks_per_pod(w, 16), 1875 + 8 * 142 + 1)
+        self.assertEqual(blocks_per_pod(w, 16), 1875 + 142 + 1)
+        self.assertEqual(blocks_per_pod(w, 16, headroom_requests=8), 1875 + 8 * 142 + 1)
         self.assertEqual(blocks_per_pod(w, 16, headroom_requests=0), 1876)
 
     def test_inference_perf_config_carries_every_setting(self):

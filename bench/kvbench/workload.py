@@ -44,12 +44,14 @@ class Workload:
         return asdict(self)
 
 
-def blocks_per_pod(workload, block_size, fraction=1 / 3, headroom_requests=8):
+def blocks_per_pod(workload, block_size, fraction=1 / 3, headroom_requests=1):
     """KV blocks per pod so that one pod holds `fraction` of the shared prefixes.
 
     The shared working set is groups × system_len tokens. On top of the prefix share, a pod
-    needs room for the requests it runs at once (their questions and outputs, and the prefix
-    of a group it does not cache), else vLLM preempts; `headroom_requests` of those are added.
+    needs room for a request it runs on a group it does not cache (prefix, question and
+    output); `headroom_requests` of those are added, so that one cold request does not flush
+    the pod's whole share. More headroom would let a pod keep most prefixes and hide the
+    placement problem the benchmark is about.
     The +1 is vLLM's null block, which kvpick-sim counts in --num-gpu-blocks as vLLM does.
     """
     if block_size < 1:
