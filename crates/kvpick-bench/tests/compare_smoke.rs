@@ -67,7 +67,10 @@ fn smoke_run_serves_every_request_and_kvpick_hits_more_than_round_robin() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "compare.py --mode smoke failed:\n{log}");
+    assert!(
+        out.status.success(),
+        "compare.py --mode smoke failed:\n{log}"
+    );
 
     let summary: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(out_dir.join("summary.json")).expect("summary.json"),
@@ -95,7 +98,10 @@ fn smoke_run_serves_every_request_and_kvpick_hits_more_than_round_robin() {
             .sum();
         assert_eq!(per_pod, requests, "the pods finished every request: {r}");
     }
-    assert_eq!(rr["requests"], kvpick["requests"], "the same seeded workload");
+    assert_eq!(
+        rr["requests"], kvpick["requests"],
+        "the same seeded workload"
+    );
     let hit = |r: &serde_json::Value| r["engine_hit_rate"].as_f64().expect("engine_hit_rate");
     assert!(
         hit(kvpick) > hit(rr),
@@ -103,7 +109,11 @@ fn smoke_run_serves_every_request_and_kvpick_hits_more_than_round_robin() {
         hit(kvpick),
         hit(rr)
     );
-    for plot in ["ttft_cdf.png", "ttft_p90_vs_rate.png", "output_tps_vs_rate.png"] {
+    for plot in [
+        "ttft_cdf.png",
+        "ttft_p90_vs_rate.png",
+        "output_tps_vs_rate.png",
+    ] {
         let bytes = std::fs::read(out_dir.join(plot)).expect(plot);
         assert!(bytes.starts_with(b"\x89PNG"), "{plot} is a PNG");
     }
