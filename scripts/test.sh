@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
+# inference-perf and the peers for the side-by-side benchmark's smoke test (crates/kvpick-bench).
+scripts/setup-bench-venv.sh
 if ! command -v cargo-nextest >/dev/null 2>&1; then
   echo "test: installing cargo-nextest" >&2
   cargo install --locked cargo-nextest

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP surface of one simulated pod (axum), shaped like vLLM 0.32's:
 //! `/v1/completions`, `/v1/chat/completions` (SSE or not), `/v1/models`, `/health`,
-//! `/tokenize`, `/metrics`, `/reset_prefix_cache`, plus `/admin/faults` for fault injection.
+//! `/tokenize`, `/metrics`, `/reset_prefix_cache`, plus `/admin/faults` for fault injection;
+//! `/detokenize` and the render endpoints are in [`super::render`].
 //!
 //! Why hand-parsed JSON: every body is hostile; parsing into `serde_json::Value` and reading
 //! fields explicitly lets every malformed input become a vLLM-style 400
@@ -28,6 +29,9 @@ use super::engine::{Engine, SimRequest, TokenOut};
 use super::pod::{MetricsFault, Pod, SubmitError};
 use super::tokenizer::{PromptError, SimTokenizer};
 
+/// Token ids at or above this are out of the simulated model's vocabulary (Qwen-style).
+pub(crate) const VOCAB: u32 = 151_680;
+
 /// Shared state of one pod's HTTP server.
 #[derive(Debug)]
 pub struct PodApi {
@@ -43,6 +47,15 @@ pub fn router(api: Arc<PodApi>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(super::render::detokenize))
+        .route(
+            "/v1/completions/render",
+            post(super::render::render_completion),
+        )
+        .route(
+            "/v1/chat/completions/render",
+            post(super::render::render_chat),
+        )
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/metrics", get(metrics))
@@ -61,7 +74,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad(message: impl Into<String>) -> Self {
+    pub(crate) fn bad(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             kind: "BadRequestError",
@@ -69,7 +82,7 @@ impl ApiError {
             param: None,
         }
     }
-    fn param(mut self, param: &'static str) -> Self {
+    pub(crate) fn param(mut self, param: &'static str) -> Self {
         self.param = Some(param);
         self
     }
@@ -113,7 +126,7 @@ fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(ApiError::bad("The request body must be a JSON object")),
@@ -211,7 +224,10 @@ async fn set_faults(State(api): State<Arc<PodApi>>, body: Bytes) -> Result<Respo
 }
 
 /// The prompts of a completion request as token ids.
-fn completion_prompts(api: &PodApi, body: &Map<String, Value>) -> Result<Vec<Vec<u32>>, ApiError> {
+pub(crate) fn completion_prompts(
+    api: &PodApi,
+    body: &Map<String, Value>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
     let prompt = body.get("prompt").ok_or_else(|| {
         ApiError::bad("Either prompt or prompt_embeds must be provided").param("prompt")
     })?;
@@ -251,25 +267,28 @@ fn completion_prompts(api: &PodApi, body: &Map<String, Value>) -> Result<Vec<Vec
     if prompts.iter().any(Vec::is_empty) {
         return Err(ApiError::bad("The prompt cannot be empty").param("prompt"));
     }
-    let vocab = 151_680;
-    if prompts.iter().flatten().any(|&t| t >= vocab) {
+    if prompts.iter().flatten().any(|&t| t >= VOCAB) {
         return Err(ApiError::bad("Token id out of vocabulary").param("prompt"));
     }
     Ok(prompts)
 }
 
-struct Common {
-    model: String,
+pub(crate) struct Common {
+    pub(crate) model: String,
     lora: Option<String>,
-    stream: bool,
+    pub(crate) stream: bool,
     include_usage: bool,
-    max_tokens: Option<usize>,
-    salt: Option<String>,
+    pub(crate) max_tokens: Option<usize>,
+    pub(crate) salt: Option<String>,
     session_id: Option<String>,
     full_report: bool,
 }
 
-fn common(api: &PodApi, body: &Map<String, Value>, chat: bool) -> Result<Common, ApiError> {
+pub(crate) fn common(
+    api: &PodApi,
+    body: &Map<String, Value>,
+    chat: bool,
+) -> Result<Common, ApiError> {
     if api.pod.faults.refusing() {
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -391,7 +410,7 @@ async fn chat_completions(
 
 /// `tool_choice_applies` is false for `/tokenize`, which has no `tool_choice` and always passes
 /// the tools to the template (as vLLM's does).
-fn chat_ids(
+pub(crate) fn chat_ids(
     api: &PodApi,
     body: &Map<String, Value>,
     tool_choice_applies: bool,

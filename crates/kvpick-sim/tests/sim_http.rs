@@ -488,3 +488,114 @@ async fn admin_faults_drop_events_and_restart_the_pod() {
     };
     assert_eq!(seq, 0, "seq restarts at 0 after a restart");
 }
+
+/// Render answers with the token ids the real engine used for every fixture request, in the
+/// shapes of vllm-project/vllm `tests/entrypoints/scale_out/render/test_render.py` (a list of
+/// `GenerateRequest`s for completions, one for chat), without running the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn render_and_detokenize_answer_as_vllm_does() {
+    let pods = fleet(1, 0).await;
+    let pod = &pods[0];
+    let queries = || async {
+        let (_, text) = call(pod, "GET", "/metrics", None).await;
+        text.lines()
+            .find(|l| l.starts_with("vllm:prefix_cache_queries_total"))
+            .map(str::to_owned)
+    };
+    let before = queries().await;
+    for r in fixture_requests() {
+        let body = &r["body"];
+        let chat = body.get("messages").is_some();
+        let path = if chat {
+            "/v1/chat/completions/render"
+        } else {
+            "/v1/completions/render"
+        };
+        let (status, out) = post(pod, path, body).await;
+        assert_eq!(status, 200, "{}: {out}", r["label"]);
+        let one = if chat {
+            assert!(out.is_object(), "chat render is one GenerateRequest: {out}");
+            out.clone()
+        } else {
+            let list = out.as_array().expect("completions render is a list");
+            assert_eq!(list.len(), 1);
+            list[0].clone()
+        };
+        assert_eq!(one["token_ids"], r["prompt_token_ids"], "{}", r["label"]);
+        let prefix = if chat { "chatcmpl-" } else { "cmpl-" };
+        assert!(
+            one["request_id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with(prefix))
+        );
+        assert_eq!(one["model"], "tiny");
+        assert!(
+            one["sampling_params"]["max_tokens"]
+                .as_u64()
+                .is_some_and(|n| n >= 1)
+        );
+        assert_eq!(one["token_offsets"], Value::Null);
+    }
+    assert_eq!(queries().await, before, "render never reaches the engine");
+
+    // Several prompts: one GenerateRequest each; sampling and stream fields echoed.
+    let (status, out) = post(
+        pod,
+        "/v1/completions/render",
+        &json!({"model": "tiny", "prompt": ["Hello world", "Goodbye world"], "temperature": 0.25,
+            "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 7}),
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
+    let list = out.as_array().expect("list");
+    assert_eq!(list.len(), 2);
+    for (item, text) in list.iter().zip(["Hello world", "Goodbye world"]) {
+        let (_, tok) = post(pod, "/tokenize", &json!({"model": "tiny", "prompt": text})).await;
+        assert_eq!(item["token_ids"], tok["tokens"]);
+        assert_eq!(item["sampling_params"]["temperature"], 0.25);
+        assert_eq!(item["sampling_params"]["max_tokens"], 7);
+        assert_eq!(item["stream"], true);
+        assert_eq!(item["stream_options"]["include_usage"], true);
+    }
+
+    // Unknown model: 404 with an error object, as vLLM.
+    for (path, body) in [
+        (
+            "/v1/completions/render",
+            json!({"model": "nope", "prompt": "Hello"}),
+        ),
+        (
+            "/v1/chat/completions/render",
+            json!({"model": "nope", "messages": [{"role": "user", "content": "Hello"}]}),
+        ),
+    ] {
+        let (status, out) = post(pod, path, &body).await;
+        assert_eq!(status, 404, "{path}: {out}");
+        assert!(out["error"]["message"].is_string());
+    }
+    // Hostile bodies: 400, never a panic.
+    for (path, body) in [
+        ("/v1/completions/render", "[1,2]"),
+        ("/v1/completions/render", r#"{"prompt": 5}"#),
+        ("/v1/chat/completions/render", r#"{"messages": []}"#),
+        ("/detokenize", r#"{"tokens": "abc"}"#),
+        ("/detokenize", r#"{"tokens": [-1]}"#),
+        ("/detokenize", r#"{"tokens": [4294967296]}"#),
+        ("/detokenize", r#"{"tokens": [999999999]}"#),
+    ] {
+        let (status, text) = call(pod, "POST", path, Some(body.into())).await;
+        assert_eq!(status, 400, "{path} {body}: {text}");
+    }
+
+    // /detokenize inverts /tokenize.
+    let text = "The quick brown fox jumps over the lazy dog.";
+    let (_, tok) = post(pod, "/tokenize", &json!({"model": "tiny", "prompt": text})).await;
+    let (status, out) = post(
+        pod,
+        "/detokenize",
+        &json!({"model": "tiny", "tokens": tok["tokens"]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["prompt"], text);
+}

@@ -1,0 +1,278 @@
+"""Side-by-side benchmark: the same seeded inference-perf workload through each router in
+front of a fresh kvpick-sim fleet (scripts/compare.sh runs this; docs/benchmarks.md).
+
+For each system in turn: start kvpick-sim (N pods, block size 16, KV capacity so one pod
+holds about a third of the shared prefixes), start the system, run inference-perf (Poisson
+arrivals over a rate ladder, streaming), read its reports and the pods' own counters, stop
+everything it started (by PID). Writes results.csv, summary.json, table.md and PNG plots.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvbench import report  # noqa: E402
+from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
+from kvbench.stats import counters_delta, fleet_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
+from kvbench.systems import SYSTEMS, Fleet  # noqa: E402
+from kvbench.workload import Workload, blocks_per_pod, inference_perf_config  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Settings per mode. time_scale multiplies the simulator's A100-style step costs (so 4.0 runs
+# every step 4x slower than an A100 would): it brings the saturation point of the fleet down
+# to rates a Python client on two shared cores can offer without becoming the bottleneck.
+MODES = {
+    "default": dict(
+        pods=8, time_scale=4.0,
+        workload=Workload(groups=45, prompts_per_group=5, system_len=2000, question_len=200,
+                          output_len=64, rates=[6.0, 12.0, 18.0, 24.0], stage_seconds=30),
+        systems=list(SYSTEMS),
+    ),
+    "quick": dict(
+        pods=4, time_scale=4.0,
+        workload=Workload(groups=14, prompts_per_group=4, system_len=1000, question_len=100,
+                          output_len=32, rates=[4.0, 8.0], stage_seconds=5),
+        systems=list(SYSTEMS),
+    ),
+    # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, two systems.
+    "smoke": dict(
+        pods=2, time_scale=1.0,
+        workload=Workload(groups=7, prompts_per_group=4, system_len=512, question_len=32,
+                          output_len=8, rates=[8.0], stage_seconds=4),
+        systems=["round-robin", "kvpick-default"],
+    ),
+}
+
+
+class Ctx:
+    """What a system's start function needs."""
+
+    def __init__(self, args, fleet, run_dir, block_size):
+        self.repo = REPO
+        self.fleet = fleet
+        self.run_dir = run_dir
+        self.block_size = block_size
+        self.kvpick = os.path.join(args.bin_dir, "kvpick")
+        self.envoy = args.envoy
+        self.venv_bin = os.path.dirname(sys.executable)
+
+    def ports(self, n):
+        return free_ports(n)
+
+
+def scrape(fleet):
+    return [pod_counters(http_get(f"{u}/metrics")[1]) for u in fleet.urls()]
+
+
+def start_fleet(args, procs, workload, run_dir):
+    n = args.pods
+    base = free_port_run(n, start=21000)
+    events = free_port_run(n, start=base + n + 10)
+    replay = free_port_run(n, start=events + n + 10)
+    blocks = args.num_gpu_blocks or blocks_per_pod(workload, args.block_size)
+    argv = [
+        os.path.join(args.bin_dir, "kvpick-sim"), "--pods", str(n), "--base-port", str(base),
+        "--events-base-port", str(events), "--replay-base-port", str(replay),
+        "--block-size", str(args.block_size), "--num-gpu-blocks", str(blocks),
+        "--time-scale", str(args.time_scale), "--prefix-caching-hash-algo", "sha256_cbor",
+        "--tokenizer", os.path.join(REPO, "assets/tokenizer"), "--model", args.model,
+    ]
+    procs.start("kvpick-sim", argv, env={"RUST_LOG": "warn"})
+    fleet = Fleet(n, base, events, replay, args.model)
+    for u in fleet.urls():
+        wait_until(f"pod {u}", lambda u=u: http_get(f"{u}/health")[0] == 200, procs, timeout=30)
+    return fleet, blocks
+
+
+class Progress(threading.Thread):
+    """The live progress line, and the pods' counters at each stage's start and end (read
+    from inference-perf's log), so the engine-side hit rate is per rate."""
+
+    def __init__(self, label, fleet, log_path, expected):
+        super().__init__(daemon=True)
+        self.label, self.fleet, self.log_path, self.expected = label, fleet, log_path, expected
+        self.stop = threading.Event()
+        self.marks = {}
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self.last_print = 0.0
+
+    def run(self):
+        seen = set()
+        while not self.stop.is_set():
+            try:
+                counters = scrape(self.fleet)
+            except Exception:  # noqa: BLE001 - the line just skips a beat
+                counters = None
+            if counters is not None:
+                try:
+                    with open(self.log_path, errors="replace") as f:
+                        text = f.read()
+                except OSError:
+                    text = ""
+                for m in re.finditer(r"Stage (\d+) - run (started|completed)", text):
+                    key = (int(m.group(1)), m.group(2))
+                    if key not in seen:
+                        seen.add(key)
+                        self.marks[key] = counters
+                done = int(sum(c["finished"] for c in counters))
+                stage = max((k[0] for k in seen), default=0)
+                line = (
+                    f"{self.label}: stage {stage + 1}, {done}/{self.expected} requests finished, "
+                    f"{time.monotonic() - self.t0:4.0f}s"
+                )
+                # A live line on a terminal; one line per 10 s in a log.
+                if self.tty:
+                    sys.stderr.write("\r" + line + " ")
+                elif time.monotonic() - self.last_print >= 10:
+                    sys.stderr.write(line + "\n")
+                    self.last_print = time.monotonic()
+                sys.stderr.flush()
+            self.stop.wait(1.0)
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def run_system(args, name, index, total, workload, out_dir):
+    run_dir = os.path.join(out_dir, name)
+    os.makedirs(run_dir, exist_ok=True)
+    procs = Procs(os.path.join(run_dir, "logs"))
+    try:
+        fleet, blocks = start_fleet(args, procs, workload, run_dir)
+        front = SYSTEMS[name]["start"](Ctx(args, fleet, run_dir, args.block_size), procs)
+        before = scrape(fleet)
+        ipf_out = os.path.join(run_dir, "inference-perf")
+        cfg = inference_perf_config(workload, front, args.model, os.path.join(REPO, "assets/tokenizer"), ipf_out)
+        import yaml
+
+        cfg_path = os.path.join(run_dir, "inference-perf.yaml")
+        with open(cfg_path, "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+        log_path = os.path.join(run_dir, "logs", "inference-perf.log")
+        expected = int(sum(workload.requests_per_stage()))
+        progress = Progress(f"[{index}/{total} {name}]", fleet, log_path, expected)
+        progress.start()
+        ipf = procs.start(
+            "inference-perf",
+            [sys.executable, os.path.join(REPO, "bench", "ipf_seeded.py"), "--config_file", cfg_path],
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "KVPICK_BENCH_SEED": str(workload.seed)},
+        )
+        limit = 120 + 3 * len(workload.rates) * (workload.stage_seconds + 5)
+        try:
+            code = ipf.wait(timeout=limit)
+        finally:
+            progress.stop.set()
+            progress.join()
+        if code != 0:
+            raise RuntimeError(f"inference-perf exited with {code}; see {log_path}")
+        after = scrape(fleet)
+        whole = fleet_summary(counters_delta(after, before))
+        rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
+        return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks, **whole}
+    finally:
+        procs.stop_all()
+
+
+def collect_rows(name, workload, ipf_out, marks, whole):
+    stages = []
+    for i, _ in enumerate(workload.rates):
+        with open(os.path.join(ipf_out, f"stage_{i}_lifecycle_metrics.json")) as f:
+            stages.append(json.load(f))
+    with open(os.path.join(ipf_out, "per_request_lifecycle_metrics.json")) as f:
+        per_request = json.load(f)
+    counts = [((s.get("successes") or {}).get("count") or 0) + ((s.get("failures") or {}).get("count") or 0) for s in stages]
+    rows = []
+    for i, (rate, stage, reqs) in enumerate(zip(workload.rates, stages, split_by_stage(per_request, counts))):
+        row = stage_row(name, rate, stage, reqs)
+        start, end = marks.get((i, "started")), marks.get((i, "completed"))
+        if start is not None and end is not None:
+            s = fleet_summary(counters_delta(end, start))
+        else:
+            s = whole
+        row.update(engine_hit_rate=s["engine_hit_rate"], load_imbalance=s["load_imbalance"], requests_per_pod=s["requests_per_pod"])
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--mode", choices=list(MODES), default="default")
+    p.add_argument("--systems", help="comma-separated subset of: " + ", ".join(SYSTEMS))
+    p.add_argument("--pods", type=int)
+    p.add_argument("--time-scale", type=float)
+    p.add_argument("--rates", help="comma-separated req/s ladder")
+    p.add_argument("--stage-seconds", type=int)
+    p.add_argument("--num-gpu-blocks", type=int, help="override the 1/3-of-prefixes sizing")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--bin-dir", default=os.path.join(REPO, "target", "release"))
+    p.add_argument("--envoy", default=os.path.join(REPO, ".venv", "bin", "envoy"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    mode = MODES[args.mode]
+    workload = Workload(**mode["workload"].to_dict())
+    if args.rates:
+        workload.rates = [float(r) for r in args.rates.split(",")]
+    if args.stage_seconds:
+        workload.stage_seconds = args.stage_seconds
+    workload.validate()
+    args.pods = args.pods or mode["pods"]
+    args.time_scale = args.time_scale if args.time_scale is not None else mode["time_scale"]
+    systems = args.systems.split(",") if args.systems else mode["systems"]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+    out_dir = args.out or os.path.join(REPO, "target", "compare", args.mode)
+    os.makedirs(out_dir, exist_ok=True)
+
+    t0 = time.monotonic()
+    rows, per_system, errors = [], [], {}
+    for i, name in enumerate(systems, 1):
+        try:
+            r, s = run_system(args, name, i, len(systems), workload, out_dir)
+            rows += r
+            per_system.append(s)
+        except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others
+            errors[name] = str(e)
+            sys.stderr.write(f"\n{name}: FAILED: {e}\n")
+    elapsed = time.monotonic() - t0
+
+    summary = {
+        "mode": args.mode,
+        "command": " ".join(sys.argv),
+        "elapsed_seconds": round(elapsed, 1),
+        "pods": args.pods,
+        "block_size": args.block_size,
+        "time_scale": args.time_scale,
+        "workload": workload.to_dict(),
+        "systems": per_system,
+        "errors": errors,
+        "rows": [{k: v for k, v in r.items() if k != "ttft_per_request"} for r in rows],
+    }
+    report.write_json(os.path.join(out_dir, "summary.json"), summary)
+    report.write_csv(os.path.join(out_dir, "results.csv"), rows)
+    table = report.markdown_table(rows, args.time_scale)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(table)
+    plot_paths = []
+    if rows:
+        title = f"{args.pods} pods, {workload.groups}x{workload.prompts_per_group} groups, time scale {args.time_scale:g}"
+        plot_paths = report.plots(out_dir, rows, title)
+    print(table)
+    print(f"results: {out_dir}/results.csv, {out_dir}/summary.json; plots: {', '.join(plot_paths)}")
+    print(f"elapsed {elapsed:.0f}s")
+    for name, e in errors.items():
+        print(f"FAILED {name}: {e}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

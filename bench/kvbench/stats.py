@@ -1,0 +1,165 @@
+"""Statistics over inference-perf's reports and the pods' own counters.
+
+Everything here is pure (no I/O beyond what it is handed), so bench/test_kvbench.py checks
+it on known inputs.
+"""
+
+import math
+
+
+def percentile(values, q):
+    """The q-th percentile (0..100) with linear interpolation (numpy's default), or None."""
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} outside 0..100")
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean(values):
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def cdf(values):
+    """(sorted values, cumulative fraction at each) for plotting a step CDF."""
+    xs = sorted(v for v in values if v is not None)
+    n = len(xs)
+    return xs, [(i + 1) / n for i in range(n)]
+
+
+def parse_prometheus(text):
+    """{(name, frozenset(labels)): value} from Prometheus text exposition; bad lines skipped."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            head, value = line.rsplit(" ", 1)
+            val = float(value)
+        except ValueError:
+            continue
+        labels = frozenset()
+        name = head
+        if "{" in head and head.endswith("}"):
+            name, rest = head.split("{", 1)
+            pairs = []
+            for part in rest[:-1].split(","):
+                if "=" in part:
+                    k, v = part.split("=", 1)
+                    pairs.append((k.strip(), v.strip().strip('"')))
+            labels = frozenset(pairs)
+        out[(name, labels)] = val
+    return out
+
+
+def metric_sum(parsed, name):
+    """Sum of every series of `name`."""
+    return sum(v for (n, _), v in parsed.items() if n == name)
+
+
+def pod_counters(metrics_text):
+    """The engine-side counters of one pod's /metrics."""
+    parsed = parse_prometheus(metrics_text)
+    return {
+        "prefix_hits": metric_sum(parsed, "vllm:prefix_cache_hits_total"),
+        "prefix_queries": metric_sum(parsed, "vllm:prefix_cache_queries_total"),
+        # vLLM observes e2e latency once per finished request.
+        "finished": metric_sum(parsed, "vllm:e2e_request_latency_seconds_count"),
+        "preemptions": metric_sum(parsed, "vllm:num_preemptions_total"),
+    }
+
+
+def fleet_summary(per_pod):
+    """Hit rate over the fleet (Σ hits / Σ queries) and the load balance of finished requests."""
+    hits = sum(p["prefix_hits"] for p in per_pod)
+    queries = sum(p["prefix_queries"] for p in per_pod)
+    finished = [int(p["finished"]) for p in per_pod]
+    total = sum(finished)
+    return {
+        "engine_hit_rate": hits / queries if queries else None,
+        "prefix_hits": hits,
+        "prefix_queries": queries,
+        "requests_per_pod": finished,
+        # max/mean: 1.0 is perfectly even, pods × 1.0 is everything on one pod.
+        "load_imbalance": (max(finished) / (total / len(finished))) if total else None,
+        "preemptions": sum(p["preemptions"] for p in per_pod),
+    }
+
+
+def counters_delta(after, before):
+    """Per-pod counters accumulated between two scrapes."""
+    return [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]
+
+
+def request_ttft(entry):
+    """TTFT of one inference-perf per-request entry: first output token time − start."""
+    info = entry.get("info") or {}
+    times = (info.get("response_metrics") or {}).get("output_token_times") or []
+    start = entry.get("start_time")
+    if not times or start is None:
+        return None
+    return times[0] - start
+
+
+def request_cached_tokens(entry):
+    """(prompt tokens, cached tokens) the server reported in the response's usage."""
+    usage = ((entry.get("info") or {}).get("response_metrics") or {}).get("server_usage") or {}
+    prompt = usage.get("prompt_tokens") or 0
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return prompt, cached
+
+
+def split_by_stage(entries, stage_counts):
+    """Per-request entries split into stages.
+
+    inference-perf's per-request report does not name the stage; stages run one after the
+    other (each finishes before the next starts sending), so sorted by send time the first
+    `stage_counts[0]` entries are stage 0, and so on.
+    """
+    ordered = sorted(entries, key=lambda e: e.get("start_time") or 0.0)
+    out, i = [], 0
+    for n in stage_counts:
+        out.append(ordered[i : i + n])
+        i += n
+    return out
+
+
+def _lat(stage, key, stat):
+    value = (((stage.get("successes") or {}).get("latency") or {}).get(key) or {}).get(stat)
+    return value
+
+
+def stage_row(system, rate, stage, requests):
+    """One CSV row: a system at one rate, from its stage report and per-request entries."""
+    successes = (stage.get("successes") or {}).get("count") or 0
+    failures = (stage.get("failures") or {}).get("count") or 0
+    throughput = (stage.get("successes") or {}).get("throughput") or {}
+    ttfts = [t for t in (request_ttft(e) for e in requests) if t is not None]
+    prompt = sum(request_cached_tokens(e)[0] for e in requests)
+    cached = sum(request_cached_tokens(e)[1] for e in requests)
+    load = stage.get("load_summary") or {}
+    return {
+        "system": system,
+        "rate": rate,
+        "achieved_rate": load.get("achieved_rate"),
+        "requests": successes + failures,
+        "failures": failures,
+        "ttft_mean": _lat(stage, "time_to_first_token", "mean"),
+        "ttft_p50": _lat(stage, "time_to_first_token", "median"),
+        "ttft_p90": _lat(stage, "time_to_first_token", "p90"),
+        "ttft_p99": _lat(stage, "time_to_first_token", "p99"),
+        "itl_mean": _lat(stage, "inter_token_latency", "mean"),
+        "itl_p90": _lat(stage, "inter_token_latency", "p90"),
+        "e2e_mean": _lat(stage, "request_latency", "mean"),
+        "e2e_p90": _lat(stage, "request_latency", "p90"),
+        "output_tok_s": throughput.get("output_tokens_per_sec"),
+        "requests_per_s": throughput.get("requests_per_sec"),
+        "response_hit_rate": cached / prompt if prompt else None,
+        "ttft_per_request": ttfts,
+    }

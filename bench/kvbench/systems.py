@@ -1,0 +1,173 @@
+"""The systems under test and how each is started in front of a fresh kvpick-sim fleet.
+
+Every system gets the same pods and the same workload; what differs is the router:
+- `round-robin`: the shipped Envoy config (deploy/envoy/envoy.yaml) without its ext_proc
+  filter, so every request takes the round-robin `inference-pool-fallback` cluster;
+- `kvpick-default` / `kvpick-recommended`: the shipped Envoy config with kvpick beside it
+  (GIE's default profile, and `--recommended-profile`), fed by the pods' KV events;
+- `smg-cache-aware`: PyPI sglang-router's `smg launch --policy cache_aware`;
+- `vllm-router-cache-aware` / `vllm-router-kv-aware`: PyPI vllm-router, the latter fed by
+  the pods' KV events (block size 16, the model name via --kv-event-model).
+Peers run with their documented defaults for the policy (flags in `describe()`).
+"""
+
+import copy
+import os
+
+from .procs import http_get, wait_until
+
+
+class Fleet:
+    """A running kvpick-sim process: its pods' HTTP, KV-event and replay endpoints."""
+
+    def __init__(self, pods, base_port, events_base, replay_base, model):
+        self.model = model
+        self.http = [f"127.0.0.1:{base_port + i}" for i in range(pods)]
+        self.events = [f"tcp://127.0.0.1:{events_base + i}" for i in range(pods)]
+        self.replay = [f"tcp://127.0.0.1:{replay_base + i}" for i in range(pods)]
+
+    def urls(self):
+        return [f"http://{h}" for h in self.http]
+
+
+def _envoy_config(repo, listen, admin, pods, kvpick_grpc=None, kvpick_health=None):
+    import yaml  # the benchmark venv's PyYAML (an inference-perf dependency)
+
+    with open(os.path.join(repo, "deploy/envoy/envoy.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    if kvpick_grpc is None:
+        hcm["http_filters"] = [
+            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+        ]
+    endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": h.split(":")[0], "port_value": int(h.split(":")[1])}}}}
+        for h in pods
+    ]
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] in ("inference-pool", "inference-pool-fallback"):
+            cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": copy.deepcopy(endpoints)}]
+        elif cluster["name"] == "kvpick" and kvpick_grpc is not None:
+            ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+            ep["endpoint"]["address"]["socket_address"]["port_value"] = kvpick_grpc
+            ep["endpoint"]["health_check_config"]["port_value"] = kvpick_health
+    return cfg
+
+
+def _start_envoy(ctx, procs, kvpick_ports=None):
+    import yaml
+
+    listen, admin = ctx.ports(2)
+    grpc, health = kvpick_ports or (None, None)
+    cfg = _envoy_config(ctx.repo, listen, admin, ctx.fleet.http, grpc, health)
+    path = os.path.join(ctx.run_dir, "envoy.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    procs.start(
+        "envoy",
+        [ctx.envoy, "-c", path, "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],
+    )
+    wait_until("envoy", lambda: http_get(f"http://127.0.0.1:{admin}/ready")[0] == 200, procs)
+    if grpc is not None:
+        # Envoy routes through kvpick once its health check has seen kvpick ready.
+        needle = f"kvpick::127.0.0.1:{grpc}::health_flags::healthy"
+        wait_until(
+            "kvpick healthy in envoy",
+            lambda: needle in http_get(f"http://127.0.0.1:{admin}/clusters")[1],
+            procs,
+        )
+    return f"http://127.0.0.1:{listen}"
+
+
+def _start_kvpick(ctx, procs, recommended):
+    grpc, health, metrics, debug = ctx.ports(4)
+    pool = os.path.join(ctx.run_dir, "pool.yaml")
+    with open(pool, "w") as f:
+        f.write("endpoints:\n")
+        for h, ev, rp in zip(ctx.fleet.http, ctx.fleet.events, ctx.fleet.replay):
+            f.write(f"  - address: {h}\n    kvEvents: {ev}\n    kvReplay: {rp}\n")
+    argv = [
+        ctx.kvpick, "serve", "--bind-address", "127.0.0.1", "--endpoints-file", pool,
+        "--tokenizer", os.path.join(ctx.repo, "assets/tokenizer"),
+        "--grpc-port", str(grpc), "--grpc-health-port", str(health),
+        "--metrics-port", str(metrics), "--debug-port", str(debug),
+    ]
+    if recommended:
+        argv.append("--recommended-profile")
+    procs.start("kvpick", argv, env={"RUST_LOG": "warn"})
+
+    def subscribed():
+        # Every pod's KV-event stream connected before traffic (a PUB drops what is sent
+        # before a subscriber joins).
+        import json
+
+        pods = json.loads(http_get(f"http://127.0.0.1:{debug}/debug/pods")[1])
+        items = pods if isinstance(pods, list) else pods.get("pods", [])
+        return len(items) == len(ctx.fleet.http) and all(
+            p.get("ready") and (p.get("kv_events") or {}).get("connected") for p in items
+        )
+
+    wait_until("kvpick subscribed to every pod", subscribed, procs, timeout=30)
+    return _start_envoy(ctx, procs, (grpc, health))
+
+
+def _start_smg(ctx, procs):
+    (port, prom) = ctx.ports(2)
+    argv = [
+        os.path.join(ctx.venv_bin, "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *ctx.fleet.urls(), "--policy", "cache_aware",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+        "--log-level", "warn",
+    ]
+    procs.start("smg", argv)
+    wait_until("smg", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, procs, timeout=60)
+    return f"http://127.0.0.1:{port}"
+
+
+def _start_vllm_router(ctx, procs, policy):
+    (port, prom) = ctx.ports(2)
+    argv = [
+        os.path.join(ctx.venv_bin, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *ctx.fleet.urls(), "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+        "--log-level", "warning",
+    ]
+    if policy == "kv_aware":
+        for url, ev, rp in zip(ctx.fleet.urls(), ctx.fleet.events, ctx.fleet.replay):
+            argv += ["--kv-event-source", f"{url}={ev}", "--kv-event-replay-source", f"{url}={rp}"]
+        argv += ["--kv-event-block-size", str(ctx.block_size), "--kv-event-model", ctx.fleet.model]
+    procs.start("vllm-router", argv)
+    wait_until("vllm-router", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, procs, timeout=60)
+    return f"http://127.0.0.1:{port}"
+
+
+SYSTEMS = {
+    "round-robin": {
+        "start": lambda ctx, procs: _start_envoy(ctx, procs),
+        "flags": "Envoy 1.40 (deploy/envoy/envoy.yaml without ext_proc): ROUND_ROBIN over the pods",
+    },
+    "kvpick-default": {
+        "start": lambda ctx, procs: _start_kvpick(ctx, procs, recommended=False),
+        "flags": "Envoy + kvpick serve --tokenizer assets/tokenizer (GIE default profile), KV events + replay",
+    },
+    "kvpick-recommended": {
+        "start": lambda ctx, procs: _start_kvpick(ctx, procs, recommended=True),
+        "flags": "Envoy + kvpick serve --recommended-profile --tokenizer assets/tokenizer, KV events + replay",
+    },
+    "smg-cache-aware": {
+        "start": _start_smg,
+        "flags": "smg launch --policy cache_aware (defaults: cache-threshold 0.3, balance thresholds 64/1.5)",
+    },
+    "vllm-router-cache-aware": {
+        "start": lambda ctx, procs: _start_vllm_router(ctx, procs, "cache_aware"),
+        "flags": "vllm-router --policy cache_aware (defaults)",
+    },
+    "vllm-router-kv-aware": {
+        "start": lambda ctx, procs: _start_vllm_router(ctx, procs, "kv_aware"),
+        "flags": "vllm-router --policy kv_aware --kv-event-source/--kv-event-replay-source per pod "
+        "--kv-event-block-size 16 --kv-event-model sim-model",
+    },
+}

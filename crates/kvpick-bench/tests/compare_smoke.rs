@@ -1,0 +1,120 @@
+//! The side-by-side benchmark (scripts/compare.sh → bench/compare.py) through its real
+//! pipeline: kvpick-sim pods (the workspace's binary), real Envoy from `.venv/`, the real
+//! kvpick binary, inference-perf from `.venv-bench/` (scripts/setup-bench-venv.sh, run by
+//! scripts/test.sh). Plus the harness's own unit tests (bench/test_kvbench.py) on known inputs.
+
+#[path = "../../../tests/support/paths.rs"]
+mod paths;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn bench_python() -> PathBuf {
+    let python = paths::repo_root().join(".venv-bench/bin/python");
+    assert!(
+        python.is_file(),
+        "{} is missing: run scripts/setup-bench-venv.sh (scripts/test.sh does)",
+        python.display()
+    );
+    python
+}
+
+#[test]
+fn harness_unit_tests_pass_on_known_inputs() {
+    let out = Command::new(bench_python())
+        .args(["-m", "unittest", "-v", "bench/test_kvbench.py"])
+        .current_dir(paths::repo_root())
+        .output()
+        .expect("run the harness's unit tests");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench/test_kvbench.py failed:\n{log}");
+    assert!(log.contains("Ran 9 tests"), "{log}");
+    // The venv has inference-perf, so the seeded-arrivals test must have run, not skipped.
+    assert!(!log.contains("skipped"), "{log}");
+}
+
+/// `--mode smoke`: 2 pods, round robin and kvpick (GIE default profile), one Poisson stage.
+#[test]
+fn smoke_run_serves_every_request_and_kvpick_hits_more_than_round_robin() {
+    let root = paths::repo_root();
+    let envoy = root.join(".venv/bin/envoy");
+    assert!(
+        envoy.is_file(),
+        "{} is missing: run scripts/setup-envoy.sh",
+        envoy.display()
+    );
+    let bin_dir = paths::workspace_bin("kvpick")
+        .parent()
+        .expect("target/<profile>")
+        .to_path_buf();
+    paths::workspace_bin("kvpick-sim");
+    let out_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("compare-smoke");
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let out = Command::new(bench_python())
+        .arg("bench/compare.py")
+        .args(["--mode", "smoke"])
+        .arg("--bin-dir")
+        .arg(&bin_dir)
+        .arg("--envoy")
+        .arg(&envoy)
+        .arg("--out")
+        .arg(&out_dir)
+        .current_dir(&root)
+        .output()
+        .expect("run bench/compare.py");
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "compare.py --mode smoke failed:\n{log}"
+    );
+
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out_dir.join("summary.json")).expect("summary.json"),
+    )
+    .expect("summary.json is JSON");
+    assert_eq!(summary["errors"], serde_json::json!({}), "{log}");
+    let rows = summary["rows"].as_array().expect("rows");
+    let row = |system: &str| {
+        rows.iter()
+            .find(|r| r["system"] == system)
+            .unwrap_or_else(|| panic!("no row for {system}: {log}"))
+    };
+    let (rr, kvpick) = (row("round-robin"), row("kvpick-default"));
+    for r in [rr, kvpick] {
+        let requests = r["requests"].as_u64().expect("requests");
+        // One 4 s stage at 8 req/s: about 32 Poisson arrivals (the seeded draw is the same
+        // for both systems).
+        assert!(requests >= 16, "{r}");
+        assert_eq!(r["failures"], 0, "every request succeeded: {r}");
+        let per_pod: u64 = r["requests_per_pod"]
+            .as_array()
+            .expect("requests_per_pod")
+            .iter()
+            .filter_map(serde_json::Value::as_u64)
+            .sum();
+        assert_eq!(per_pod, requests, "the pods finished every request: {r}");
+    }
+    assert_eq!(
+        rr["requests"], kvpick["requests"],
+        "the same seeded workload"
+    );
+    let hit = |r: &serde_json::Value| r["engine_hit_rate"].as_f64().expect("engine_hit_rate");
+    assert!(
+        hit(kvpick) > hit(rr),
+        "kvpick's engine-side prefix hit rate {} must beat round robin's {}",
+        hit(kvpick),
+        hit(rr)
+    );
+    for plot in [
+        "ttft_cdf.png",
+        "ttft_p90_vs_rate.png",
+        "output_tps_vs_rate.png",
+    ] {
+        let bytes = std::fs::read(out_dir.join(plot)).expect(plot);
+        assert!(bytes.starts_with(b"\x89PNG"), "{plot} is a PNG");
+    }
+}
