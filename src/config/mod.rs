@@ -41,9 +41,37 @@ pub struct ServeArgs {
     /// (`Authorization: Bearer <token>`; 401 without it). Read once at start.
     #[arg(long, env = "KVPICK_METRICS_BEARER_TOKEN_FILE")]
     pub metrics_bearer_token_file: Option<PathBuf>,
-    /// The pool's name (GIE `--pool-name`; the `name` label of pool metrics).
-    #[arg(long, default_value = "default")]
-    pub pool_name: String,
+    /// The InferencePool to watch (GIE/llm-d `--pool-name`); also the `name` label of pool
+    /// metrics (`default` without it).
+    #[arg(long)]
+    pub pool_name: Option<String>,
+    /// Namespace of the InferencePool (or the selector's pods). Default: the service
+    /// account's namespace, else `default`.
+    #[arg(long)]
+    pub pool_namespace: Option<String>,
+    /// API group of the InferencePool: `inference.networking.k8s.io` (v1) or
+    /// `inference.networking.x-k8s.io` (v1alpha2).
+    #[arg(long, default_value = "inference.networking.k8s.io")]
+    pub pool_group: String,
+    /// Without an InferencePool: the pods of the pool by label, `k=v,k2=v2` (llm-d's
+    /// standalone mode); needs `--endpoint-target-ports`.
+    #[arg(long)]
+    pub endpoint_selector: Option<String>,
+    /// With `--endpoint-selector`: the ports of each pod that are endpoints, `8000,8001`.
+    #[arg(long, value_delimiter = ',')]
+    pub endpoint_target_ports: Vec<u16>,
+    /// KV-event PUB port on each discovered pod's IP, for pods without a
+    /// `kvpick.io/kv-events` annotation.
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// KV-event replay port on each discovered pod's IP, for pods without a
+    /// `kvpick.io/kv-replay` annotation.
+    #[arg(long)]
+    pub kv_replay_port: Option<u16>,
+    /// How long the Kubernetes watches may fail before readiness turns NOT_SERVING (the last
+    /// endpoints keep being used meanwhile).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub discovery_stale_after: Duration,
     /// Static pool file (YAML, see DESIGN §2.1); re-read when it changes.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,
@@ -197,8 +225,21 @@ fn kv_events_config(
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// No source of endpoints was given.
-    #[error("no endpoint source: pass --endpoints-file FILE")]
+    #[error(
+        "no endpoint source: pass --endpoints-file FILE, --pool-name NAME or --endpoint-selector K=V,..."
+    )]
     NoEndpointSource,
+    /// More than one source of endpoints was given.
+    #[error("{0} are given together: pass exactly one endpoint source")]
+    ConflictingSources(String),
+    /// A Kubernetes discovery flag is invalid or given without its source.
+    #[error("--{flag}: {reason}")]
+    Discovery {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// Two servers would bind the same port.
     #[error("--{first} and --{second} both use port {port}")]
     PortClash {
@@ -235,6 +276,20 @@ pub enum ConfigError {
     },
 }
 
+/// Where the pool's endpoints come from (exactly one).
+#[derive(Debug, Clone)]
+pub enum EndpointSource {
+    /// The static pool file, polled.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Poll interval.
+        reload_interval: Duration,
+    },
+    /// An InferencePool or a label selector, watched through the Kubernetes API.
+    Kube(crate::discovery::kube::KubeDiscoveryConfig),
+}
+
 /// The validated configuration of `kvpick serve`.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -248,12 +303,10 @@ pub struct ServeConfig {
     pub debug_addr: SocketAddr,
     /// The token `/metrics` and `/debug/*` require, if any.
     pub metrics_bearer_token: Option<crate::admin::auth::BearerToken>,
-    /// The pool's name.
+    /// The pool's name (metric label).
     pub pool_name: String,
-    /// The static pool file.
-    pub endpoints_file: PathBuf,
-    /// Poll interval of the pool file.
-    pub endpoints_reload_interval: Duration,
+    /// Where the endpoints come from.
+    pub source: EndpointSource,
     /// Per-request body limit.
     pub max_body_bytes: usize,
     /// Global body buffer budget.
@@ -287,9 +340,117 @@ pub struct ServeConfig {
 }
 
 impl ServeArgs {
+    /// The one endpoint source the flags name; a second one, or a source's flag without its
+    /// source, is an error naming the flags.
+    fn endpoint_source(&self) -> Result<EndpointSource, ConfigError> {
+        use crate::discovery::kube::{
+            DiscoveryTarget, KubeDiscoveryConfig, KvPorts, PoolGroup, PoolSpec, default_namespace,
+            parse_selector,
+        };
+        let given: Vec<&str> = [
+            (self.endpoints_file.is_some(), "--endpoints-file"),
+            (self.pool_name.is_some(), "--pool-name"),
+            (self.endpoint_selector.is_some(), "--endpoint-selector"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+        if given.len() > 1 {
+            return Err(ConfigError::ConflictingSources(given.join(" and ")));
+        }
+        let invalid = |flag, reason: &str| ConfigError::Discovery {
+            flag,
+            reason: reason.to_owned(),
+        };
+        if self.endpoint_selector.is_none() && !self.endpoint_target_ports.is_empty() {
+            return Err(invalid(
+                "endpoint-target-ports",
+                "needs --endpoint-selector (an InferencePool names its own ports)",
+            ));
+        }
+        let target = match (
+            &self.endpoints_file,
+            &self.pool_name,
+            &self.endpoint_selector,
+        ) {
+            (Some(path), _, _) => {
+                let kube_only = [
+                    (self.pool_namespace.is_some(), "pool-namespace"),
+                    (self.kv_events_port.is_some(), "kv-events-port"),
+                    (self.kv_replay_port.is_some(), "kv-replay-port"),
+                ];
+                if let Some((_, flag)) = kube_only.into_iter().find(|(given, _)| *given) {
+                    return Err(invalid(
+                        flag,
+                        "applies to Kubernetes discovery, not to --endpoints-file",
+                    ));
+                }
+                return Ok(EndpointSource::File {
+                    path: path.clone(),
+                    reload_interval: self.endpoints_reload_interval,
+                });
+            }
+            (None, Some(name), _) => {
+                if name.trim().is_empty() {
+                    return Err(invalid("pool-name", "is empty"));
+                }
+                let group = PoolGroup::from_group(&self.pool_group).ok_or_else(|| {
+                    invalid(
+                        "pool-group",
+                        &format!(
+                            "`{}` is neither inference.networking.k8s.io nor inference.networking.x-k8s.io",
+                            self.pool_group
+                        ),
+                    )
+                })?;
+                DiscoveryTarget::Pool {
+                    name: name.trim().to_owned(),
+                    group,
+                }
+            }
+            (None, None, Some(selector)) => {
+                let selector = parse_selector(selector)
+                    .map_err(|reason| invalid("endpoint-selector", &reason))?;
+                let ports = &self.endpoint_target_ports;
+                if ports.is_empty()
+                    || ports.len() > crate::discovery::kube::pool_spec::MAX_TARGET_PORTS
+                {
+                    return Err(invalid(
+                        "endpoint-target-ports",
+                        "give 1 to 8 ports with --endpoint-selector",
+                    ));
+                }
+                if ports.contains(&0) {
+                    return Err(invalid("endpoint-target-ports", "port 0"));
+                }
+                DiscoveryTarget::Selector(PoolSpec {
+                    selector,
+                    target_ports: ports.clone(),
+                })
+            }
+            (None, None, None) => return Err(ConfigError::NoEndpointSource),
+        };
+        if self.discovery_stale_after.is_zero() {
+            return Err(invalid("discovery-stale-after", "must be more than 0"));
+        }
+        Ok(EndpointSource::Kube(KubeDiscoveryConfig {
+            namespace: self
+                .pool_namespace
+                .clone()
+                .filter(|ns| !ns.trim().is_empty())
+                .unwrap_or_else(default_namespace),
+            target,
+            kv_ports: KvPorts {
+                events: self.kv_events_port,
+                replay: self.kv_replay_port,
+            },
+            stale_after: self.discovery_stale_after,
+        }))
+    }
+
     /// Validates the flags into a [`ServeConfig`].
     pub fn validate(self) -> Result<ServeConfig, ConfigError> {
-        let endpoints_file = self.endpoints_file.ok_or(ConfigError::NoEndpointSource)?;
+        let source = self.endpoint_source()?;
         let ports = [
             ("grpc-port", self.grpc_port),
             ("grpc-health-port", self.grpc_health_port),
@@ -414,9 +575,8 @@ impl ServeArgs {
             metrics_addr: SocketAddr::new(ip, self.metrics_port),
             debug_addr: SocketAddr::new(self.debug_bind_address, self.debug_port),
             metrics_bearer_token,
-            pool_name: self.pool_name,
-            endpoints_file,
-            endpoints_reload_interval: self.endpoints_reload_interval,
+            pool_name: self.pool_name.unwrap_or_else(|| "default".to_owned()),
+            source,
             max_body_bytes: self.max_body_bytes,
             max_buffered_bytes: self.max_buffered_bytes,
             stream_timeouts: crate::extproc::StreamTimeouts {
@@ -537,6 +697,66 @@ mod tests {
             config.tokenizers.lora_bases,
             [("sql-adapter".to_owned(), "llama".to_owned())]
         );
+    }
+
+    #[test]
+    fn exactly_one_endpoint_source() {
+        let conflict = parse(&["--endpoints-file", "p", "--pool-name", "pool"]).expect_err("two");
+        assert_eq!(
+            conflict.to_string(),
+            "--endpoints-file and --pool-name are given together: pass exactly one endpoint source"
+        );
+        let conflict = parse(&[
+            "--pool-name",
+            "pool",
+            "--endpoint-selector",
+            "app=x",
+            "--endpoint-target-ports",
+            "8000",
+        ])
+        .expect_err("two");
+        assert!(
+            conflict
+                .to_string()
+                .contains("--pool-name and --endpoint-selector"),
+            "{conflict}"
+        );
+        let ports_alone = parse(&["--pool-name", "pool", "--endpoint-target-ports", "8000"]);
+        assert!(
+            ports_alone
+                .expect_err("ports need a selector")
+                .to_string()
+                .contains("--endpoint-target-ports")
+        );
+        let no_ports = parse(&["--endpoint-selector", "app=x"]).expect_err("ports needed");
+        assert!(
+            no_ports.to_string().contains("--endpoint-target-ports"),
+            "{no_ports}"
+        );
+        let group = parse(&["--pool-name", "p", "--pool-group", "example.com"]).expect_err("group");
+        assert!(group.to_string().contains("--pool-group"), "{group}");
+        let config = parse(&[
+            "--endpoint-selector",
+            "app=vllm,tier=a",
+            "--endpoint-target-ports",
+            "8000,8001",
+            "--pool-namespace",
+            "llm",
+        ])
+        .expect("valid");
+        let EndpointSource::Kube(kube) = config.source else {
+            panic!("kube source expected");
+        };
+        assert_eq!(kube.namespace, "llm");
+        assert_eq!(kube.stale_after, Duration::from_secs(30));
+        let config = parse(&[
+            "--pool-name",
+            "pool",
+            "--pool-group",
+            "inference.networking.x-k8s.io",
+        ])
+        .expect("valid");
+        assert_eq!(config.pool_name, "pool");
     }
 
     #[test]
