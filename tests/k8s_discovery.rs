@@ -260,6 +260,18 @@ async fn a_pools_life_through_the_api() {
     // The API comes back: ready again, and changes flow again.
     fake.restart().await;
     wait_readiness(&kvpick, ServingStatus::Serving, "API back").await;
+
+    // The API answers, but with 503s, right when the watches must re-list (410): the list
+    // attempts (each begun with the watcher's Init) are no answer, so readiness goes.
+    fake.set_failing(true);
+    fake.expire();
+    wait_readiness(&kvpick, ServingStatus::NotServing, "API failing with 503").await;
+    assert_eq!(
+        endpoints(&kvpick).await,
+        ["127.0.0.5:8000", "127.0.0.5:8001"]
+    );
+    fake.set_failing(false);
+    wait_readiness(&kvpick, ServingStatus::Serving, "API healthy again").await;
     fake.apply("pods", pod("d", Some("127.0.0.5"), "vllm2", false));
     wait_endpoints(&kvpick, &[], "d unready after the outage").await;
 

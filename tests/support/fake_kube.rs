@@ -54,6 +54,9 @@ struct State {
     history: Vec<Change>,
     lists: HashMap<String, usize>,
     watches: HashMap<String, usize>,
+    /// Answer every list and watch with 503 (an API server whose storage is in trouble),
+    /// except that a watch from a compacted version still gets its 410.
+    failing: bool,
 }
 
 /// The fake API server.
@@ -210,6 +213,11 @@ impl FakeKube {
             state.history.push(change.clone());
             let _ = self.changes.send(change);
         }
+    }
+
+    /// Makes the server answer 503 to every list and watch (or stops doing so).
+    pub fn set_failing(&self, failing: bool) {
+        self.state.lock().expect("lock").failing = failing;
     }
 
     /// Ends every open watch (clients resume from their last resourceVersion).
@@ -384,6 +392,16 @@ impl Shared {
                 status_body(404, "NotFound", &format!("no route {}", request.uri())),
             );
         };
+        let (failing, gone) = {
+            let state = self.state.lock().expect("lock");
+            (state.failing, query.resource_version < state.floor)
+        };
+        if failing && !(query.watch && gone) {
+            return full(
+                503,
+                status_body(503, "ServiceUnavailable", "storage unavailable"),
+            );
+        }
         if query.watch {
             self.watch(query)
         } else {

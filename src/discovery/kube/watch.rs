@@ -177,6 +177,8 @@ pub async fn run_discovery(parts: Arc<DiscoveryParts>, cancel: CancellationToken
     };
     let mut pod_stream: Option<WatchStream<Pod>> = None;
     run.restart_pod_watch(&pod_api, &mut pod_stream);
+    // The probe runs beside the watches (never blocking their events) while they fail.
+    let mut probe: Option<BoxStream<'static, bool>> = None;
     let mut tick = tokio::time::interval(tick_interval(config.stale_after));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -202,9 +204,18 @@ pub async fn run_discovery(parts: Arc<DiscoveryParts>, cancel: CancellationToken
                     run.restart_pod_watch(&pod_api, &mut pod_stream);
                 }
             },
+            answered = next_of(&mut probe) => {
+                probe = None;
+                if answered == Some(true) && run.status.failing() {
+                    tracing::info!("Kubernetes API answers again");
+                    run.status.api_answered();
+                }
+            }
             _ = tick.tick() => {
-                if run.status.failing() {
-                    run.probe(pool_api.as_ref().map(|(api, fields, _)| (api, fields.as_str())), &pod_api).await;
+                if run.status.failing() && probe.is_none() {
+                    let pool = pool_api.as_ref().map(|(api, fields, _)| (api.clone(), fields.clone()));
+                    let selector = run.watching.clone().unwrap_or_default();
+                    probe = Some(futures::stream::once(probe_api(pool, pod_api.clone(), selector)).boxed());
                 }
             }
         }
@@ -409,27 +420,27 @@ impl Run<'_> {
         }
         self.published = Some(built.endpoints.into_iter().map(|e| (e.id, e)).collect());
     }
+}
 
-    /// While the watches fail: one cheap list tells whether the API answers again.
-    async fn probe(&mut self, pool: Option<(&Api<DynamicObject>, &str)>, pods: &Api<Pod>) {
-        let answered = match pool {
-            Some((api, fields)) => {
-                let params = ListParams::default().fields(fields).limit(1);
-                tokio::time::timeout(PROBE_TIMEOUT, api.list(&params))
-                    .await
-                    .is_ok_and(|r| r.is_ok())
-            }
-            None => {
-                let selector = self.watching.clone().unwrap_or_default();
-                let params = ListParams::default().labels(&selector).limit(1);
-                tokio::time::timeout(PROBE_TIMEOUT, pods.list(&params))
-                    .await
-                    .is_ok_and(|r| r.is_ok())
-            }
-        };
-        if answered {
-            tracing::info!("Kubernetes API answers again");
-            self.status.api_answered();
+/// One cheap list (limit 1) of what the watches watch: whether the API answers again.
+async fn probe_api(
+    pool: Option<(Api<DynamicObject>, String)>,
+    pods: Api<Pod>,
+    selector: String,
+) -> bool {
+    // NOTE: kube's client retries 429/503 itself; the timeout bounds the whole attempt.
+    match pool {
+        Some((api, fields)) => {
+            let params = ListParams::default().fields(&fields).limit(1);
+            tokio::time::timeout(PROBE_TIMEOUT, api.list(&params))
+                .await
+                .is_ok_and(|r| r.is_ok())
+        }
+        None => {
+            let params = ListParams::default().labels(&selector).limit(1);
+            tokio::time::timeout(PROBE_TIMEOUT, pods.list(&params))
+                .await
+                .is_ok_and(|r| r.is_ok())
         }
     }
 }
