@@ -261,11 +261,11 @@ async fn a_pools_life_through_the_api() {
     fake.restart().await;
     wait_readiness(&kvpick, ServingStatus::Serving, "API back").await;
 
-    // The API answers, but with 503s, right when the watches must re-list (410): the list
+    // The API answers, but with 500s, right when the watches must re-list (410): the list
     // attempts (each begun with the watcher's Init) are no answer, so readiness goes.
     fake.set_failing(true);
     fake.expire();
-    wait_readiness(&kvpick, ServingStatus::NotServing, "API failing with 503").await;
+    wait_readiness(&kvpick, ServingStatus::NotServing, "API failing with 500").await;
     assert_eq!(
         endpoints(&kvpick).await,
         ["127.0.0.5:8000", "127.0.0.5:8001"]

@@ -54,7 +54,7 @@ struct State {
     history: Vec<Change>,
     lists: HashMap<String, usize>,
     watches: HashMap<String, usize>,
-    /// Answer every list and watch with 503 (an API server whose storage is in trouble),
+    /// Answer every list and watch with 500 (an API server whose etcd is in trouble),
     /// except that a watch from a compacted version still gets its 410.
     failing: bool,
 }
@@ -215,7 +215,7 @@ impl FakeKube {
         }
     }
 
-    /// Makes the server answer 503 to every list and watch (or stops doing so).
+    /// Makes the server answer 500 to every list and watch (or stops doing so).
     pub fn set_failing(&self, failing: bool) {
         self.state.lock().expect("lock").failing = failing;
     }
@@ -398,8 +398,8 @@ impl Shared {
         };
         if failing && !(query.watch && gone) {
             return full(
-                503,
-                status_body(503, "ServiceUnavailable", "storage unavailable"),
+                500,
+                status_body(500, "InternalError", "etcdserver: request timed out"),
             );
         }
         if query.watch {
