@@ -465,3 +465,41 @@ fn conflicting_sources_are_a_start_up_error_naming_the_flags() {
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
     }
 }
+
+/// KV-event subscriptions follow the pods: an annotated pod's address, the flag's port on a
+/// pod without one, and a deleted pod's subscription closed.
+#[tokio::test]
+async fn kv_event_subscriptions_follow_annotations_flags_and_deletions() {
+    use support::zmtp_peer::RawPub;
+    let flagged = tokio::net::TcpListener::bind("127.0.0.3:0")
+        .await
+        .expect("bind");
+    let flag_port = flagged.local_addr().expect("addr").port().to_string();
+    let annotated = tokio::net::TcpListener::bind("127.0.0.5:0")
+        .await
+        .expect("bind");
+    let annotation = format!("tcp://{}", annotated.local_addr().expect("addr"));
+
+    let fake = FakeKube::start().await;
+    fake.apply(&pool_resource(V1), pool_v1("vllm", &[8000]));
+    fake.apply("pods", pod("flagged", Some("127.0.0.3"), "vllm", true));
+    let mut with_annotation = pod("annotated", Some("127.0.0.4"), "vllm", true);
+    with_annotation["metadata"]["annotations"] = json!({"kvpick.io/kv-events": annotation});
+    fake.apply("pods", with_annotation);
+    let kvpick = Kvpick::start_kube(
+        &fake.kubeconfig(NS),
+        &["--pool-name", "pool", "--pool-namespace", NS],
+        &["--kv-events-port", &flag_port],
+    )
+    .await;
+    wait_endpoints(&kvpick, &["127.0.0.3:8000", "127.0.0.4:8000"], "two pods").await;
+    let _flagged = RawPub::accept(&flagged, LIMIT).await;
+    let mut annotated = RawPub::accept(&annotated, LIMIT).await;
+
+    fake.delete("pods", NS, "annotated");
+    wait_endpoints(&kvpick, &["127.0.0.3:8000"], "annotated pod deleted").await;
+    assert!(
+        annotated.closed_within(LIMIT).await,
+        "the deleted pod's KV-event subscription is closed"
+    );
+}

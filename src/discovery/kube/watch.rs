@@ -150,7 +150,7 @@ pub async fn run_discovery(parts: Arc<DiscoveryParts>, cancel: CancellationToken
         parts.readiness.clone(),
         parts.metrics.clone(),
     );
-    let (mut pool_stream, pool_api, mut spec) = match &config.target {
+    let (mut pool_stream, pool_api, spec) = match &config.target {
         DiscoveryTarget::Pool { name, group } => {
             let api: Api<DynamicObject> =
                 Api::namespaced_with(parts.client.clone(), namespace, &pool_resource(*group));
@@ -167,7 +167,7 @@ pub async fn run_discovery(parts: Arc<DiscoveryParts>, cancel: CancellationToken
     let mut run = Run {
         parts: &parts,
         status,
-        spec: spec.take(),
+        spec,
         pods: BTreeMap::new(),
         listing: None,
         listing_pool: None,
