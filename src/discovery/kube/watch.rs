@@ -352,7 +352,7 @@ impl Run<'_> {
             Ok(Event::InitApply(pod)) => {
                 self.status.api_answered();
                 if let Some(listing) = &mut self.listing {
-                    listing.insert(key(&pod), pod);
+                    insert_bounded(listing, key(&pod), pod, metrics);
                 }
                 return;
             }
@@ -363,7 +363,7 @@ impl Run<'_> {
             }
             Ok(Event::Apply(pod)) => {
                 self.status.api_answered();
-                self.pods.insert(key(&pod), pod);
+                insert_bounded(&mut self.pods, key(&pod), pod, metrics);
             }
             Ok(Event::Delete(pod)) => {
                 self.status.api_answered();
@@ -422,6 +422,27 @@ impl Run<'_> {
     }
 }
 
+/// Most pods one pool holds; more are left out (logged, counted), so a selector that
+/// matches a whole large namespace cannot grow kvpick's memory without bound.
+const MAX_PODS: usize = 10_000;
+
+fn insert_bounded(
+    pods: &mut BTreeMap<String, Pod>,
+    key: String,
+    pod: Pod,
+    metrics: &DiscoveryMetrics,
+) {
+    if pods.len() >= MAX_PODS && !pods.contains_key(&key) {
+        tracing::warn!(pod = %key, limit = MAX_PODS, "pool has too many pods; leaving this one out");
+        metrics
+            .invalid
+            .with_label_values(&["Pod", "pool size"])
+            .inc();
+        return;
+    }
+    pods.insert(key, pod);
+}
+
 /// One cheap list (limit 1) of what the watches watch: whether the API answers again.
 async fn probe_api(
     pool: Option<(Api<DynamicObject>, String)>,
@@ -442,5 +463,54 @@ async fn probe_api(
                 .await
                 .is_ok_and(|r| r.is_ok())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pod_map_is_bounded_and_updates_still_apply_at_the_bound() {
+        let metrics = DiscoveryMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let mut pods = BTreeMap::new();
+        for i in 0..=MAX_PODS {
+            insert_bounded(&mut pods, format!("pod-{i}"), Pod::default(), &metrics);
+        }
+        assert_eq!(pods.len(), MAX_PODS);
+        assert_eq!(
+            metrics
+                .invalid
+                .with_label_values(&["Pod", "pool size"])
+                .get(),
+            1
+        );
+        let mut updated = Pod::default();
+        updated.metadata.name = Some("pod-0".to_owned());
+        insert_bounded(&mut pods, "pod-0".to_owned(), updated, &metrics);
+        assert_eq!(pods["pod-0"].metadata.name.as_deref(), Some("pod-0"));
+        assert_eq!(
+            metrics
+                .invalid
+                .with_label_values(&["Pod", "pool size"])
+                .get(),
+            1
+        );
+    }
+
+    #[test]
+    fn the_backoff_grows_to_its_cap_and_resets() {
+        use kube::runtime::utils::Backoff;
+        let mut backoff = WatchBackoff::new();
+        let delays: Vec<Duration> = (&mut backoff).take(8).collect();
+        assert!(delays[0] <= WatchBackoff::MIN.mul_f64(1.25));
+        assert!(delays.iter().all(|d| *d <= WatchBackoff::MAX.mul_f64(1.25)));
+        assert!(delays[7] >= WatchBackoff::MAX.mul_f64(0.75));
+        backoff.reset();
+        assert!(
+            backoff
+                .next()
+                .is_some_and(|d| d <= WatchBackoff::MIN.mul_f64(1.25))
+        );
     }
 }
