@@ -84,8 +84,12 @@ impl Status {
     }
 
     /// A watch yielded an error: the failing period starts now unless it already runs.
-    pub fn watch_failed(&mut self) {
+    /// True when this error starts it (the first of a streak is logged loudly, the rest at
+    /// debug: a watcher retries every few hundred milliseconds during an outage).
+    pub fn watch_failed(&mut self) -> bool {
+        let first = self.failing_since.is_none();
         self.failing_since.get_or_insert_with(Instant::now);
+        first
     }
 
     /// The API answered (a watch event, or the probe): the failing period ends.

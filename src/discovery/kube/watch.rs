@@ -233,12 +233,15 @@ impl Run<'_> {
         let metrics = &self.parts.metrics;
         let object = match event {
             Err(error) => {
-                tracing::warn!(%error, "InferencePool watch failed; retrying");
+                if self.status.watch_failed() {
+                    tracing::warn!(%error, "InferencePool watch failed; retrying (further failures at debug until the API answers)");
+                } else {
+                    tracing::debug!(%error, "InferencePool watch failed again");
+                }
                 metrics
                     .watch_errors
                     .with_label_values(&["inferencepool"])
                     .inc();
-                self.status.watch_failed();
                 return false;
             }
             Ok(Event::Init) => {
@@ -338,9 +341,12 @@ impl Run<'_> {
         let key = |pod: &Pod| pod.metadata.name.clone().unwrap_or_default();
         match event {
             Err(error) => {
-                tracing::warn!(%error, "Pod watch failed; retrying");
+                if self.status.watch_failed() {
+                    tracing::warn!(%error, "Pod watch failed; retrying (further failures at debug until the API answers)");
+                } else {
+                    tracing::debug!(%error, "Pod watch failed again");
+                }
                 metrics.watch_errors.with_label_values(&["pod"]).inc();
-                self.status.watch_failed();
                 return;
             }
             Ok(Event::Init) => {
