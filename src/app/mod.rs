@@ -15,16 +15,19 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 mod liveness;
 mod pool_sync;
+mod sources;
 pub mod subsystems;
 pub mod supervise;
 
 use crate::admin;
 use crate::config::ServeConfig;
-use crate::discovery::{PoolFileError, parse_pool};
+use crate::discovery::PoolFileError;
+use crate::discovery::kube::KubeError;
 use crate::endpoints::Datastore;
 use crate::extproc::admission::Admission;
 use crate::extproc::{BodyBudget, ExtProcService, StreamContext};
@@ -52,6 +55,9 @@ pub enum ServeError {
     /// The initial pool is invalid.
     #[error(transparent)]
     Pool(#[from] PoolFileError),
+    /// The Kubernetes client could not be made.
+    #[error(transparent)]
+    Kube(#[from] KubeError),
     /// Metrics could not be registered.
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
@@ -88,17 +94,17 @@ pub async fn serve(
     let registry = prometheus::Registry::new();
     let metrics = Arc::new(EppMetrics::new(&registry)?);
     let datastore = Arc::new(Datastore::new());
-
-    // The first pool must be valid: a kvpick that starts on a broken file would route nowhere.
-    let initial = tokio::fs::read_to_string(&config.endpoints_file)
-        .await
-        .map_err(|source| PoolFileError::Read {
-            path: config.endpoints_file.clone(),
-            source,
-        })?;
-    let endpoints = parse_pool(&config.endpoints_file, &initial)?;
-    tracing::info!(endpoints = endpoints.len(), file = %config.endpoints_file.display(), "pool loaded");
-    datastore.set_endpoints(endpoints);
+    let background = CancellationToken::new();
+    let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
+    let mut source_ready = sources::start(
+        &config.source,
+        &datastore,
+        &metrics,
+        &registry,
+        &mut supervisor,
+        &background,
+    )
+    .await?;
 
     // Loading tokenizers parses multi-megabyte JSON: keep it off the async workers.
     let tokenizer_config = config.tokenizers.clone();
@@ -127,7 +133,6 @@ pub async fn serve(
     let metrics_store = Arc::new(MetricsStore::default());
     let model_rewrites = Arc::new(config.model_rewrites.clone());
 
-    let background = CancellationToken::new();
     for warning in &config.picker.warnings {
         tracing::warn!(%warning, "scheduler config");
     }
@@ -150,7 +155,6 @@ pub async fn serve(
         }
     };
     tracing::info!(profile = %config.picker.scheduler.profile_name, prefill_profile, flow_control = config.picker.scheduler.flow_control, emit_endpoint_scores = config.emit_endpoint_scores, "scheduler ready");
-    let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
     let admission = Arc::new(admission(
         &scheduler,
         config.picker.scheduler.flow_control,
@@ -182,18 +186,6 @@ pub async fn serve(
             Arc::clone(&kv_events),
             Arc::clone(&metrics),
             config.scrape.interval,
-            background.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "pool-file-watcher",
-        Policy::RESTART,
-        subsystems::pool_watcher(
-            config.endpoints_file.clone(),
-            config.endpoints_reload_interval,
-            initial,
-            Arc::clone(&datastore),
-            Arc::clone(&metrics),
             background.clone(),
         ),
     );
@@ -286,7 +278,10 @@ pub async fn serve(
             )
             .serve_with_incoming_shutdown(incoming(grpc_listener), drain.clone().cancelled_owned()),
     );
-    health::set_ready(&reporter, datastore.is_synced()).await;
+    let ready_now = |healthy: bool, source: &watch::Receiver<crate::discovery::kube::Readiness>| {
+        healthy && datastore.is_synced() && source.borrow().is_ok()
+    };
+    health::set_ready(&reporter, ready_now(true, &source_ready)).await;
 
     let ended = {
         let mut healthy = supervisor.healthy();
@@ -298,7 +293,12 @@ pub async fn serve(
                 () = &mut shutdown => break Ended::Signal,
                 failed = &mut supervision => break Ended::Subsystem(failed),
                 Ok(()) = healthy.changed() => {
-                    let ready = *healthy.borrow_and_update() && datastore.is_synced();
+                    let ready = ready_now(*healthy.borrow_and_update(), &source_ready);
+                    health::set_ready(&reporter, ready).await;
+                }
+                Ok(()) = source_ready.changed() => {
+                    source_ready.borrow_and_update();
+                    let ready = ready_now(*healthy.borrow(), &source_ready);
                     health::set_ready(&reporter, ready).await;
                 }
             }

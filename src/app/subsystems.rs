@@ -4,6 +4,7 @@
 //! | subsystem | policy | why |
 //! | --- | --- | --- |
 //! | `pool-file-watcher` | restart | stateless: a new run re-reads the file |
+//! | `kube-discovery` | restart | a new run re-lists the InferencePool and its pods (`src/app/sources.rs`) |
 //! | `pool-follower` | restart | a new run re-syncs subscriptions and scrapers from the pool |
 //! | `flow-dispatcher` | restart | stateless: queued requests wait in the controller |
 //! | `liveness` | restart | stateless: a new run re-judges every endpoint from its scrape and events |

@@ -8,6 +8,7 @@ pub mod picker_config;
 mod picker_doc;
 mod plugins;
 mod profiles;
+mod source;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -16,6 +17,7 @@ use std::time::Duration;
 use clap::Args;
 
 pub use duration::{DurationError, parse_duration};
+pub use source::EndpointSource;
 
 /// Flags of `kvpick serve` (GIE-compatible names and defaults where GIE has them).
 #[derive(Args, Debug, Clone)]
@@ -43,9 +45,37 @@ pub struct ServeArgs {
     /// (`Authorization: Bearer <token>`; 401 without it). Read once at start.
     #[arg(long, env = "KVPICK_METRICS_BEARER_TOKEN_FILE")]
     pub metrics_bearer_token_file: Option<PathBuf>,
-    /// The pool's name (GIE `--pool-name`; the `name` label of pool metrics).
-    #[arg(long, default_value = "default")]
-    pub pool_name: String,
+    /// The InferencePool to watch (GIE/llm-d `--pool-name`); also the `name` label of pool
+    /// metrics (`default` without it).
+    #[arg(long)]
+    pub pool_name: Option<String>,
+    /// Namespace of the InferencePool (or the selector's pods). Default: the service
+    /// account's namespace, else `default`.
+    #[arg(long)]
+    pub pool_namespace: Option<String>,
+    /// API group of the InferencePool: `inference.networking.k8s.io` (v1) or
+    /// `inference.networking.x-k8s.io` (v1alpha2).
+    #[arg(long, default_value = "inference.networking.k8s.io")]
+    pub pool_group: String,
+    /// Without an InferencePool: the pods of the pool by label, `k=v,k2=v2` (llm-d's
+    /// standalone mode); needs `--endpoint-target-ports`.
+    #[arg(long)]
+    pub endpoint_selector: Option<String>,
+    /// With `--endpoint-selector`: the ports of each pod that are endpoints, `8000,8001`.
+    #[arg(long, value_delimiter = ',')]
+    pub endpoint_target_ports: Vec<u16>,
+    /// KV-event PUB port on each discovered pod's IP, for pods without a
+    /// `kvpick.io/kv-events` annotation.
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// KV-event replay port on each discovered pod's IP, for pods without a
+    /// `kvpick.io/kv-replay` annotation.
+    #[arg(long)]
+    pub kv_replay_port: Option<u16>,
+    /// How long the Kubernetes watches may fail before readiness turns NOT_SERVING (the last
+    /// endpoints keep being used meanwhile).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub discovery_stale_after: Duration,
     /// Static pool file (YAML, see DESIGN §2.1); re-read when it changes.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,
@@ -199,8 +229,21 @@ fn kv_events_config(
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// No source of endpoints was given.
-    #[error("no endpoint source: pass --endpoints-file FILE")]
+    #[error(
+        "no endpoint source: pass --endpoints-file FILE, --pool-name NAME or --endpoint-selector K=V,..."
+    )]
     NoEndpointSource,
+    /// More than one source of endpoints was given.
+    #[error("{0} are given together: pass exactly one endpoint source")]
+    ConflictingSources(String),
+    /// A Kubernetes discovery flag is invalid or given without its source.
+    #[error("--{flag}: {reason}")]
+    Discovery {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// Two servers would bind the same port.
     #[error("--{first} and --{second} both use port {port}")]
     PortClash {
@@ -250,12 +293,10 @@ pub struct ServeConfig {
     pub debug_addr: SocketAddr,
     /// The token `/metrics` and `/debug/*` require, if any.
     pub metrics_bearer_token: Option<crate::admin::auth::BearerToken>,
-    /// The pool's name.
+    /// The pool's name (metric label).
     pub pool_name: String,
-    /// The static pool file.
-    pub endpoints_file: PathBuf,
-    /// Poll interval of the pool file.
-    pub endpoints_reload_interval: Duration,
+    /// Where the endpoints come from.
+    pub source: EndpointSource,
     /// Per-request body limit.
     pub max_body_bytes: usize,
     /// Global body buffer budget.
@@ -291,7 +332,7 @@ pub struct ServeConfig {
 impl ServeArgs {
     /// Validates the flags into a [`ServeConfig`].
     pub fn validate(self) -> Result<ServeConfig, ConfigError> {
-        let endpoints_file = self.endpoints_file.ok_or(ConfigError::NoEndpointSource)?;
+        let source = self.endpoint_source()?;
         let ports = [
             ("grpc-port", self.grpc_port),
             ("grpc-health-port", self.grpc_health_port),
@@ -416,9 +457,8 @@ impl ServeArgs {
             metrics_addr: SocketAddr::new(ip, self.metrics_port),
             debug_addr: SocketAddr::new(self.debug_bind_address, self.debug_port),
             metrics_bearer_token,
-            pool_name: self.pool_name,
-            endpoints_file,
-            endpoints_reload_interval: self.endpoints_reload_interval,
+            pool_name: self.pool_name.unwrap_or_else(|| "default".to_owned()),
+            source,
             max_body_bytes: self.max_body_bytes,
             max_buffered_bytes: self.max_buffered_bytes,
             stream_timeouts: crate::extproc::StreamTimeouts {
@@ -539,6 +579,66 @@ mod tests {
             config.tokenizers.lora_bases,
             [("sql-adapter".to_owned(), "llama".to_owned())]
         );
+    }
+
+    #[test]
+    fn exactly_one_endpoint_source() {
+        let conflict = parse(&["--endpoints-file", "p", "--pool-name", "pool"]).expect_err("two");
+        assert_eq!(
+            conflict.to_string(),
+            "--endpoints-file and --pool-name are given together: pass exactly one endpoint source"
+        );
+        let conflict = parse(&[
+            "--pool-name",
+            "pool",
+            "--endpoint-selector",
+            "app=x",
+            "--endpoint-target-ports",
+            "8000",
+        ])
+        .expect_err("two");
+        assert!(
+            conflict
+                .to_string()
+                .contains("--pool-name and --endpoint-selector"),
+            "{conflict}"
+        );
+        let ports_alone = parse(&["--pool-name", "pool", "--endpoint-target-ports", "8000"]);
+        assert!(
+            ports_alone
+                .expect_err("ports need a selector")
+                .to_string()
+                .contains("--endpoint-target-ports")
+        );
+        let no_ports = parse(&["--endpoint-selector", "app=x"]).expect_err("ports needed");
+        assert!(
+            no_ports.to_string().contains("--endpoint-target-ports"),
+            "{no_ports}"
+        );
+        let group = parse(&["--pool-name", "p", "--pool-group", "example.com"]).expect_err("group");
+        assert!(group.to_string().contains("--pool-group"), "{group}");
+        let config = parse(&[
+            "--endpoint-selector",
+            "app=vllm,tier=a",
+            "--endpoint-target-ports",
+            "8000,8001",
+            "--pool-namespace",
+            "llm",
+        ])
+        .expect("valid");
+        let EndpointSource::Kube(kube) = config.source else {
+            panic!("kube source expected");
+        };
+        assert_eq!(kube.namespace, "llm");
+        assert_eq!(kube.stale_after, Duration::from_secs(30));
+        let config = parse(&[
+            "--pool-name",
+            "pool",
+            "--pool-group",
+            "inference.networking.x-k8s.io",
+        ])
+        .expect("valid");
+        assert_eq!(config.pool_name, "pool");
     }
 
     #[test]

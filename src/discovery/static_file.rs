@@ -122,11 +122,7 @@ fn validate_zmq(
     value: Option<String>,
 ) -> Result<Option<String>, PoolFileError> {
     let Some(value) = value else { return Ok(None) };
-    let valid = value
-        .strip_prefix("tcp://")
-        .and_then(|rest| rest.rsplit_once(':'))
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-    if valid {
+    if super::is_zmq_endpoint(&value) {
         Ok(Some(value))
     } else {
         Err(PoolFileError::ZmqEndpoint {

@@ -5,12 +5,17 @@
 
 #[path = "../support/mod.rs"]
 mod support;
+// The fake Kubernetes API (only the discovery tests use it; crates/kvpick-e2e shares
+// support/ but not this).
+#[path = "../support/fake_kube.rs"]
+mod fake_kube;
 
 mod app_reliability;
 mod envoy_e2e;
 mod extproc_stream;
 mod faults_gateway;
 mod faults_kv_events;
+mod k8s_discovery;
 mod kv_decode_fixtures;
 mod kv_decode_hostile;
 mod kv_index_fixtures;

@@ -39,6 +39,38 @@ impl Kvpick {
         let dir = tempfile::tempdir().expect("tempdir");
         let pool_file = dir.path().join("pool.yaml");
         std::fs::write(&pool_file, pool_yaml).expect("write pool");
+        let source = [
+            "--endpoints-file".to_owned(),
+            pool_file.display().to_string(),
+            "--endpoints-reload-interval".to_owned(),
+            "100ms".to_owned(),
+        ];
+        Self::launch(dir, pool_file, &source, extra_args, &[], "readiness").await
+    }
+
+    /// Starts kvpick with Kubernetes discovery against the API server `kubeconfig` points
+    /// at (`source_args`: `--pool-name …` or `--endpoint-selector …`), and waits only until
+    /// it is live: readiness depends on what the API holds.
+    pub async fn start_kube(
+        kubeconfig: &std::path::Path,
+        source_args: &[&str],
+        extra_args: &[&str],
+    ) -> Kvpick {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool_file = dir.path().join("unused-pool.yaml");
+        let source: Vec<String> = source_args.iter().map(|s| (*s).to_owned()).collect();
+        let env = [("KUBECONFIG", kubeconfig.display().to_string())];
+        Self::launch(dir, pool_file, &source, extra_args, &env, "liveness").await
+    }
+
+    async fn launch(
+        dir: tempfile::TempDir,
+        pool_file: PathBuf,
+        source_args: &[String],
+        extra_args: &[&str],
+        env: &[(&str, String)],
+        wait_for: &'static str,
+    ) -> Kvpick {
         for _ in 0..4 {
             let (grpc_port, health_port, metrics_port, debug_port) =
                 (free_port(), free_port(), free_port(), free_port());
@@ -52,10 +84,9 @@ impl Kvpick {
                 .args(["--grpc-health-port", &health_port.to_string()])
                 .args(["--metrics-port", &metrics_port.to_string()])
                 .args(["--debug-port", &debug_port.to_string()])
-                .arg("--endpoints-file")
-                .arg(&pool_file)
-                .args(["--endpoints-reload-interval", "100ms"])
+                .args(source_args)
                 .args(extra_args)
+                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
                 .env("RUST_LOG", "kvpick=debug,info")
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -67,7 +98,7 @@ impl Kvpick {
                     &mut child,
                     Duration::from_secs(20),
                     || async move {
-                        health(health_port, "readiness").await == Some(ServingStatus::Serving)
+                        health(health_port, wait_for).await == Some(ServingStatus::Serving)
                     },
                 )
                 .await;

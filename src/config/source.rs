@@ -1,0 +1,132 @@
+//! The one endpoint source the flags name: the pool file, an InferencePool, or a label
+//! selector (llm-d's standalone mode). Two sources, or a source's flag without its source,
+//! are a start-up error naming the flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{ConfigError, ServeArgs};
+
+/// Where the pool's endpoints come from (exactly one).
+#[derive(Debug, Clone)]
+pub enum EndpointSource {
+    /// The static pool file, polled.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Poll interval.
+        reload_interval: Duration,
+    },
+    /// An InferencePool or a label selector, watched through the Kubernetes API.
+    Kube(crate::discovery::kube::KubeDiscoveryConfig),
+}
+
+impl ServeArgs {
+    /// The one endpoint source the flags name; a second one, or a source's flag without its
+    /// source, is an error naming the flags.
+    pub(super) fn endpoint_source(&self) -> Result<EndpointSource, ConfigError> {
+        use crate::discovery::kube::{
+            DiscoveryTarget, KubeDiscoveryConfig, KvPorts, PoolGroup, PoolSpec, default_namespace,
+            parse_selector,
+        };
+        let given: Vec<&str> = [
+            (self.endpoints_file.is_some(), "--endpoints-file"),
+            (self.pool_name.is_some(), "--pool-name"),
+            (self.endpoint_selector.is_some(), "--endpoint-selector"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+        if given.len() > 1 {
+            return Err(ConfigError::ConflictingSources(given.join(" and ")));
+        }
+        let invalid = |flag, reason: &str| ConfigError::Discovery {
+            flag,
+            reason: reason.to_owned(),
+        };
+        if self.endpoint_selector.is_none() && !self.endpoint_target_ports.is_empty() {
+            return Err(invalid(
+                "endpoint-target-ports",
+                "needs --endpoint-selector (an InferencePool names its own ports)",
+            ));
+        }
+        let target = match (
+            &self.endpoints_file,
+            &self.pool_name,
+            &self.endpoint_selector,
+        ) {
+            (Some(path), _, _) => {
+                let kube_only = [
+                    (self.pool_namespace.is_some(), "pool-namespace"),
+                    (self.kv_events_port.is_some(), "kv-events-port"),
+                    (self.kv_replay_port.is_some(), "kv-replay-port"),
+                ];
+                if let Some((_, flag)) = kube_only.into_iter().find(|(given, _)| *given) {
+                    return Err(invalid(
+                        flag,
+                        "applies to Kubernetes discovery, not to --endpoints-file",
+                    ));
+                }
+                return Ok(EndpointSource::File {
+                    path: path.clone(),
+                    reload_interval: self.endpoints_reload_interval,
+                });
+            }
+            (None, Some(name), _) => {
+                if name.trim().is_empty() {
+                    return Err(invalid("pool-name", "is empty"));
+                }
+                let group = PoolGroup::from_group(&self.pool_group).ok_or_else(|| {
+                    invalid(
+                        "pool-group",
+                        &format!(
+                            "`{}` is neither inference.networking.k8s.io nor inference.networking.x-k8s.io",
+                            self.pool_group
+                        ),
+                    )
+                })?;
+                DiscoveryTarget::Pool {
+                    name: name.trim().to_owned(),
+                    group,
+                }
+            }
+            (None, None, Some(selector)) => {
+                let selector = parse_selector(selector)
+                    .map_err(|reason| invalid("endpoint-selector", &reason))?;
+                let ports = &self.endpoint_target_ports;
+                if ports.is_empty()
+                    || ports.len() > crate::discovery::kube::pool_spec::MAX_TARGET_PORTS
+                {
+                    return Err(invalid(
+                        "endpoint-target-ports",
+                        "give 1 to 8 ports with --endpoint-selector",
+                    ));
+                }
+                if ports.contains(&0) {
+                    return Err(invalid("endpoint-target-ports", "port 0"));
+                }
+                DiscoveryTarget::Selector(PoolSpec {
+                    selector,
+                    target_ports: ports.clone(),
+                })
+            }
+            (None, None, None) => return Err(ConfigError::NoEndpointSource),
+        };
+        if self.discovery_stale_after.is_zero() {
+            return Err(invalid("discovery-stale-after", "must be more than 0"));
+        }
+        Ok(EndpointSource::Kube(KubeDiscoveryConfig {
+            namespace: self
+                .pool_namespace
+                .clone()
+                .filter(|ns| !ns.trim().is_empty())
+                .unwrap_or_else(default_namespace),
+            target,
+            kv_ports: KvPorts {
+                events: self.kv_events_port,
+                replay: self.kv_replay_port,
+            },
+            stale_after: self.discovery_stale_after,
+        }))
+    }
+}

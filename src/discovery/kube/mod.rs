@@ -1,0 +1,108 @@
+//! Kubernetes discovery: the endpoints of an `InferencePool` (or of a label selector, llm-d's
+//! standalone mode) from the API server, through kube-rs.
+//!
+//! [`pool_spec`] reads an InferencePool of either API group, [`pod_endpoints`] turns ready
+//! pods into endpoints, [`watch`] is the one task that watches both and publishes into the
+//! datastore, [`status`] decides readiness and [`metrics`] counts. Concurrency: the task in
+//! [`watch`] owns every watch stream and all discovery state; `serve` runs it under the
+//! supervisor and stops it with its cancellation token (see [`watch`]'s docs).
+
+pub mod metrics;
+pub mod pod_endpoints;
+pub mod pool_spec;
+pub mod status;
+pub mod watch;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+pub use metrics::DiscoveryMetrics;
+pub use pod_endpoints::KvPorts;
+pub use pool_spec::{PoolGroup, PoolSpec};
+pub use status::{NotReady, Readiness};
+pub use watch::{DiscoveryParts, run_discovery};
+
+/// Where the service account mount says which namespace kvpick runs in.
+pub const SERVICE_ACCOUNT_NAMESPACE: &str =
+    "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+/// What to watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoveryTarget {
+    /// An InferencePool (`--pool-name`, `--pool-group`).
+    Pool {
+        /// Its name.
+        name: String,
+        /// Its API group.
+        group: PoolGroup,
+    },
+    /// Pods matching a fixed selector on fixed ports (`--endpoint-selector`,
+    /// `--endpoint-target-ports`).
+    Selector(PoolSpec),
+}
+
+/// The validated configuration of Kubernetes discovery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeDiscoveryConfig {
+    /// The namespace of the pool and its pods.
+    pub namespace: String,
+    /// The pool or the selector.
+    pub target: DiscoveryTarget,
+    /// KV-event ports applied to pod IPs when a pod has no annotation.
+    pub kv_ports: KvPorts,
+    /// How long the watches may fail before readiness turns off.
+    pub stale_after: Duration,
+}
+
+/// Parses `--endpoint-selector` (`k=v,k2=v2`).
+pub fn parse_selector(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut labels = BTreeMap::new();
+    for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("`{pair}` is not KEY=VALUE"))?;
+        let (key, value) = (key.trim(), value.trim());
+        pool_spec::check_label(key, value)?;
+        if labels.insert(key.to_owned(), value.to_owned()).is_some() {
+            return Err(format!("label `{key}` is given twice"));
+        }
+    }
+    if labels.is_empty() {
+        return Err("is empty (it would select every pod of the namespace)".to_owned());
+    }
+    if labels.len() > pool_spec::MAX_SELECTOR_LABELS {
+        return Err(format!(
+            "has more than {} labels",
+            pool_spec::MAX_SELECTOR_LABELS
+        ));
+    }
+    Ok(labels)
+}
+
+/// The namespace when `--pool-namespace` is not given: the service account's, else `default`.
+pub fn default_namespace() -> String {
+    std::fs::read_to_string(SERVICE_ACCOUNT_NAMESPACE)
+        .ok()
+        .map(|text| text.trim().to_owned())
+        .filter(|ns| !ns.is_empty())
+        .unwrap_or_else(|| "default".to_owned())
+}
+
+/// Why the Kubernetes client could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// No kubeconfig and not in a cluster, or a broken kubeconfig.
+    #[error(
+        "kubernetes client config (KUBECONFIG, ~/.kube/config or the in-cluster service account): {0}"
+    )]
+    Config(#[from] ::kube::config::InferConfigError),
+    /// The client could not be built from the config.
+    #[error("kubernetes client: {0}")]
+    Client(#[from] ::kube::Error),
+}
+
+/// The API client, from `KUBECONFIG`/`~/.kube/config` or the in-cluster service account.
+pub async fn client() -> Result<::kube::Client, KubeError> {
+    let config = ::kube::Config::infer().await?;
+    Ok(::kube::Client::try_from(config)?)
+}

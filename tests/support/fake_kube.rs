@@ -1,0 +1,500 @@
+//! A fake Kubernetes API server on loopback, for driving kvpick's discovery through kube's
+//! real client (no API server can run on these machines).
+//!
+//! It serves list and watch for Pods (`/api/v1/namespaces/{ns}/pods`) and InferencePools of
+//! any group and version (`/apis/{group}/{version}/namespaces/{ns}/inferencepools`), with the
+//! semantics kube's watcher relies on: one resourceVersion counter across all objects, list
+//! responses carrying it, watches (`?watch=true&resourceVersion=N`) that replay every change
+//! after N and then stream new ones as chunked JSON lines (`ADDED`/`MODIFIED`/`DELETED`,
+//! periodic `BOOKMARK`s when asked), `labelSelector` (equality) and
+//! `fieldSelector=metadata.name=…` filtering, and a `410 Gone` ERROR event for a watch from
+//! a version older than the last compaction. The test drives it: create/update/delete
+//! objects, end every open watch, compact (so resuming watches get 410 and re-list), change
+//! state without telling the watches, and take the whole server down and up again.
+//!
+//! The kubeconfig it writes points kube's client at it (`KUBECONFIG`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::Frame;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// The resource an object belongs to: `pods`, or `inferencepools.<group>`.
+pub fn pool_resource(group: &str) -> String {
+    format!("inferencepools.{group}")
+}
+
+/// One change, as watches see it.
+#[derive(Clone, Debug)]
+struct Change {
+    rv: u64,
+    resource: String,
+    namespace: String,
+    kind: &'static str,
+    object: Value,
+}
+
+#[derive(Default)]
+struct State {
+    rv: u64,
+    /// Watches from a version below this get 410 Gone.
+    floor: u64,
+    objects: BTreeMap<(String, String, String), Value>,
+    history: Vec<Change>,
+    lists: HashMap<String, usize>,
+    watches: HashMap<String, usize>,
+    /// Answer every list and watch with 500 (an API server whose etcd is in trouble),
+    /// except that a watch from a compacted version still gets its 410.
+    failing: bool,
+}
+
+/// The fake API server.
+pub struct FakeKube {
+    pub addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+    changes: broadcast::Sender<Change>,
+    /// Bumped to end every open watch.
+    close: watch::Sender<u64>,
+    server: Mutex<Option<JoinHandle<()>>>,
+    dir: tempfile::TempDir,
+}
+
+impl FakeKube {
+    /// Starts the server on a free loopback port.
+    pub async fn start() -> FakeKube {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind fake kube");
+        let addr = listener.local_addr().expect("addr");
+        let fake = FakeKube {
+            addr,
+            state: Arc::new(Mutex::new(State::default())),
+            changes: broadcast::channel(4096).0,
+            close: watch::Sender::new(0),
+            server: Mutex::new(None),
+            dir: tempfile::tempdir().expect("tempdir"),
+        };
+        fake.serve(listener);
+        fake
+    }
+
+    fn serve(&self, listener: tokio::net::TcpListener) {
+        let shared = Shared {
+            state: Arc::clone(&self.state),
+            changes: self.changes.clone(),
+            close: self.close.subscribe(),
+        };
+        let task = tokio::spawn(async move {
+            // Connections live in this set: aborting the server drops every one of them.
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let shared = shared.clone();
+                connections.spawn(async move {
+                    let service = hyper::service::service_fn(move |request| {
+                        let shared = shared.clone();
+                        async move { Ok::<_, Infallible>(shared.handle(request)) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+                while connections.try_join_next().is_some() {}
+            }
+        });
+        *self.server.lock().expect("lock") = Some(task);
+    }
+
+    /// Takes the server down: the listener closes and every open connection is dropped.
+    pub async fn stop(&self) {
+        let task = self.server.lock().expect("lock").take();
+        if let Some(task) = task {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+
+    /// Brings the server back on the same address.
+    pub async fn restart(&self) {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_reuseaddr(true).expect("reuseaddr");
+        socket
+            .bind(self.addr)
+            .expect("rebind the fake kube address");
+        self.serve(socket.listen(64).expect("listen"));
+    }
+
+    /// A kubeconfig pointing at the server, with `namespace` as the context's namespace.
+    pub fn kubeconfig(&self, namespace: &str) -> PathBuf {
+        let path = self.dir.path().join("kubeconfig");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{}\nusers:\n- name: fake\n  user:\n    token: fake-token\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\n",
+            self.addr
+        );
+        std::fs::write(&path, text).expect("write kubeconfig");
+        path
+    }
+
+    /// Creates or replaces `object` (with `metadata.namespace` and `metadata.name`).
+    pub fn apply(&self, resource: &str, object: Value) {
+        self.change(resource, object, true);
+    }
+
+    /// Deletes an object (a no-op if it does not exist).
+    pub fn delete(&self, resource: &str, namespace: &str, name: &str) {
+        let mut state = self.state.lock().expect("lock");
+        let key = (resource.to_owned(), namespace.to_owned(), name.to_owned());
+        if let Some(mut object) = state.objects.remove(&key) {
+            state.rv += 1;
+            object["metadata"]["resourceVersion"] = json!(state.rv.to_string());
+            let change = Change {
+                rv: state.rv,
+                resource: resource.to_owned(),
+                namespace: namespace.to_owned(),
+                kind: "DELETED",
+                object,
+            };
+            state.history.push(change.clone());
+            let _ = self.changes.send(change);
+        }
+    }
+
+    /// Deletes without telling any watch (only a list sees it): what a watch misses while
+    /// it is away and the history is compacted.
+    pub fn delete_unseen(&self, resource: &str, namespace: &str, name: &str) {
+        let mut state = self.state.lock().expect("lock");
+        state.rv += 1;
+        state
+            .objects
+            .remove(&(resource.to_owned(), namespace.to_owned(), name.to_owned()));
+    }
+
+    fn change(&self, resource: &str, mut object: Value, tell: bool) {
+        let mut state = self.state.lock().expect("lock");
+        state.rv += 1;
+        let rv = state.rv;
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let namespace = object["metadata"]["namespace"]
+            .as_str()
+            .expect("metadata.namespace")
+            .to_owned();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .expect("metadata.name")
+            .to_owned();
+        let key = (resource.to_owned(), namespace.clone(), name);
+        let kind = if state.objects.contains_key(&key) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        state.objects.insert(key, object.clone());
+        if tell {
+            let change = Change {
+                rv,
+                resource: resource.to_owned(),
+                namespace,
+                kind,
+                object,
+            };
+            state.history.push(change.clone());
+            let _ = self.changes.send(change);
+        }
+    }
+
+    /// Makes the server answer 500 to every list and watch (or stops doing so).
+    pub fn set_failing(&self, failing: bool) {
+        self.state.lock().expect("lock").failing = failing;
+    }
+
+    /// Ends every open watch (clients resume from their last resourceVersion).
+    pub fn end_watches(&self) {
+        self.close.send_modify(|generation| *generation += 1);
+    }
+
+    /// Compacts the history: every watch from an older version gets 410 Gone (and open
+    /// watches end), so clients must re-list.
+    pub fn expire(&self) {
+        {
+            let mut state = self.state.lock().expect("lock");
+            state.rv += 1;
+            state.floor = state.rv;
+            state.history.clear();
+        }
+        self.end_watches();
+    }
+
+    /// Lists served so far for `resource`.
+    pub fn lists(&self, resource: &str) -> usize {
+        let state = self.state.lock().expect("lock");
+        state.lists.get(resource).copied().unwrap_or(0)
+    }
+
+    /// Watches opened so far for `resource`.
+    pub fn watches(&self, resource: &str) -> usize {
+        let state = self.state.lock().expect("lock");
+        state.watches.get(resource).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for FakeKube {
+    fn drop(&mut self) {
+        if let Some(task) = self.server.lock().ok().and_then(|mut s| s.take()) {
+            task.abort();
+        }
+    }
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn full(status: u16, body: Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())).boxed())
+        .expect("response")
+}
+
+fn status_body(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+#[derive(Clone)]
+struct Shared {
+    state: Arc<Mutex<State>>,
+    changes: broadcast::Sender<Change>,
+    close: watch::Receiver<u64>,
+}
+
+/// What a request selects.
+struct Query {
+    resource: String,
+    namespace: String,
+    labels: Vec<(String, String)>,
+    name: Option<String>,
+    watch: bool,
+    resource_version: u64,
+    bookmarks: bool,
+    timeout: Option<Duration>,
+}
+
+impl Query {
+    fn parse(request: &Request<hyper::body::Incoming>) -> Option<Query> {
+        let path: Vec<&str> = request.uri().path().trim_matches('/').split('/').collect();
+        let (resource, namespace) = match path.as_slice() {
+            ["api", "v1", "namespaces", ns, "pods"] => ("pods".to_owned(), *ns),
+            ["apis", group, _version, "namespaces", ns, "inferencepools"] => {
+                (pool_resource(group), *ns)
+            }
+            _ => return None,
+        };
+        let mut query = Query {
+            resource,
+            namespace: namespace.to_owned(),
+            labels: Vec::new(),
+            name: None,
+            watch: false,
+            resource_version: 0,
+            bookmarks: false,
+            timeout: None,
+        };
+        let text = request.uri().query().unwrap_or("");
+        for (key, value) in url_pairs(text) {
+            match key.as_str() {
+                "watch" => query.watch = value == "true" || value == "1",
+                "resourceVersion" => query.resource_version = value.parse().unwrap_or(0),
+                "allowWatchBookmarks" => query.bookmarks = value == "true",
+                "timeoutSeconds" => {
+                    query.timeout = value.parse().ok().map(Duration::from_secs);
+                }
+                "labelSelector" => {
+                    for pair in value.split(',').filter(|p| !p.is_empty()) {
+                        let (k, v) = pair.split_once('=')?;
+                        query.labels.push((k.to_owned(), v.to_owned()));
+                    }
+                }
+                "fieldSelector" => {
+                    query.name = Some(value.strip_prefix("metadata.name=")?.to_owned());
+                }
+                _ => {}
+            }
+        }
+        Some(query)
+    }
+
+    fn matches(&self, resource: &str, namespace: &str, object: &Value) -> bool {
+        resource == self.resource
+            && namespace == self.namespace
+            && self
+                .name
+                .as_deref()
+                .is_none_or(|name| object["metadata"]["name"] == name)
+            && self
+                .labels
+                .iter()
+                .all(|(k, v)| object["metadata"]["labels"][k] == v.as_str())
+    }
+}
+
+fn url_pairs(text: &str) -> Vec<(String, String)> {
+    text.split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(k, v)| (decode(k), decode(v)))
+        .collect()
+}
+
+fn decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+                out.push(u8::from_str_radix(hex, 16).unwrap_or(b'?'));
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl Shared {
+    fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
+        if request.method() != hyper::Method::GET {
+            return full(405, status_body(405, "MethodNotAllowed", "read-only fake"));
+        }
+        let Some(query) = Query::parse(&request) else {
+            return full(
+                404,
+                status_body(404, "NotFound", &format!("no route {}", request.uri())),
+            );
+        };
+        let (failing, gone) = {
+            let state = self.state.lock().expect("lock");
+            (state.failing, query.resource_version < state.floor)
+        };
+        if failing && !(query.watch && gone) {
+            return full(
+                500,
+                status_body(500, "InternalError", "etcdserver: request timed out"),
+            );
+        }
+        if query.watch {
+            self.watch(query)
+        } else {
+            self.list(&query)
+        }
+    }
+
+    fn list(&self, query: &Query) -> Response<Body> {
+        let mut state = self.state.lock().expect("lock");
+        *state.lists.entry(query.resource.clone()).or_default() += 1;
+        let items: Vec<Value> = state
+            .objects
+            .iter()
+            .filter(|((resource, ns, _), object)| query.matches(resource, ns, object))
+            .map(|(_, object)| object.clone())
+            .collect();
+        full(
+            200,
+            json!({"kind": "List", "apiVersion": "v1",
+                   "metadata": {"resourceVersion": state.rv.to_string()}, "items": items}),
+        )
+    }
+
+    fn watch(&self, query: Query) -> Response<Body> {
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(256);
+        let line = |event: Value| Ok(Frame::data(Bytes::from(format!("{event}\n"))));
+        let (backlog, mut changes, gone, rv) = {
+            let mut state = self.state.lock().expect("lock");
+            *state.watches.entry(query.resource.clone()).or_default() += 1;
+            let gone = query.resource_version < state.floor;
+            let backlog: Vec<Change> = state
+                .history
+                .iter()
+                .filter(|c| c.rv > query.resource_version)
+                .filter(|c| query.matches(&c.resource, &c.namespace, &c.object))
+                .cloned()
+                .collect();
+            // Subscribed under the lock: no change falls between the backlog and the feed.
+            (backlog, self.changes.subscribe(), gone, state.rv)
+        };
+        let mut close = self.close.clone();
+        close.borrow_and_update();
+        tokio::spawn(async move {
+            if gone {
+                let status = status_body(
+                    410,
+                    "Expired",
+                    &format!("too old resource version: {}", query.resource_version),
+                );
+                let _ = tx
+                    .send(line(json!({"type": "ERROR", "object": status})))
+                    .await;
+                return;
+            }
+            for change in backlog {
+                let event = json!({"type": change.kind, "object": change.object});
+                if tx.send(line(event)).await.is_err() {
+                    return;
+                }
+            }
+            let mut last_rv = rv;
+            let ends = tokio::time::sleep(query.timeout.unwrap_or(Duration::from_secs(3600)));
+            tokio::pin!(ends);
+            let mut bookmark = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                let event = tokio::select! {
+                    () = &mut ends => return,
+                    _ = close.changed() => return,
+                    _ = bookmark.tick(), if query.bookmarks => {
+                        let kind = if query.resource == "pods" { "Pod" } else { "InferencePool" };
+                        json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": "v1",
+                            "metadata": {"resourceVersion": last_rv.to_string()}}})
+                    }
+                    change = changes.recv() => match change {
+                        Ok(change) if query.matches(&change.resource, &change.namespace, &change.object) => {
+                            last_rv = change.rv;
+                            json!({"type": change.kind, "object": change.object})
+                        }
+                        Ok(_) => continue,
+                        // A watch that fell behind ends, as the API server's would.
+                        Err(_) => return,
+                    },
+                };
+                if tx.send(line(event)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+        Response::builder()
+            .status(200)
+            .header("content-type", "application/json")
+            .body(BodyExt::boxed(StreamBody::new(stream)))
+            .expect("response")
+    }
+}
