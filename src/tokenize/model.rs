@@ -131,6 +131,12 @@ impl ModelTokenizer {
             Err(TokenizeError::PretokenTooLong {
                 at: Some(at),
                 limit,
+            }) if !(add_special_tokens && self.adds_special_tokens) => {
+                self.encode_head(text, at, limit)
+            }
+            Err(TokenizeError::PretokenTooLong {
+                at: Some(at),
+                limit,
             }) => {
                 let head = text
                     .get(..at)
@@ -141,6 +147,42 @@ impl ModelTokenizer {
             }
             other => other,
         }
+    }
+
+    /// The ids of `text` before byte `at`, where a pre-token over the bound starts: the
+    /// tokens the whole text has there.
+    ///
+    /// Why not encode `text[..at]` alone: a head that ends in whitespace splits its trailing
+    /// run differently at the end of a text (`\s+(?!\S)` then takes the whole run, while
+    /// before the long pre-token it leaves the last character to it or to a word of its own),
+    /// so its last ids would differ. Encoding the head with the first character of the long
+    /// pre-token lets the pre-tokenizer see what the whole text has there; the ids are those
+    /// before the last word start at or before `at`.
+    fn encode_head(
+        &self,
+        text: &str,
+        at: usize,
+        limit: usize,
+    ) -> Result<CachedTokens, TokenizeError> {
+        let too_long = || TokenizeError::PretokenTooLong { at: None, limit };
+        let next = text
+            .get(at..)
+            .and_then(|rest| rest.chars().next())
+            .map_or(0, char::len_utf8);
+        let head = text.get(..at + next).ok_or_else(too_long)?;
+        let (mut ids, words) = self.word_encoder().encode(head)?;
+        let (cut, kept) = words
+            .iter()
+            .rev()
+            .find(|(start, _)| *start <= at)
+            .copied()
+            .unwrap_or((0, 0));
+        ids.truncate(kept);
+        Ok(CachedTokens {
+            ids,
+            reused_tokens: 0,
+            cut_at: Some(cut),
+        })
     }
 
     fn encode_whole(
@@ -179,13 +221,14 @@ impl ModelTokenizer {
             };
         }
         match self.cache.encode_owned(&self.word_encoder(), text) {
-            Err((TokenizeError::PretokenTooLong { at: Some(at), .. }, mut text))
-                if text.is_char_boundary(at) =>
-            {
-                text.truncate(at);
-                let mut tokens = self.cache.encode_owned(&self.word_encoder(), text)?;
-                tokens.cut_at = Some(at);
-                Ok(tokens)
+            Err((
+                TokenizeError::PretokenTooLong {
+                    at: Some(at),
+                    limit,
+                },
+                text,
+            )) if text.is_char_boundary(at) => {
+                self.encode_head(&text, at, limit).map_err(|e| (e, text))
             }
             Err((TokenizeError::PretokenTooLong { limit, .. }, text)) => {
                 Err((TokenizeError::PretokenTooLong { at: None, limit }, text))

@@ -309,19 +309,21 @@ proptest! {
     }
 }
 
-/// A text's ids before byte `at` are exactly its full encoding's there: `at` is a word start
-/// of the whole text and the whole text's ids up to it are those of `text[..at]`.
-fn assert_exact_prefix(text: &str, at: usize) {
+/// `at` starts a pre-token of the whole text: the encoder may stop there, and the whole text's
+/// ids before it are final. Returns how many there are.
+fn assert_word_start(text: &str, at: usize) -> usize {
     let (full_ids, full_words) = crate_encode(text);
-    let (head_ids, _) = crate_encode(&text[..at]);
-    let k = head_ids.len();
-    if at > 0 && at < text.len() {
-        assert!(
-            full_words.contains(&(at, k)),
-            "{at} is not a word start after {k} tokens of {text:?}"
-        );
+    if at == 0 {
+        return 0;
     }
-    assert_eq!(&full_ids[..k], &head_ids[..], "ids before {at} of {text:?}");
+    if at >= text.len() {
+        return full_ids.len();
+    }
+    full_words
+        .iter()
+        .find(|(start, _)| *start == at)
+        .map(|(_, k)| *k)
+        .unwrap_or_else(|| panic!("{at} is not a word start of {text:?}"))
 }
 
 /// With a small pre-token bound, the fast encoder either encodes like the crate or stops at
@@ -338,7 +340,7 @@ fn check_bounded(text: &str, bound: usize) {
             limit,
         }) => {
             assert_eq!(limit, bound);
-            assert_exact_prefix(text, at);
+            assert_word_start(text, at);
         }
         Err(e) => panic!("{text:?}: {e}"),
     }
@@ -381,6 +383,41 @@ proptest! {
         bound in 4usize..24,
     ) {
         check_bounded(&pieces.concat(), bound);
+    }
+}
+
+/// The ids kvpick keeps before a cut are the whole text's, also where the text before the
+/// cut ends in whitespace (which a text of its own would split differently at its end).
+#[test]
+fn the_ids_before_a_cut_are_the_whole_texts_after_trailing_whitespace() {
+    let giant = "!".repeat(kvpick::tokenize::MAX_PRETOKEN_BYTES + 10);
+    for head in [
+        "0 's \u{a0}",
+        "tail  \u{a0}",
+        "words\t \u{3000}",
+        "end \u{a0}\u{a0}",
+    ] {
+        let text = format!("{head}{giant} more");
+        let got = MODEL.encode(&text, false).expect("encode");
+        let at = got.cut_at.expect("cut");
+        // The crate itself, unbounded: the tokens before `at`, and a new word at `at`.
+        let whole = MODEL.tokenizer().encode(text.as_str(), false).unwrap();
+        let kept = whole.get_offsets().iter().take_while(|o| o.0 < at).count();
+        assert_eq!(
+            whole.get_offsets()[kept].0,
+            at,
+            "{head:?}: no token starts at {at}"
+        );
+        assert_ne!(
+            whole.get_word_ids()[kept],
+            whole.get_word_ids()[kept - 1],
+            "{head:?}: {at} is inside a word"
+        );
+        assert_eq!(got.ids, whole.get_ids()[..kept], "{head:?}");
+        assert!(at >= head.len() - 3, "{head:?}: cut at {at}");
+        // Owned text (a rendered chat prompt): the same.
+        let owned = MODEL.encode_owned(text.clone(), false).expect("encode");
+        assert_eq!((owned.ids, owned.cut_at), (got.ids, Some(at)), "{head:?}");
     }
 }
 
