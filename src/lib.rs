@@ -26,3 +26,9 @@ pub mod scheduling;
 pub mod scrape;
 pub mod telemetry;
 pub mod tokenize;
+
+/// Where the unit tests find the shared real-vLLM captures: the workspace's one fixture lookup
+/// (`tests/support/paths.rs`), so a checkout anywhere finds them as the integration tests do.
+#[cfg(test)]
+#[path = "../tests/support/paths.rs"]
+mod test_paths;

@@ -214,10 +214,9 @@ mod tests {
 
     #[test]
     fn reads_real_vllm_metrics() {
-        let text = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../shared/fixtures/vllm-0.32-kv-events/metrics-load.txt"
-        ))
+        let text = std::fs::read_to_string(
+            crate::test_paths::fixtures().join("vllm-0.32-kv-events/metrics-load.txt"),
+        )
         .expect("fixture");
         let metrics = EngineKind::Vllm
             .extract(&parse(&text).samples)

@@ -238,11 +238,10 @@ mod tests {
     #[test]
     fn parses_every_line_of_real_vllm_metrics() {
         for file in ["metrics-idle.txt", "metrics-load.txt", "metrics-final.txt"] {
-            let path = concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../shared/fixtures/vllm-0.32-kv-events/"
-            );
-            let text = std::fs::read_to_string(format!("{path}{file}")).expect("fixture");
+            let path = crate::test_paths::fixtures()
+                .join("vllm-0.32-kv-events")
+                .join(file);
+            let text = std::fs::read_to_string(path).expect("fixture");
             let exp = parse(&text);
             assert_eq!(exp.bad_lines, 0, "{file}: {:?}", exp.first_error);
             let samples = text
