@@ -481,3 +481,38 @@ fn pd_config_errors_name_the_bad_field() {
         "{e}"
     );
 }
+
+/// The document's apiVersion as GIE and llm-d have written it (llm-d moved the EPP's config to
+/// its own group in 2026): all read the same, without a warning; an unknown one reads as GIE's
+/// with a warning that names it.
+#[test]
+fn every_known_api_version_reads_the_same() {
+    let body = "kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: queue-scorer\n";
+    let reference = load(Some(&format!(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\n{body}"
+    )))
+    .expect("GIE's version");
+    for version in [
+        "inference.networking.x-k8s.io/v1alpha1",
+        "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
+        "llm-d.ai/v1alpha1",
+        "llm-d.ai/v1",
+    ] {
+        let v = load(Some(&format!("apiVersion: {version}\n{body}"))).expect(version);
+        assert_eq!(v.scheduler, reference.scheduler, "{version}");
+        assert!(
+            !v.warnings.iter().any(|w| w.starts_with("apiVersion")),
+            "{version}: {:?}",
+            v.warnings
+        );
+    }
+    let odd = load(Some(&format!("apiVersion: example.com/v9\n{body}"))).expect("read anyway");
+    assert_eq!(odd.scheduler, reference.scheduler);
+    assert!(
+        odd.warnings
+            .iter()
+            .any(|w| w.starts_with("apiVersion") && w.contains("example.com/v9")),
+        "{:?}",
+        odd.warnings
+    );
+}
