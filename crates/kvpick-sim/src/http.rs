@@ -224,10 +224,7 @@ async fn set_faults(State(api): State<Arc<PodApi>>, body: Bytes) -> Result<Respo
 }
 
 /// The prompts of a completion request as token ids.
-pub(crate) fn completion_prompts(
-    api: &PodApi,
-    body: &Map<String, Value>,
-) -> Result<Vec<Vec<u32>>, ApiError> {
+fn completion_prompts(api: &PodApi, body: &Map<String, Value>) -> Result<Vec<Vec<u32>>, ApiError> {
     let prompt = body.get("prompt").ok_or_else(|| {
         ApiError::bad("Either prompt or prompt_embeds must be provided").param("prompt")
     })?;
@@ -284,11 +281,7 @@ pub(crate) struct Common {
     full_report: bool,
 }
 
-pub(crate) fn common(
-    api: &PodApi,
-    body: &Map<String, Value>,
-    chat: bool,
-) -> Result<Common, ApiError> {
+fn common(api: &PodApi, body: &Map<String, Value>, chat: bool) -> Result<Common, ApiError> {
     if api.pod.faults.refusing() {
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -386,31 +379,63 @@ pub(crate) fn common(
     })
 }
 
+/// A request body as the generation endpoint and its render both read it: the parsed body,
+/// its common fields, the prompts' token ids, and the output length (as asked, else vLLM's
+/// default: 16 for completions, the room left in the context for chat).
+pub(crate) struct ReadRequest {
+    pub(crate) body: Map<String, Value>,
+    pub(crate) common: Common,
+    pub(crate) prompts: Vec<Vec<u32>>,
+    pub(crate) max_tokens: usize,
+}
+
+/// Reads a `/v1/completions` body (one or more prompts).
+pub(crate) fn read_completion(api: &PodApi, body: &Bytes) -> Result<ReadRequest, ApiError> {
+    let body = parse_body(body)?;
+    let common = common(api, &body, false)?;
+    let prompts = completion_prompts(api, &body)?;
+    let max_tokens = common.max_tokens.unwrap_or(16);
+    Ok(ReadRequest {
+        body,
+        common,
+        prompts,
+        max_tokens,
+    })
+}
+
+/// Reads a `/v1/chat/completions` body (one templated prompt).
+pub(crate) fn read_chat(api: &PodApi, body: &Bytes) -> Result<ReadRequest, ApiError> {
+    let body = parse_body(body)?;
+    let common = common(api, &body, true)?;
+    let ids = chat_ids(api, &body, true)?;
+    let room = Engine::max_request_tokens(&api.pod.engine)
+        .saturating_sub(ids.len())
+        .max(1);
+    let max_tokens = common.max_tokens.unwrap_or(room);
+    Ok(ReadRequest {
+        body,
+        common,
+        prompts: vec![ids],
+        max_tokens,
+    })
+}
+
 async fn completions(State(api): State<Arc<PodApi>>, body: Bytes) -> Result<Response, ApiError> {
-    let body = parse_body(&body)?;
-    let c = common(&api, &body, false)?;
-    let prompts = completion_prompts(&api, &body)?;
-    let max_tokens = c.max_tokens.unwrap_or(16);
-    run(api, c, prompts, max_tokens, false).await
+    let read = read_completion(&api, &body)?;
+    run(api, read.common, read.prompts, read.max_tokens, false).await
 }
 
 async fn chat_completions(
     State(api): State<Arc<PodApi>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body = parse_body(&body)?;
-    let c = common(&api, &body, true)?;
-    let ids = chat_ids(&api, &body, true)?;
-    let room = Engine::max_request_tokens(&api.pod.engine)
-        .saturating_sub(ids.len())
-        .max(1);
-    let max_tokens = c.max_tokens.unwrap_or(room);
-    run(api, c, vec![ids], max_tokens, true).await
+    let read = read_chat(&api, &body)?;
+    run(api, read.common, read.prompts, read.max_tokens, true).await
 }
 
 /// `tool_choice_applies` is false for `/tokenize`, which has no `tool_choice` and always passes
 /// the tools to the template (as vLLM's does).
-pub(crate) fn chat_ids(
+fn chat_ids(
     api: &PodApi,
     body: &Map<String, Value>,
     tool_choice_applies: bool,

@@ -27,10 +27,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
-use super::engine::Engine;
-use super::http::{
-    ApiError, Common, PodApi, VOCAB, chat_ids, common, completion_prompts, parse_body,
-};
+use super::http::{ApiError, Common, PodApi, VOCAB, parse_body, read_chat, read_completion};
 
 /// Sampling fields echoed into `sampling_params` when the request sets them.
 const ECHOED_SAMPLING: &[&str] = &[
@@ -81,13 +78,11 @@ pub async fn render_completion(
     State(api): State<Arc<PodApi>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body = parse_body(&body)?;
-    let c = common(&api, &body, false)?;
-    let prompts = completion_prompts(&api, &body)?;
-    let max_tokens = c.max_tokens.unwrap_or(16);
-    let out: Vec<Value> = prompts
+    let read = read_completion(&api, &body)?;
+    let out: Vec<Value> = read
+        .prompts
         .into_iter()
-        .map(|ids| generate_request("cmpl", &c, &body, ids, max_tokens))
+        .map(|ids| generate_request("cmpl", &read.common, &read.body, ids, read.max_tokens))
         .collect();
     Ok(axum::Json(Value::Array(out)).into_response())
 }
@@ -97,14 +92,10 @@ pub async fn render_chat(
     State(api): State<Arc<PodApi>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body = parse_body(&body)?;
-    let c = common(&api, &body, true)?;
-    let ids = chat_ids(&api, &body, true)?;
-    let room = Engine::max_request_tokens(&api.pod.engine)
-        .saturating_sub(ids.len())
-        .max(1);
-    let max_tokens = c.max_tokens.unwrap_or(room);
-    Ok(axum::Json(generate_request("chatcmpl", &c, &body, ids, max_tokens)).into_response())
+    let mut read = read_chat(&api, &body)?;
+    let ids = read.prompts.pop().unwrap_or_default();
+    let request = generate_request("chatcmpl", &read.common, &read.body, ids, read.max_tokens);
+    Ok(axum::Json(request).into_response())
 }
 
 /// `POST /detokenize`: `{tokens}` → `{prompt}`.
