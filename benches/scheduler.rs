@@ -60,7 +60,12 @@ fn fresh(template: &SchedulingRequest, warm: Option<&dyn Scheduler>) -> Scheduli
         .keyable_tokens()
         .unwrap_or_default()
         .to_vec();
-    let keys = PromptKeys::exact(KeyContext::model("m"), tokens);
+    let context = template
+        .prompt
+        .context()
+        .cloned()
+        .unwrap_or_else(|| KeyContext::model("m"));
+    let keys = PromptKeys::exact(context, tokens);
     if let Some(scheduler) = warm {
         scheduler.warm_keys(&keys);
     }

@@ -227,30 +227,32 @@ impl PrefixIndex {
         block_size: u32,
         candidates: &[PodId],
     ) -> Vec<PrefixMatch> {
-        let mut walk = Walk::new(self, candidates);
-        let blocks = self.blocks.reader(keys.len());
-        walk.run(
-            self,
-            &blocks,
-            &mut Keys::Fixed(keys),
-            keys.len(),
-            candidates,
-        );
-        walk.finish(candidates, keys.len(), block_size).matches
+        self.walk(&mut Keys::Fixed(keys), keys.len(), block_size, candidates)
+            .matches
     }
 
     /// Matches at one block size, keying the prompt lazily; also returns per candidate the
     /// first block of its run held only speculatively.
     fn match_size(&self, keys: &PromptKeys, size: u32, candidates: &[PodId]) -> Walked {
         keys.with_keys(size, |lazy| {
-            let total = lazy.total_blocks();
-            let block_size = lazy.block_size();
-            let mut walk = Walk::new(self, candidates);
-            let blocks = self.blocks.reader(total);
-            walk.run(self, &blocks, &mut Keys::Lazy(lazy), total, candidates);
-            walk.finish(candidates, total, block_size)
+            let (total, block_size) = (lazy.total_blocks(), lazy.block_size());
+            self.walk(&mut Keys::Lazy(lazy), total, block_size, candidates)
         })
         .unwrap_or_else(|| Walk::new(self, candidates).finish(candidates, 0, size))
+    }
+
+    /// One walk over `total` blocks whose keys come from `keys`.
+    fn walk(
+        &self,
+        keys: &mut Keys<'_, '_>,
+        total: usize,
+        block_size: u32,
+        candidates: &[PodId],
+    ) -> Walked {
+        let mut walk = Walk::new(self, candidates);
+        let blocks = self.blocks.reader(total);
+        walk.run(self, &blocks, keys, total, candidates);
+        walk.finish(candidates, total, block_size)
     }
 }
 
