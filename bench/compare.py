@@ -41,12 +41,13 @@ MODES = {
                           output_len=32, rates=[4.0, 8.0], stage_seconds=5),
         systems=list(SYSTEMS),
     ),
-    # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, two systems.
+    # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, three systems,
+    # full caches (the two pods together just hold the groups' prefixes).
     "smoke": dict(
-        pods=2, time_scale=1.0,
+        pods=2, time_scale=1.0, cache_fraction=0.5,
         workload=Workload(groups=7, prompts_per_group=4, system_len=512, question_len=32,
-                          output_len=8, rates=[8.0], stage_seconds=4),
-        systems=["round-robin", "kvpick-default"],
+                          output_len=8, rates=[8.0], stage_seconds=5),
+        systems=["round-robin", "kvpick-recommended", "smg-cache-aware"],
     ),
 }
 
@@ -76,7 +77,7 @@ def start_fleet(args, procs, workload, run_dir):
     base = free_port_run(n, start=21000)
     events = free_port_run(n, start=base + n + 10)
     replay = free_port_run(n, start=events + n + 10)
-    blocks = args.num_gpu_blocks or blocks_per_pod(workload, args.block_size)
+    blocks = args.num_gpu_blocks or blocks_per_pod(workload, args.block_size, fraction=args.cache_fraction)
     argv = [
         os.path.join(args.bin_dir, "kvpick-sim"), "--pods", str(n), "--base-port", str(base),
         "--events-base-port", str(events), "--replay-base-port", str(replay),
@@ -209,7 +210,9 @@ def main(argv=None):
     p.add_argument("--time-scale", type=float)
     p.add_argument("--rates", help="comma-separated req/s ladder")
     p.add_argument("--stage-seconds", type=int)
-    p.add_argument("--num-gpu-blocks", type=int, help="override the 1/3-of-prefixes sizing")
+    p.add_argument("--num-gpu-blocks", type=int, help="override the cache-fraction sizing")
+    p.add_argument("--cache-fraction", type=float,
+                   help="share of the groups' prefixes one pod holds (default 1/3; 1/pods: full caches)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--model", default="sim-model")
     p.add_argument("--bin-dir", default=os.path.join(REPO, "target", "release"))
@@ -225,6 +228,10 @@ def main(argv=None):
         workload.stage_seconds = args.stage_seconds
     workload.validate()
     args.pods = args.pods or mode["pods"]
+    if args.cache_fraction is None:
+        args.cache_fraction = mode.get("cache_fraction", 1 / 3)
+    if not 0 < args.cache_fraction <= 1:
+        p.error("--cache-fraction must be in (0, 1]")
     args.time_scale = args.time_scale if args.time_scale is not None else mode["time_scale"]
     systems = args.systems.split(",") if args.systems else mode["systems"]
     unknown = [s for s in systems if s not in SYSTEMS]

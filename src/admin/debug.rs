@@ -56,6 +56,9 @@ pub struct PodView {
     pub metrics: Option<PodLoadView>,
     /// kvpick's in-flight count for it.
     pub in_flight: u64,
+    /// Its prefill backlog and the timing kvpick has learned of it (what the placement
+    /// scorer predicts with).
+    pub timing: crate::endpoints::PrefillView,
     /// Its labels.
     pub labels: BTreeMap<String, String>,
 }
@@ -97,6 +100,7 @@ pub async fn pods(State(state): State<AdminState>) -> axum::Json<PodsView> {
                 kv_events: index.kv_events,
                 metrics,
                 in_flight: endpoint.in_flight.get(),
+                timing: endpoint.prefill.view(std::time::Instant::now()),
                 labels: endpoint.endpoint.labels.clone(),
             }
         })

@@ -13,7 +13,7 @@ use serde_yaml::Value;
 use super::handler::{HandlerPlugin, PdParams};
 use super::picker_doc::{PLUGIN_TYPES, PickerConfigError, PluginSpec};
 use crate::scheduling::{
-    CostModel, FilterKind, PickerSpec, PrefixCacheParams, PrefixMode, ScorerSpec,
+    CostModel, FilterKind, PickerSpec, PlacementParams, PrefixCacheParams, PrefixMode, ScorerSpec,
 };
 
 /// The `'static` spelling of a known plugin type (metric label values stay allocation-free).
@@ -123,6 +123,16 @@ struct CostParams {
     queued_request_ms: Option<f64>,
     decode_slowdown_per_running: Option<f64>,
     chars_per_token: Option<f64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PlacementConfigParams {
+    hold_bias: Option<f64>,
+    displacement_weight: Option<f64>,
+    prior_prefill_ms_per_token: Option<f64>,
+    default_block_size: Option<u32>,
+    decode_weight: Option<f64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -337,6 +347,35 @@ pub(super) fn parse_plugin(
                 },
             }))
         }
+        "kv-placement-scorer" => {
+            let p: PlacementConfigParams = params(spec, i)?;
+            let d = PlacementParams::default();
+            let hold_bias = non_negative(i, "holdBias", p.hold_bias, d.hold_bias)?;
+            if hold_bias < 1.0 {
+                return Err(bad(i, format!("holdBias must be ≥ 1 (got {hold_bias})")));
+            }
+            Plugin::Scorer(ScorerSpec::Placement(PlacementParams {
+                hold_bias,
+                displacement_weight: non_negative(
+                    i,
+                    "displacementWeight",
+                    p.displacement_weight,
+                    d.displacement_weight,
+                )?,
+                prior_ms_per_token: non_negative(
+                    i,
+                    "priorPrefillMsPerToken",
+                    p.prior_prefill_ms_per_token,
+                    d.prior_ms_per_token,
+                )?,
+                default_block_size: match p.default_block_size {
+                    None => d.default_block_size,
+                    Some(0) => return Err(bad(i, "defaultBlockSize must be at least 1".into())),
+                    Some(v) => v,
+                },
+                decode_weight: non_negative(i, "decodeWeight", p.decode_weight, d.decode_weight)?,
+            }))
+        }
         "saturation-filter" => {
             let p: SaturationFilterParams = params(spec, i)?;
             for (name, v) in [
@@ -351,6 +390,10 @@ pub(super) fn parse_plugin(
                 queue_threshold: p.queue_depth_threshold,
                 kv_threshold: p.kv_cache_util_threshold,
             })
+        }
+        "fresh-metrics-filter" => {
+            no_params(spec, i)?;
+            Plugin::Filter(FilterKind::FreshMetrics)
         }
         "lora-capacity-filter" => {
             no_params(spec, i)?;

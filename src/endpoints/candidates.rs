@@ -26,6 +26,7 @@ mod tests {
             Arc::new(EndpointState {
                 endpoint: Endpoint::new(format!("10.0.0.{i}:8000").parse().expect("addr")),
                 in_flight: Arc::default(),
+                prefill: Arc::default(),
                 liveness: Arc::default(),
             })
         };

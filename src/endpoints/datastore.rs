@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use super::liveness::Liveness;
 use super::load::InFlight;
 use super::pod::{Endpoint, PodId};
+use super::prefill::PrefillLoad;
 
 /// One endpoint of the pool with its live state.
 #[derive(Debug)]
@@ -29,6 +30,8 @@ pub struct EndpointState {
     pub in_flight: Arc<InFlight>,
     /// Whether it is down (left out of the candidates).
     pub liveness: Arc<Liveness>,
+    /// Its prefill backlog and fitted time to first token.
+    pub prefill: Arc<PrefillLoad>,
 }
 
 impl EndpointState {
@@ -105,6 +108,9 @@ impl Datastore {
                         .unwrap_or_default(),
                     liveness: kept
                         .map(|state| Arc::clone(&state.liveness))
+                        .unwrap_or_default(),
+                    prefill: kept
+                        .map(|state| Arc::clone(&state.prefill))
                         .unwrap_or_default(),
                 })
             })

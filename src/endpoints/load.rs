@@ -35,6 +35,13 @@ pub struct InFlightGuard {
     load: Arc<InFlight>,
 }
 
+impl InFlightGuard {
+    /// The endpoint's in-flight count now (this request included).
+    pub fn current(&self) -> u64 {
+        self.load.get()
+    }
+}
+
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         self.load.count.fetch_sub(1, Ordering::Relaxed);

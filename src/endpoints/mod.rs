@@ -5,9 +5,11 @@ mod datastore;
 pub mod liveness;
 mod load;
 mod pod;
+pub mod prefill;
 
 pub use candidates::live_candidates;
 pub use datastore::{Datastore, EndpointState, PoolSnapshot};
 pub use liveness::Liveness;
 pub use load::{InFlight, InFlightGuard};
 pub use pod::{ENGINE_TYPE_LABEL, Endpoint, PodId};
+pub use prefill::{FittedLine, PrefillGuard, PrefillLoad, PrefillView, TtftObservation};

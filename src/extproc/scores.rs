@@ -126,6 +126,7 @@ mod tests {
             cached_tokens: 0.0,
             saturation: 0.0,
             estimated_ttft_ms: None,
+            displacement_ms: None,
             in_flight: 0,
             fresh_metrics: true,
         }

@@ -32,7 +32,7 @@ use super::response::ResponseBody;
 use super::scores;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
-use crate::endpoints::{Datastore, InFlightGuard, PodId, live_candidates};
+use crate::endpoints::{Datastore, InFlightGuard, PodId, PrefillGuard, live_candidates};
 use crate::kvcache::PromptKeys;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
@@ -155,6 +155,11 @@ pub struct RequestStream {
     /// When the stream opened, then (once they came) when the request headers came.
     phase_started: tokio::time::Instant,
     in_flight: Option<InFlightGuard>,
+    /// The request's share of its pod's prefill backlog: released at the first byte of a
+    /// streamed response (which also times it), or at the end of any other.
+    prefill: Option<PrefillGuard>,
+    /// Whether the client asked for a streamed response (its first byte is its first token).
+    streamed: bool,
     response: ResponseBody,
     /// Where the request went and under which model labels, for the usage metrics.
     routed: Option<Routed>,
@@ -184,6 +189,8 @@ impl RequestStream {
             end: RequestEnd::Bodyless,
             phase_started: tokio::time::Instant::now(),
             in_flight: None,
+            prefill: None,
+            streamed: false,
             response: ResponseBody::PassThrough,
             routed: None,
             usage: UsageTail::default(),
@@ -267,6 +274,9 @@ impl RequestStream {
                 )]
             }
             (Phase::Response, Request::ResponseBody(body)) => {
+                if !body.body.is_empty() {
+                    self.response_chunk();
+                }
                 self.usage.push(&body.body);
                 if body.end_of_stream {
                     self.end_response();
@@ -464,6 +474,7 @@ impl RequestStream {
                 Rejection::Schedule(ScheduleError::NoCandidates)
             });
         }
+        self.streamed = prepared.as_ref().is_some_and(|p| p.stream);
         let (target_model, prompt) = match prepared {
             // The prompt moves into the Arc the scheduler and the routing record share (no
             // copy of a long prompt or its keys); what the reply still needs of `prepared` is
@@ -487,6 +498,12 @@ impl RequestStream {
         self.record = (!record.is_empty()).then_some(record);
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
             self.in_flight = Some(primary.in_flight.start());
+            self.prefill = Some(primary.prefill.start(
+                pick.expected.uncached_tokens.unwrap_or(0.0),
+                pick.expected.cached_tokens,
+                pick.expected.ttft_ms,
+                Instant::now(),
+            ));
         }
         Ok(pick)
     }
@@ -571,12 +588,33 @@ impl RequestStream {
         vec![mutations::immediate_error(status, &rejection.to_string())]
     }
 
+    /// Response bytes came: a streamed response's first chunk ends its prefill (and times
+    /// it), each later one times a decode step of its pod.
+    fn response_chunk(&mut self) {
+        // NOTE: a non-streamed response's first byte comes with its last token, which says
+        // nothing about its prefill; it holds its backlog share to the end instead.
+        if !self.streamed {
+            return;
+        }
+        let Some(guard) = self.prefill.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        if let Some(seen) = guard.first_byte(now) {
+            self.ctx.metrics.ttft.observe(&seen);
+        } else {
+            let batch = self.in_flight.as_ref().map_or(1, InFlightGuard::current);
+            guard.chunk(now, batch);
+        }
+    }
+
     fn end_response(&mut self) {
         self.in_flight = None;
+        self.prefill = None;
         self.phase = Phase::Done;
         // Capacity freed: let a queued request go without waiting for the next tick.
         if let Some(flow) = &self.ctx.admission.flow {
-            flow.dispatch();
+            flow.completed();
         }
         if let (Some(routed), Some(usage)) = (&self.routed, self.usage.usage()) {
             let metrics = &self.ctx.metrics;

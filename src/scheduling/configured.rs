@@ -31,13 +31,14 @@ use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
 use super::cycle::{Cycle, MetricsSource, PodView, PrefixHit};
 use super::filters::{self, FilterReport};
 use super::pickers;
+use super::placement;
 use super::saturation::{SaturationDetector, endpoint_saturation};
 use super::scorers::{Scorer, estimate_ttft_ms};
 use super::spec::{
-    CostModel, FilterSpec, PrefillDecodeSpec, PrefixCacheParams, PrefixMode, ProfileHandlerSpec,
-    SchedulerConfig, ScorerSpec,
+    CostModel, FilterSpec, PlacementParams, PrefillDecodeSpec, PrefixCacheParams, PrefixMode,
+    ProfileHandlerSpec, SchedulerConfig, ScorerSpec,
 };
-use super::{Pick, ScheduleError, Scheduler, SchedulingRequest, ScoreTrace};
+use super::{Expected, Pick, ScheduleError, Scheduler, SchedulingRequest, ScoreTrace};
 
 /// What the scheduler reads besides the request.
 #[derive(Clone)]
@@ -67,6 +68,7 @@ pub struct ConfiguredScheduler {
     prefix: Option<PrefixCacheParams>,
     chars_per_token: f64,
     cost_model: Option<CostModel>,
+    placement: Option<PlacementParams>,
     approx: ApproxPrefixStore,
     deps: SchedulerDeps,
     limit: usize,
@@ -108,6 +110,9 @@ pub struct CandidateExplain {
     /// The cost model's TTFT estimate, when a cost scorer is configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimated_ttft_ms: Option<f64>,
+    /// What placing the request there would evict, in ms of prefill (placement scorer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub displacement_ms: Option<f64>,
     /// In-flight requests (kvpick's count).
     pub in_flight: u64,
     /// Whether its metrics were fresh.
@@ -174,6 +179,10 @@ impl ConfiguredScheduler {
             ScorerSpec::Cost(m) => Some(*m),
             _ => None,
         });
+        let placement = config.scorers.iter().find_map(|s| match &s.scorer {
+            ScorerSpec::Placement(p) => Some(*p),
+            _ => None,
+        });
         let chars_per_token = cost_model
             .map_or(4.0, |m| m.chars_per_token)
             .max(f64::MIN_POSITIVE);
@@ -199,6 +208,7 @@ impl ConfiguredScheduler {
             prefix,
             chars_per_token,
             cost_model,
+            placement,
             approx: ApproxPrefixStore::new(capacity, APPROX_MAX_ENDPOINTS),
             deps,
             limit,
@@ -328,6 +338,7 @@ impl ConfiguredScheduler {
         columns: &[Vec<f64>],
         totals: &[f64],
     ) -> Vec<CandidateExplain> {
+        let placement = self.placement.map(|p| placement::costs(cycle, &p));
         cycle
             .pods
             .iter()
@@ -342,14 +353,21 @@ impl ConfiguredScheduler {
                     .collect(),
                 total: totals.get(i).copied().unwrap_or(0.0),
                 cached_tokens: cycle.prefix_hit(i).cached_tokens,
-                estimated_ttft_ms: self.cost_model.map(|model| {
-                    estimate_ttft_ms(
-                        &model,
-                        pod,
-                        cycle.prompt_tokens,
-                        cycle.prefix_hit(i).cached_tokens,
-                    )
-                }),
+                estimated_ttft_ms: self
+                    .cost_model
+                    .map(|model| {
+                        estimate_ttft_ms(
+                            &model,
+                            pod,
+                            cycle.prompt_tokens,
+                            cycle.prefix_hit(i).cached_tokens,
+                        )
+                    })
+                    .or_else(|| placement.as_ref()?.get(i).map(|c| c.ttft_ms)),
+                displacement_ms: placement
+                    .as_ref()
+                    .and_then(|c| c.get(i))
+                    .map(|c| c.displacement_ms),
                 saturation: endpoint_saturation(&self.config.saturation, pod),
                 in_flight: pod.in_flight,
                 fresh_metrics: pod.fresh,
@@ -390,6 +408,12 @@ impl ConfiguredScheduler {
         }
         if pods.is_empty() {
             return None;
+        }
+        if self.placement.is_some() {
+            for pod in &mut pods {
+                pod.prefill = pod.endpoint.prefill.view(now);
+                pod.held_blocks = self.deps.index.pod_entries(pod.id) as u64;
+            }
         }
         let mut cycle = Cycle {
             request,
@@ -532,6 +556,31 @@ impl ConfiguredScheduler {
     }
 }
 
+impl ConfiguredScheduler {
+    /// What the pick (`order[0]`) is expected to cost: its uncached tokens and, under a
+    /// placement scorer, its predicted time to first token.
+    fn expected(&self, cycle: &Cycle<'_>, order: &[usize]) -> Expected {
+        let has_prompt = !matches!(cycle.request.prompt.prompt(), PromptTokens::Empty);
+        let uncached = uncached_tokens(cycle, order);
+        let ttft_ms = self.placement.as_ref().and_then(|params| {
+            let pod = cycle.pods.get(*order.first()?)?;
+            let fleet = placement::fleet_line(&cycle.pods);
+            Some(placement::predict_ttft_ms(
+                pod,
+                fleet,
+                params,
+                cycle.prompt_tokens,
+                uncached,
+            ))
+        });
+        Expected {
+            uncached_tokens: has_prompt.then_some(uncached),
+            cached_tokens: (cycle.prompt_tokens - uncached).max(0.0),
+            ttft_ms,
+        }
+    }
+}
+
 /// Prompt tokens not cached on the pick (`order[0]`), per the cycle's prefix matches.
 fn uncached_tokens(cycle: &Cycle<'_>, order: &[usize]) -> f64 {
     let cached = order
@@ -570,6 +619,7 @@ impl Scheduler for ConfiguredScheduler {
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
         let mut pick = Pick::new(primary, ids.collect());
+        pick.expected = self.expected(&cycle, &order);
         let mut record = PendingRecord::default();
         if let Some(pd) = &self.disaggregation {
             // Before this pick is recorded, so the decode pod's speculative entries do not

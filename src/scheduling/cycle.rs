@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::endpoints::{EndpointState, PodId};
+use crate::endpoints::{EndpointState, PodId, PrefillView};
 use crate::kvcache::PrefixLookup;
 use crate::scrape::{MetricsStore, PodMetrics, ScrapeStatus};
 
@@ -48,6 +48,11 @@ pub struct PodView {
     pub metrics: Option<Arc<PodMetrics>>,
     /// Whether the metrics are fresh and the last scrape succeeded.
     pub fresh: bool,
+    /// Its prefill backlog and fitted time to first token, read once (filled only when a
+    /// scorer needs them: the default is empty).
+    pub prefill: PrefillView,
+    /// Blocks the prefix index holds for it (filled only when a scorer needs occupancy).
+    pub held_blocks: u64,
 }
 
 impl PodView {
@@ -74,6 +79,8 @@ impl PodView {
             in_flight: endpoint.in_flight.get(),
             fresh: status.is_fresh(now, staleness),
             metrics: status.metrics.clone(),
+            prefill: PrefillView::default(),
+            held_blocks: 0,
         }
     }
 
@@ -184,6 +191,7 @@ pub(crate) mod test_support {
         Arc::new(EndpointState {
             endpoint: e,
             in_flight: Arc::default(),
+            prefill: Arc::default(),
             liveness: Arc::default(),
         })
     }
@@ -204,6 +212,8 @@ pub(crate) mod test_support {
             in_flight,
             fresh: m.is_some(),
             metrics: m.map(Arc::new),
+            prefill: PrefillView::default(),
+            held_blocks: 0,
         }
     }
 

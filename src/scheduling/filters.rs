@@ -1,6 +1,6 @@
 //! Filters: narrow the candidates before scoring, in profile order.
 //!
-//! Two kinds: *soft* filters (saturation, LoRA capacity) express preferences about load and
+//! Two kinds: *soft* filters (saturation, fresh metrics, LoRA capacity) express preferences about load and
 //! never remove every candidate — when all would go, all stay (a saturated pool still serves,
 //! shedding and flow control decide about overload, not the filter). *Hard* filters (label
 //! selectors: role, pool partitions) state where a request may go at all and may leave no
@@ -46,6 +46,12 @@ pub fn apply(
                 true,
             )
         }
+        FilterKind::FreshMetrics => (
+            pods.iter()
+                .map(|p| p.fresh && p.metrics.is_some())
+                .collect(),
+            true,
+        ),
         FilterKind::LoraCapacity => {
             let adapter = request.key_context().and_then(|c| c.lora_name.as_deref());
             let Some(adapter) = adapter else {
@@ -129,6 +135,32 @@ mod tests {
                 ) - 1
             })
             .collect()
+    }
+
+    #[test]
+    fn fresh_metrics_removes_only_stale_and_unscraped_pods_unless_all() {
+        let req = SchedulingRequest::default();
+        let sat = SaturationConfig::default();
+        let mut stale = view(2, Some(metrics(0.0, 0.0, 0.0)), 0);
+        stale.fresh = false;
+        let mut pods = vec![
+            view(0, Some(metrics(50.0, 8.0, 0.99)), 0),
+            view(1, None, 0),
+            stale,
+            view(3, Some(metrics(0.0, 0.0, 0.0)), 0),
+        ];
+        let (removed, kept_all) = apply(&FilterKind::FreshMetrics, &req, &sat, &mut pods);
+        assert_eq!(
+            ids(&pods),
+            vec![0, 3],
+            "a busy pod stays; stale and unscraped go"
+        );
+        assert_eq!(removed.len(), 2);
+        assert!(!kept_all);
+        let mut all_stale = vec![view(1, None, 0), view(2, None, 0)];
+        let (removed, kept_all) = apply(&FilterKind::FreshMetrics, &req, &sat, &mut all_stale);
+        assert!(removed.is_empty() && kept_all);
+        assert_eq!(all_stale.len(), 2);
     }
 
     #[test]

@@ -6,8 +6,12 @@
 //!   burst cannot starve another tenant of the same priority.
 //! - Bounded by request count and by body bytes: a request that does not fit is refused at
 //!   once ([`FlowError::QueueFull`] → 429).
-//! - Each request waits at most its TTL ([`FlowError::TimedOut`] → 503). A client that goes
-//!   away drops its `admit` future, which takes it out of the queue.
+//! - Each request waits at most its TTL. At its TTL a request that is not sheddable
+//!   (priority ≥ 0) is dispatched anyway if the pool finished a request while it waited
+//!   ([`FlowController::completed`]): the fleet is making progress, so the engines' own queue
+//!   can take it, and failing work the fleet can serve helps nobody. A sheddable request, or
+//!   one that waited through a pool that finished nothing, fails ([`FlowError::TimedOut`] →
+//!   503). A client that goes away drops its `admit` future, which takes it out of the queue.
 //! - With zero endpoints the capacity check says no, so requests queue until an endpoint
 //!   appears (scale from zero) or their TTL ends.
 //!
@@ -164,6 +168,10 @@ struct Shared {
     queues: Mutex<Queues>,
     pending: AtomicUsize,
     next_id: AtomicU64,
+    /// Responses finished so far (the pool's progress).
+    completions: AtomicU64,
+    /// Requests dispatched at their TTL because the pool was making progress.
+    overdue: AtomicU64,
 }
 
 impl Shared {
@@ -250,6 +258,8 @@ impl FlowController {
                 queues: Mutex::new(Queues::default()),
                 pending: AtomicUsize::new(0),
                 next_id: AtomicU64::new(0),
+                completions: AtomicU64::new(0),
+                overdue: AtomicU64::new(0),
             }),
         }
     }
@@ -289,13 +299,33 @@ impl FlowController {
             fairness_id: &request.fairness_id,
             id,
         };
+        let completions = shared.completions.load(Ordering::Acquire);
         let ttl = request.ttl.unwrap_or(shared.config.default_ttl);
         match tokio::time::timeout(ttl, rx).await {
             Ok(Ok(permit)) => Ok(permit),
             // The sender is only dropped by dispatch after a failed send, never while we
             // wait; treat it like a timeout.
-            Ok(Err(_)) | Err(_) => Err(FlowError::TimedOut),
+            Ok(Err(_)) | Err(_) => {
+                let progressed = shared.completions.load(Ordering::Acquire) > completions;
+                if request.priority >= 0 && progressed {
+                    shared.overdue.fetch_add(1, Ordering::Relaxed);
+                    Ok(Permit::new(shared))
+                } else {
+                    Err(FlowError::TimedOut)
+                }
+            }
         }
+    }
+
+    /// A response finished: counts the pool's progress and releases what fits now.
+    pub fn completed(&self) -> usize {
+        self.shared.completions.fetch_add(1, Ordering::AcqRel);
+        self.dispatch()
+    }
+
+    /// Requests dispatched at their TTL because the pool was making progress.
+    pub fn overdue_dispatches(&self) -> u64 {
+        self.shared.overdue.load(Ordering::Relaxed)
     }
 
     /// Releases queued requests in order while there is capacity; returns how many.
@@ -432,6 +462,36 @@ mod tests {
         assert_eq!(fc.queued(), 0);
         assert_eq!(fc.queued_bytes(), 0);
         assert_eq!(FlowError::TimedOut.http_status(), 503);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_its_ttl_a_request_is_dispatched_while_the_pool_makes_progress() {
+        let (fc, _open) = switched(FlowControlConfig::default(), usize::MAX);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let ttl = |mut r: FlowRequest| {
+            r.ttl = Some(Duration::from_secs(2));
+            r
+        };
+        let served = spawn_admit(&fc, ttl(request(0, "a")), &log, "served");
+        let sheddable = spawn_admit(&fc, ttl(request(-1, "b")), &log, "shed");
+        settle(&fc, 2).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Capacity never opens, but a response finishes: the pool is making progress.
+        assert_eq!(fc.completed(), 0, "still no capacity");
+        tokio::time::sleep(Duration::from_millis(1600)).await;
+        assert_eq!(served.await.expect("join"), Ok(()), "dispatched at its TTL");
+        assert_eq!(
+            sheddable.await.expect("join"),
+            Err(FlowError::TimedOut),
+            "a sheddable request still fails"
+        );
+        assert_eq!(fc.overdue_dispatches(), 1);
+        // A request that waits through a pool that finishes nothing fails.
+        let stuck = spawn_admit(&fc, ttl(request(0, "c")), &log, "stuck");
+        settle(&fc, 1).await;
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        assert_eq!(stuck.await.expect("join"), Err(FlowError::TimedOut));
+        assert_eq!(fc.queued(), 0);
     }
 
     #[tokio::test(start_paused = true)]

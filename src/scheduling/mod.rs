@@ -22,6 +22,7 @@ pub mod filters;
 pub mod flow_control;
 mod least_in_flight;
 pub mod pickers;
+pub mod placement;
 mod record;
 pub mod saturation;
 pub mod scorers;
@@ -41,8 +42,9 @@ pub use least_in_flight::LeastInFlight;
 pub use record::PendingRecord;
 pub use saturation::{PoolSaturation, SaturationDetector};
 pub use spec::{
-    CostModel, FilterKind, FilterSpec, PickerSpec, PrefillDecodeSpec, PrefixCacheParams,
-    PrefixMode, ProfileHandlerSpec, SaturationConfig, SchedulerConfig, ScorerSpec, WeightedScorer,
+    CostModel, FilterKind, FilterSpec, PickerSpec, PlacementParams, PrefillDecodeSpec,
+    PrefixCacheParams, PrefixMode, ProfileHandlerSpec, SaturationConfig, SchedulerConfig,
+    ScorerSpec, WeightedScorer,
 };
 
 /// What the scheduler knows of a request.
@@ -103,6 +105,19 @@ pub struct Pick {
     /// The scores behind the pick, when the scheduler was asked to emit them
     /// (`--emit-endpoint-scores`); `None` otherwise (nothing is computed for it).
     pub trace: Option<Box<ScoreTrace>>,
+    /// What the scheduler expects of the primary (the response path measures it).
+    pub expected: Expected,
+}
+
+/// What a pick expects of its primary.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Expected {
+    /// Prompt tokens the primary does not hold (its prefill work); `None` without a prompt.
+    pub uncached_tokens: Option<f64>,
+    /// Prompt tokens the primary holds (0 without a prompt or a prefix lookup).
+    pub cached_tokens: f64,
+    /// Predicted time to first token, ms (under `kv-placement-scorer`).
+    pub ttft_ms: Option<f64>,
 }
 
 /// The scores behind one pick: the same per-candidate view `POST /debug/explain` reports,
@@ -123,6 +138,7 @@ impl Pick {
             fallbacks,
             prefill: None,
             trace: None,
+            expected: Expected::default(),
         }
     }
 

@@ -10,6 +10,7 @@
 //! - LoRA affinity (`lora-affinity-scorer`, DESIGN §5): 1.0 the adapter is running, 0.6 it is
 //!   waiting, 0.8 there is room to load it, else 0; all 1.0 for base-model requests.
 //! - session affinity and no-hit-LRU: see [`super::affinity`].
+//! - placement (`kv-placement-scorer`): see [`super::placement`].
 //! - cost (`ttft-cost-scorer`): an estimate of each endpoint's time to first token,
 //!
 //!   ```text
@@ -31,7 +32,7 @@ use crate::endpoints::PodId;
 
 use super::affinity::{NoHitLru, SessionAffinity};
 use super::cycle::{Cycle, PodView};
-use super::spec::{CostModel, ScorerSpec};
+use super::spec::{CostModel, PlacementParams, ScorerSpec};
 
 /// A scorer ready to run (stateful ones carry their state).
 #[derive(Debug)]
@@ -52,6 +53,8 @@ pub enum Scorer {
     NoHitLru(NoHitLru),
     /// See the module docs.
     Cost(CostModel),
+    /// See [`super::placement`].
+    Placement(PlacementParams),
 }
 
 impl Scorer {
@@ -68,6 +71,7 @@ impl Scorer {
             }
             ScorerSpec::NoHitLru { max_endpoints } => Self::NoHitLru(NoHitLru::new(*max_endpoints)),
             ScorerSpec::Cost(model) => Self::Cost(*model),
+            ScorerSpec::Placement(params) => Self::Placement(*params),
         }
     }
 
@@ -131,6 +135,7 @@ impl Scorer {
                     };
                 }
             }
+            Self::Placement(params) => super::placement::score(cycle, params, out),
         }
     }
 

@@ -8,6 +8,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+pub use super::placement::PlacementParams;
+
 /// One validated scheduler configuration (one profile).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
@@ -99,6 +101,10 @@ pub enum FilterKind {
         /// KV usage at which an endpoint is saturated (`None`: the detector's).
         kv_threshold: Option<f64>,
     },
+    /// Removes endpoints whose metrics are stale, failing or absent (a hung or dying pod);
+    /// keeps every endpoint when it would remove them all. Unlike `Saturation` it says
+    /// nothing about load: a busy holder of a prefix stays a candidate.
+    FreshMetrics,
     /// For LoRA requests, keeps endpoints that run the adapter, queue it, or have room to
     /// load it; keeps every endpoint when none qualifies.
     LoraCapacity,
@@ -143,6 +149,10 @@ pub enum ScorerSpec {
     },
     /// `ttft-cost-scorer`: estimated time to first token, lower is better.
     Cost(CostModel),
+    /// `kv-placement-scorer`: predicted time to first token from each pod's measured speed
+    /// and prefill backlog, plus the eviction cost of a copy, with hysteresis for holders
+    /// (see `super::placement`).
+    Placement(PlacementParams),
 }
 
 impl ScorerSpec {
@@ -150,8 +160,13 @@ impl ScorerSpec {
     pub fn needs_prefix(&self) -> bool {
         matches!(
             self,
-            Self::PrefixCache(_) | Self::NoHitLru { .. } | Self::Cost(_)
+            Self::PrefixCache(_) | Self::NoHitLru { .. } | Self::Cost(_) | Self::Placement(_)
         )
+    }
+
+    /// Whether the scorer reads each pod's prefill load and cache occupancy.
+    pub fn needs_load(&self) -> bool {
+        matches!(self, Self::Placement(_))
     }
 }
 
@@ -295,41 +310,33 @@ impl SchedulerConfig {
         }
     }
 
-    /// kvpick's recommended profile: saturation filter, ttft-cost-scorer 4 (the cache/load
-    /// trade-off in one number), prefix-cache-scorer 1 (keeps ties on the cache owner),
-    /// in-flight-requests-scorer 1 (exact load between scrapes), max-score-picker; flow
-    /// control on. The same profile as YAML: `deploy/config/kvpick-recommended.yaml`.
+    /// kvpick's recommended profile: `kv-placement-scorer` alone (predicted time to first
+    /// token from each pod's measured speed and prefill backlog, the eviction cost of a copy,
+    /// hysteresis for holders) behind `fresh-metrics-filter` (hung or failing pods get no
+    /// traffic), max-score-picker; no saturation filter (the placement cost already weighs
+    /// load, and a filter that removes a prefix's busy holder forces a copy) and no
+    /// flow control (the engines queue what the fleet cannot run yet; nothing fails while it
+    /// makes progress). The same profile as YAML: `deploy/config/kvpick-recommended.yaml`.
     pub fn kvpick_recommended() -> Self {
         Self {
             profile_name: "default".to_owned(),
             filters: vec![FilterSpec {
-                name: "saturation-filter".to_owned(),
-                plugin_type: "saturation-filter",
-                filter: FilterKind::Saturation {
-                    queue_threshold: None,
-                    kv_threshold: None,
-                },
+                name: "fresh-metrics-filter".to_owned(),
+                plugin_type: "fresh-metrics-filter",
+                filter: FilterKind::FreshMetrics,
             }],
-            scorers: vec![
-                weighted(
-                    "ttft-cost-scorer",
-                    ScorerSpec::Cost(CostModel::default()),
-                    4.0,
-                ),
-                weighted(
-                    "prefix-cache-scorer",
-                    ScorerSpec::PrefixCache(PrefixCacheParams::default()),
-                    1.0,
-                ),
-                weighted("in-flight-requests-scorer", ScorerSpec::InFlight, 1.0),
-            ],
+            scorers: vec![weighted(
+                "kv-placement-scorer",
+                ScorerSpec::Placement(PlacementParams::default()),
+                1.0,
+            )],
             picker: PickerSpec::MaxScore {
                 max_endpoints: None,
             },
             picker_name: "max-score-picker".to_owned(),
             picker_type: "max-score-picker",
             saturation: SaturationConfig::default(),
-            flow_control: true,
+            flow_control: false,
             handler: ProfileHandlerSpec::Single,
         }
     }

@@ -75,6 +75,8 @@ pub struct EppMetrics {
     pub subsystem_failures: IntCounterVec,
     /// `/metrics` and `/debug/*` requests refused for a missing or wrong bearer token.
     pub admin_unauthorized: IntCounter,
+    /// The placement model's predicted and observed times to first token.
+    pub ttft: super::TtftMetrics,
 }
 
 impl EppMetrics {
@@ -247,6 +249,7 @@ impl EppMetrics {
                 "kvpick_admin_unauthorized_requests_total",
                 "Requests to /metrics or /debug/* refused for a missing or wrong bearer token.",
             )?,
+            ttft: super::TtftMetrics::new(registry)?,
         };
         registry.register(Box::new(metrics.requests.inner().clone()))?;
         registry.register(Box::new(metrics.request_errors.inner().clone()))?;

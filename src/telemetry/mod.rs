@@ -5,5 +5,7 @@
 pub mod health;
 pub mod labels;
 mod metrics;
+mod ttft;
 
 pub use metrics::EppMetrics;
+pub use ttft::TtftMetrics;

@@ -8,7 +8,8 @@ use kvpick::config::picker_config::{
     EndpointPickerConfig, GIE_DEFAULT_YAML, KVPICK_RECOMMENDED_YAML, PickerConfigError, load,
 };
 use kvpick::scheduling::{
-    CostModel, FilterKind, PickerSpec, PrefixMode, ProfileHandlerSpec, SchedulerConfig, ScorerSpec,
+    FilterKind, PickerSpec, PlacementParams, PrefixMode, ProfileHandlerSpec, SchedulerConfig,
+    ScorerSpec,
 };
 
 /// GIE-style configs as users write them (GIE docs/llm-d guides shapes).
@@ -193,13 +194,47 @@ fn examples_resolve_to_typed_profiles() {
 }
 
 #[test]
-fn recommended_profile_uses_the_cost_scorer() {
+fn recommended_profile_is_the_placement_scorer_without_flow_control() {
     let rec = SchedulerConfig::kvpick_recommended();
+    assert_eq!(rec.scorers.len(), 1);
     assert_eq!(
         rec.scorers[0].scorer,
-        ScorerSpec::Cost(CostModel::default())
+        ScorerSpec::Placement(PlacementParams::default())
     );
-    assert!(rec.flow_control);
+    // Only hung or failing pods are filtered out: no load threshold removes a busy holder.
+    assert_eq!(rec.filters.len(), 1);
+    assert_eq!(rec.filters[0].filter, FilterKind::FreshMetrics);
+    assert!(
+        !rec.flow_control,
+        "the engines queue; nothing fails in kvpick"
+    );
+}
+
+#[test]
+fn placement_parameters_are_read_and_checked() {
+    let text = format!(
+        "{HEAD}plugins:\n- type: kv-placement-scorer\n  parameters: {{holdBias: 2.0, displacementWeight: 0.5, priorPrefillMsPerToken: 0.3, defaultBlockSize: 32, decodeWeight: 0.5}}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: kv-placement-scorer\n"
+    );
+    let parsed = load(Some(&text)).expect("placement config");
+    assert_eq!(
+        parsed.scheduler.scorers[0].scorer,
+        ScorerSpec::Placement(PlacementParams {
+            hold_bias: 2.0,
+            displacement_weight: 0.5,
+            prior_ms_per_token: 0.3,
+            default_block_size: 32,
+            decode_weight: 0.5,
+        })
+    );
+    let below_one = text.replace("holdBias: 2.0", "holdBias: 0.5");
+    let e = error_of(&below_one);
+    assert!(
+        e.contains("plugins[0].parameters") && e.contains("holdBias"),
+        "{e}"
+    );
+    let typo = text.replace("holdBias", "holdBais");
+    let e = error_of(&typo);
+    assert!(e.contains("holdBais"), "{e}");
 }
 
 fn error_of(text: &str) -> String {

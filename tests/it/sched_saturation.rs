@@ -80,9 +80,30 @@ async fn sheddable_requests_are_routed_when_one_pod_is_overloaded_and_two_are_id
     assert_eq!(served, 10, "every sheddable request reached a backend");
 }
 
+/// A saturation filter, the cost scorer and flow control (kvpick's recommended profile
+/// before the placement scorer).
+const FLOW_CONTROLLED: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: saturation-filter
+- type: ttft-cost-scorer
+- type: in-flight-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: ttft-cost-scorer
+    weight: 4
+  - pluginRef: in-flight-requests-scorer
+  - pluginRef: max-score-picker
+featureGates:
+- flowControl
+";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flow_control_serves_promptly_when_one_pod_is_overloaded_and_two_are_idle() {
-    let (backends, kvpick) = one_overloaded_two_idle(&["--recommended-profile"]).await;
+    let (backends, kvpick) = one_overloaded_two_idle(&["--config-text", FLOW_CONTROLLED]).await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
     let url = envoy.url("/v1/completions");
     for i in 0..10 {
@@ -105,6 +126,29 @@ async fn flow_control_serves_promptly_when_one_pod_is_overloaded_and_two_are_idl
     assert!(
         backends[0].seen().is_empty(),
         "the overloaded pod is filtered out"
+    );
+    let served: usize = backends.iter().map(|b| b.seen().len()).sum();
+    assert_eq!(served, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recommended_profile_places_around_an_overloaded_pod() {
+    let (backends, kvpick) = one_overloaded_two_idle(&["--recommended-profile"]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    for i in 0..10 {
+        let reply = if i % 2 == 0 {
+            support::http::post_json(&url, BODY).await
+        } else {
+            sheddable(&url).await
+        };
+        assert_eq!(reply.status, 200, "request {i}: {}", reply.text());
+    }
+    // 100 requests wait there that kvpick did not route: their prefill is queued work.
+    assert!(
+        backends[0].seen().is_empty(),
+        "the overloaded pod got {} requests",
+        backends[0].seen().len()
     );
     let served: usize = backends.iter().map(|b| b.seen().len()).sum();
     assert_eq!(served, 10);

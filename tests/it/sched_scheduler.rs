@@ -10,8 +10,8 @@ use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
 use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 use kvpick::scheduling::{
-    ConfiguredScheduler, ScheduleError, Scheduler, SchedulerConfig, SchedulerDeps,
-    SchedulingRequest,
+    ConfiguredScheduler, FilterKind, FilterSpec, ScheduleError, Scheduler, SchedulerConfig,
+    SchedulerDeps, SchedulingRequest,
 };
 use kvpick::tokenize::{ApproximatePrompt, ApproximateReason, PromptTokens};
 
@@ -209,10 +209,25 @@ fn cost_scorer_leaves_the_cache_owner_when_its_queue_costs_more_than_the_cache_s
     );
 }
 
+/// The recommended profile's scorer behind a `saturation-filter` instead of its own
+/// fresh-metrics filter.
+fn recommended_behind_saturation_filter() -> SchedulerConfig {
+    let mut config = SchedulerConfig::kvpick_recommended();
+    config.filters = vec![FilterSpec {
+        name: "saturation-filter".to_owned(),
+        plugin_type: "saturation-filter",
+        filter: FilterKind::Saturation {
+            queue_threshold: None,
+            kv_threshold: None,
+        },
+    }];
+    config
+}
+
 #[test]
 fn stale_failing_and_saturated_pods_get_no_traffic_while_others_can() {
     let f = Fixture::new(4);
-    let scheduler = f.scheduler(SchedulerConfig::kvpick_recommended(), 0);
+    let scheduler = f.scheduler(recommended_behind_saturation_filter(), 0);
     f.metrics.set(f.id(0), 6.0, 1.0, 0.2); // over the queue threshold
     f.metrics.set_at(
         f.id(1),

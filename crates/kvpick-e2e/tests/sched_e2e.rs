@@ -193,8 +193,8 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
         .expect("metrics")
         .text();
     for plugin in [
-        "extension_point=\"Filter\",plugin_name=\"saturation-filter\",plugin_type=\"saturation-filter\"",
-        "extension_point=\"Scorer\",plugin_name=\"ttft-cost-scorer\",plugin_type=\"ttft-cost-scorer\"",
+        "extension_point=\"Filter\",plugin_name=\"fresh-metrics-filter\",plugin_type=\"fresh-metrics-filter\"",
+        "extension_point=\"Scorer\",plugin_name=\"kv-placement-scorer\",plugin_type=\"kv-placement-scorer\"",
         "extension_point=\"DataProducer\",plugin_name=\"prefix-cache-match\",plugin_type=\"prefix-cache-match\"",
         "extension_point=\"Picker\",plugin_name=\"max-score-picker\",plugin_type=\"max-score-picker\"",
     ] {
@@ -428,4 +428,63 @@ async fn a_pod_whose_metrics_hang_gets_no_traffic_until_it_recovers() {
         }
     }
     panic!("the recovered pod never got traffic again");
+}
+
+/// A metric's value in a Prometheus text scrape (0 when absent).
+fn metric_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_placement_model_calibrates_itself_from_first_bytes() {
+    // Pods 8× slower than the simulator's default step costs (50 ms a step + 0.4 ms per
+    // prompt token) and short prompts: the prior (0.1 ms per token, no base) under-predicts
+    // them several times (observed / predicted ≈ 9.5 with the fit disabled).
+    let pods = fleet(2, 8.0, Vec::new()).await;
+    let kvpick = kvpick(&pods, &[]).await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    let streamed = |i: usize| {
+        // Unique prompts of ~15 to ~300 tokens, one at a time: no cache, no queue, so the
+        // time to first byte is a step plus the prefill of the prompt's own tokens.
+        let words: String = (0..(3 + (i * 7) % 60))
+            .map(|w| format!("w{i}x{w} "))
+            .collect();
+        json!({"model": MODEL, "prompt": words, "max_tokens": 3, "stream": true})
+            .to_string()
+            .into_bytes()
+    };
+    let scrape = || async {
+        send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+            .await
+            .expect("metrics")
+            .text()
+    };
+    for i in 0..24 {
+        let reply = post_json(&url, &streamed(i)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let warm = scrape().await;
+    assert_eq!(
+        metric_value(&warm, "kvpick_ttft_observed_seconds_count"),
+        24.0,
+        "every streamed first byte was timed"
+    );
+    for i in 24..48 {
+        let reply = post_json(&url, &streamed(i)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let after = scrape().await;
+    let delta = |series: &str| metric_value(&after, series) - metric_value(&warm, series);
+    let count = delta("kvpick_ttft_prediction_ratio_count");
+    assert_eq!(count, 24.0, "each later request was predicted: {after}");
+    let mean_ratio = delta("kvpick_ttft_prediction_ratio_sum") / count;
+    // Once calibrated the predictions are within a quarter of what happens.
+    assert!(
+        (0.75..1.33).contains(&mean_ratio),
+        "observed / predicted = {mean_ratio:.2} after calibration"
+    );
 }

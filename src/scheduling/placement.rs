@@ -1,0 +1,502 @@
+//! `kv-placement-scorer`: place each request where it reaches its first token soonest, counting
+//! what the placement costs the fleet's cache.
+//!
+//! Per candidate, in milliseconds:
+//!
+//! ```text
+//! work        = backlog + foreign + uncached
+//!   backlog   = uncached tokens of kvpick's requests there awaiting their first byte
+//!   foreign   = requests the engine says wait beyond kvpick's own × their mean size
+//!   uncached  = prompt tokens − tokens it holds of this prompt (events, speculative records)
+//! ttft        = base + ms_per_token × work               (the pod's own fitted line)
+//! displacement= max(0, uncached blocks − free blocks) × block tokens × ms_per_token × w
+//!               × heat / mean heat   (how hot the pod's cache is against the fleet's)
+//! decode      = chunks × ms_per_decode × batch + batch × chunks / 2 × ms_per_decode
+//!   ms_per_decode: the fleet's fitted slope of chunk gaps against the decode batch
+//! cost        = (ttft + displacement) / (1 + (hold_bias − 1) × held share) + w_d × decode
+//! score       = min cost / cost
+//! ```
+//!
+//! Why each term:
+//! - `ttft` is what the request waits for, in the pod's own terms: prefill work queued ahead
+//!   (exact for kvpick's traffic, `crate::endpoints::prefill`) plus its own uncached part, at
+//!   the pod's measured speed. A cache hit is worth exactly the prefill it saves, a queue
+//!   costs exactly the prefill it holds.
+//! - `displacement` is what placing the request costs the *next* requests: blocks it must
+//!   evict on a full pod are (in a working set that fills the fleet) other prefixes' blocks,
+//!   which their next request has to prefill again. Free blocks cost nothing, so while caches
+//!   have room a copy is cheap and placement follows load; once they are full, copying a
+//!   prefix onto a second pod costs about twice its prefill, so a prefix stays on its holder
+//!   until the holder's queue is worth more than that. What the evicted blocks are worth
+//!   depends on the pod: one serving many hot prefixes (many recent hits, its *heat*) loses
+//!   more by an eviction than one whose cache holds prefixes nobody asks for any more, so the
+//!   cost scales with the pod's heat against the candidates' mean (clamped to ¼…4×).
+//! - `decode` is what the request's decoding costs there: its own tokens at the step time of
+//!   the batch it joins, and the slowdown it adds to every request already decoding (each
+//!   step is longer by one sequence's share). Without it a pod holding several hot prefixes
+//!   keeps them all while its batch grows and every request on it streams slower; with it the
+//!   hot pod gives work away once its batch costs more than the prefill the cache saves.
+//! - `hold_bias` is hysteresis on top: a holder keeps its prefix unless the alternative is
+//!   clearly better (default: 25% after displacement), so two near-equal pods do not trade a
+//!   group back and forth on every scrape, and a group is not split over two copies that then
+//!   evict each other. It scales with the share of the prompt held.
+//!
+//! A cold prefix (no holder) goes where the work queued is least and where it evicts least:
+//! free blocks first, then the coolest cache. This is what spreads a working set that just
+//! fits the fleet evenly over it (smg gets there by sending a cold prefix to its smallest
+//! tree; kvpick knows which caches are full and which of them are still being used).
+//!
+//! Before a pod has its own fit (a few first bytes), it is predicted with the fleet's median
+//! fitted line, and before any pod has one, with the configured prior.
+
+use crate::endpoints::FittedLine;
+
+use super::cycle::{Cycle, PodView};
+
+/// Parameters of `kv-placement-scorer`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlacementParams {
+    /// Cost divisor for a pod holding the whole prompt (default 1.25).
+    pub hold_bias: f64,
+    /// Weight of the eviction cost (default 1.0: an evicted block is worth its prefill).
+    pub displacement_weight: f64,
+    /// Prefill ms per token before any pod is measured (default 0.1).
+    pub prior_ms_per_token: f64,
+    /// Block size assumed when neither the index nor the metrics know one (default 16).
+    pub default_block_size: u32,
+    /// Weight of the decoding cost (default 1.0: a millisecond of decoding, the request's own
+    /// or the slowdown of the batch it joins, counts as a millisecond of waiting).
+    pub decode_weight: f64,
+}
+
+impl Default for PlacementParams {
+    fn default() -> Self {
+        Self {
+            hold_bias: 1.25,
+            displacement_weight: 1.0,
+            prior_ms_per_token: 0.1,
+            default_block_size: 16,
+            decode_weight: 1.0,
+        }
+    }
+}
+
+/// One candidate's predicted cost, with its parts (explain, the pick's prediction).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PlacementCost {
+    /// Predicted time to first token, ms.
+    pub ttft_ms: f64,
+    /// Predicted eviction cost, ms of other requests' prefill.
+    pub displacement_ms: f64,
+    /// Predicted decoding cost: its own decode at the batch it joins plus the slowdown it
+    /// adds to the requests decoding there, ms (0 before the pods' decode is measured).
+    pub decode_ms: f64,
+    /// `(ttft + displacement) / hold bias + decode`: what the score ranks.
+    pub cost_ms: f64,
+}
+
+/// The line that predicts pod `pod`: its own, else the fleet's median, else the prior.
+fn line_for(pod: &PodView, fleet: Option<FittedLine>, params: &PlacementParams) -> FittedLine {
+    pod.prefill.line.or(fleet).unwrap_or(FittedLine {
+        base_ms: 0.0,
+        slope_ms: params.prior_ms_per_token.max(0.0),
+    })
+}
+
+/// The median fitted TTFT line over the candidates that have one.
+pub fn fleet_line(pods: &[PodView]) -> Option<FittedLine> {
+    median_line(pods.iter().filter_map(|p| p.prefill.line).collect())
+}
+
+/// The median of `lines` (slope and base each).
+fn median_line(mut lines: Vec<FittedLine>) -> Option<FittedLine> {
+    if lines.is_empty() {
+        return None;
+    }
+    let mid = lines.len() / 2;
+    lines.sort_by(|a, b| a.slope_ms.total_cmp(&b.slope_ms));
+    let slope = lines[mid].slope_ms;
+    lines.sort_by(|a, b| a.base_ms.total_cmp(&b.base_ms));
+    Some(FittedLine {
+        base_ms: lines[mid].base_ms,
+        slope_ms: slope,
+    })
+}
+
+/// The prefill work (tokens) queued ahead of a new request on `pod`.
+pub fn queued_work_tokens(pod: &PodView, fallback_request_tokens: f64) -> f64 {
+    let own = pod.prefill.backlog_tokens;
+    let foreign_requests = pod
+        .metrics
+        .as_ref()
+        .map_or(0.0, |m| (m.waiting - pod.prefill.awaiting).max(0.0));
+    let size = if pod.prefill.mean_uncached_tokens > 0.0 {
+        pod.prefill.mean_uncached_tokens
+    } else {
+        fallback_request_tokens
+    };
+    own + foreign_requests * size.max(0.0)
+}
+
+/// The predicted time to first token on `pod` of a request with `uncached` tokens.
+pub fn predict_ttft_ms(
+    pod: &PodView,
+    fleet: Option<FittedLine>,
+    params: &PlacementParams,
+    prompt_tokens: f64,
+    uncached: f64,
+) -> f64 {
+    let line = line_for(pod, fleet, params);
+    let ttft = line.predict_ms(queued_work_tokens(pod, prompt_tokens) + uncached.max(0.0));
+    if ttft.is_finite() { ttft } else { f64::MAX }
+}
+
+/// What placing a request on `pod` costs in decoding beyond an idle pod, ms: its own tokens
+/// are each slower by the batch it joins, and it slows every request already decoding there
+/// (for about half of their remaining tokens). `None` before the fleet has a decode fit and a
+/// response length.
+///
+/// NOTE: only the fleet's median slope is used, not each pod's own line: a pod's fitted base
+/// (its step time with an empty batch) is noisy, and a 5% error in it over a whole response
+/// outweighs the prefill a cache hit saves. Pods that are slower per token show it in their
+/// own TTFT lines.
+fn decode_ms(pod: &PodView, itl: Option<FittedLine>, chunks: f64) -> Option<f64> {
+    let slope = itl?.slope_ms;
+    if chunks <= 0.0 {
+        return None;
+    }
+    let batch = pod.in_flight as f64;
+    let own = chunks * slope * batch;
+    let others = batch * (chunks / 2.0) * slope;
+    Some(own + others).filter(|ms| ms.is_finite())
+}
+
+/// Every candidate's cost for the cycle's request.
+pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> {
+    let fleet = fleet_line(&cycle.pods);
+    let fleet_itl = median_line(cycle.pods.iter().filter_map(|p| p.prefill.itl).collect());
+    let mut lengths: Vec<f64> = cycle
+        .pods
+        .iter()
+        .map(|p| p.prefill.mean_output_chunks)
+        .filter(|c| *c > 0.0)
+        .collect();
+    lengths.sort_by(f64::total_cmp);
+    let fleet_chunks = lengths.get(lengths.len() / 2).copied().unwrap_or(0.0);
+    let prompt = cycle.prompt_tokens.max(0.0);
+    let n = cycle.pods.len().max(1) as f64;
+    let mean_heat = cycle
+        .pods
+        .iter()
+        .map(|p| p.prefill.heat_tokens.max(0.0))
+        .sum::<f64>()
+        / n;
+    cycle
+        .pods
+        .iter()
+        .enumerate()
+        .map(|(i, pod)| {
+            let cached = cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt);
+            let uncached = prompt - cached;
+            let line = line_for(pod, fleet, params);
+            let ttft_ms = predict_ttft_ms(pod, fleet, params, prompt, uncached);
+            let value = if mean_heat > 0.0 {
+                (pod.prefill.heat_tokens.max(0.0) / mean_heat).clamp(0.25, 4.0)
+            } else {
+                1.0
+            };
+            let displacement_ms = displacement_tokens(pod, uncached, params)
+                * line.slope_ms
+                * params.displacement_weight.max(0.0)
+                * value;
+            let held_share = if prompt > 0.0 { cached / prompt } else { 0.0 };
+            let bias = 1.0 + (params.hold_bias.max(1.0) - 1.0) * held_share;
+            let decode_ms = decode_ms(pod, fleet_itl, fleet_chunks)
+                .map_or(0.0, |ms| ms * params.decode_weight.max(0.0));
+            // NOTE: the hold bias scales only what the prefix changes (its prefill and what
+            // it evicts); decoding costs the same whoever holds the prefix.
+            let cost_ms = (ttft_ms + displacement_ms) / bias + decode_ms;
+            PlacementCost {
+                ttft_ms,
+                decode_ms,
+                displacement_ms: if displacement_ms.is_finite() {
+                    displacement_ms
+                } else {
+                    f64::MAX
+                },
+                cost_ms: if cost_ms.is_finite() {
+                    cost_ms
+                } else {
+                    f64::MAX
+                },
+            }
+        })
+        .collect()
+}
+
+/// Tokens of other prefixes that placing `uncached` new tokens on `pod` evicts: the new
+/// blocks beyond the pod's free ones (capacity from `cache_config_info`, occupancy from the
+/// index). Unknown capacity counts as full (the safe side: it does not invite copies).
+fn displacement_tokens(pod: &PodView, uncached: f64, params: &PlacementParams) -> f64 {
+    let block = pod
+        .metrics
+        .as_ref()
+        .and_then(|m| m.block_size)
+        .filter(|b| *b > 0)
+        .unwrap_or(params.default_block_size.max(1)) as f64;
+    let free_blocks = pod
+        .metrics
+        .as_ref()
+        .and_then(|m| m.num_blocks)
+        .map_or(0.0, |capacity| {
+            (capacity as f64 - pod.held_blocks as f64 - pod.prefill.backlog_tokens / block).max(0.0)
+        });
+    let new_blocks = (uncached / block).ceil();
+    (new_blocks - free_blocks).max(0.0) * block
+}
+
+/// Writes `min cost / cost` per candidate into `out`.
+pub fn score(cycle: &Cycle<'_>, params: &PlacementParams, out: &mut [f64]) {
+    let costs = costs(cycle, params);
+    let best = costs
+        .iter()
+        .map(|c| c.cost_ms)
+        .fold(f64::INFINITY, f64::min);
+    for (slot, cost) in out.iter_mut().zip(&costs) {
+        *slot = if cost.cost_ms <= MIN_COST_MS || !best.is_finite() {
+            1.0
+        } else {
+            (best.max(MIN_COST_MS) / cost.cost_ms).clamp(0.0, 1.0)
+        };
+    }
+}
+
+/// Costs below this count as equal.
+const MIN_COST_MS: f64 = 1.0;
+
+#[cfg(test)]
+mod tests {
+    use super::super::SchedulingRequest;
+    use super::super::cycle::PrefixHit;
+    use super::super::cycle::test_support::*;
+    use super::*;
+    use crate::endpoints::PrefillView;
+    use crate::scrape::PodMetrics;
+
+    /// A pod with `waiting` engine-side waiting requests, `capacity` blocks of 16 tokens of
+    /// which `held` are occupied, and kvpick's own `backlog` tokens awaiting first bytes
+    /// (`awaiting` requests), measured at 0.4 ms per token.
+    fn pod(i: usize, capacity: u64, held: u64, backlog: f64, awaiting: f64) -> PodView {
+        let mut v = view(
+            i,
+            Some(PodMetrics {
+                waiting: 0.0,
+                block_size: Some(16),
+                num_blocks: Some(capacity),
+                ..metrics(0.0, 0.0, 0.5)
+            }),
+            awaiting as u64,
+        );
+        v.held_blocks = held;
+        v.prefill = PrefillView {
+            backlog_tokens: backlog,
+            awaiting,
+            line: Some(FittedLine {
+                base_ms: 10.0,
+                slope_ms: 0.4,
+            }),
+            mean_uncached_tokens: 500.0,
+            heat_tokens: 0.0,
+            itl: None,
+            mean_output_chunks: 0.0,
+        };
+        v
+    }
+
+    fn winner(pods: Vec<PodView>, cached: &[f64], prompt: f64) -> (usize, Vec<f64>) {
+        let request = SchedulingRequest::default();
+        let cycle = Cycle {
+            request: &request,
+            prefix: cached
+                .iter()
+                .map(|c| PrefixHit {
+                    score: c / prompt,
+                    cached_tokens: *c,
+                })
+                .collect(),
+            pods,
+            prompt_tokens: prompt,
+            lookup: None,
+        };
+        let mut out = vec![0.0; cycle.pods.len()];
+        score(&cycle, &PlacementParams::default(), &mut out);
+        assert!(out.iter().all(|s| (0.0..=1.0).contains(s)), "{out:?}");
+        let best = (0..out.len())
+            .max_by(|a, b| out[*a].total_cmp(&out[*b]))
+            .expect("candidates");
+        (best, out)
+    }
+
+    #[test]
+    fn a_holder_keeps_its_prefix_under_moderate_load() {
+        // 2,200-token prompt, 2,000 held by pod 0, which has 3 requests' worth of prefill
+        // queued (1,500 tokens); pod 1 is idle and full of other prefixes.
+        let (best, _) = winner(
+            vec![
+                pod(0, 1000, 1000, 1500.0, 3.0),
+                pod(1, 1000, 1000, 0.0, 0.0),
+            ],
+            &[2000.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(
+            best, 0,
+            "the holder serves it: copying would evict as much as it saves"
+        );
+    }
+
+    #[test]
+    fn a_second_copy_is_made_only_past_the_threshold() {
+        // Holder cost: (10 + 0.4 (q + 200)) / 1.23; copy: 10 + 0.4·2200 + 0.4·2208 (evicts).
+        // The copy wins once q ≈ 5,000 tokens are queued on the holder (≈ 10 requests).
+        let holder_wins = |queued: f64| {
+            let (best, _) = winner(
+                vec![
+                    pod(0, 1000, 1000, queued, queued / 500.0),
+                    pod(1, 1000, 1000, 0.0, 0.0),
+                ],
+                &[2000.0, 0.0],
+                2200.0,
+            );
+            best == 0
+        };
+        assert!(holder_wins(0.0));
+        assert!(holder_wins(4000.0));
+        assert!(
+            !holder_wins(7000.0),
+            "a holder that cannot keep up gets a second copy"
+        );
+        // With room on the other pod, a copy costs only its prefill: it comes sooner.
+        let (best, _) = winner(
+            vec![pod(0, 1000, 1000, 3000.0, 6.0), pod(1, 1000, 100, 0.0, 0.0)],
+            &[2000.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 1, "a free pod takes a copy before the full one would");
+    }
+
+    #[test]
+    fn a_cold_prefix_goes_where_it_displaces_least() {
+        // Nobody holds it; equal load; pod 1 has room, pods 0 and 2 are full.
+        let (best, _) = winner(
+            vec![
+                pod(0, 1000, 1000, 0.0, 0.0),
+                pod(1, 1000, 200, 0.0, 0.0),
+                pod(2, 1000, 990, 0.0, 0.0),
+            ],
+            &[0.0, 0.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 1);
+        // Among equally full pods, the least loaded.
+        let (best, _) = winner(
+            vec![
+                pod(0, 1000, 1000, 800.0, 2.0),
+                pod(1, 1000, 1000, 200.0, 1.0),
+            ],
+            &[0.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 1);
+    }
+
+    #[test]
+    fn a_cold_prefix_on_full_pods_goes_to_the_coolest_cache() {
+        // Every pod is full and idle; pod 1's cache served few hits lately, pods 0 and 2
+        // many: evicting from pod 1 costs the fleet least.
+        let hot = |i: usize, heat: f64| {
+            let mut p = pod(i, 1000, 1000, 0.0, 0.0);
+            p.prefill.heat_tokens = heat;
+            p
+        };
+        let (best, _) = winner(
+            vec![hot(0, 40_000.0), hot(1, 2_000.0), hot(2, 30_000.0)],
+            &[0.0, 0.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 1);
+        // Heat does not outweigh a long queue: a cool pod with 8,000 tokens queued loses.
+        let mut busy_cool = hot(1, 2_000.0);
+        busy_cool.prefill.backlog_tokens = 8_000.0;
+        let (best, _) = winner(
+            vec![hot(0, 40_000.0), busy_cool, hot(2, 30_000.0)],
+            &[0.0, 0.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 2, "the cooler of the two idle pods");
+    }
+
+    #[test]
+    fn a_holder_whose_decode_batch_grows_gives_work_away() {
+        // Steps of 25 ms + 1.2 ms per request decoding, 64-token answers. Pod 0 holds the
+        // prefix; it and pod 1 have room (so a copy evicts nothing).
+        let decoding = |i: usize, batch: u64| {
+            let mut p = pod(i, 10_000, 0, 0.0, 0.0);
+            p.in_flight = batch;
+            p.prefill.itl = Some(FittedLine {
+                base_ms: 25.0,
+                slope_ms: 1.2,
+            });
+            p.prefill.mean_output_chunks = 64.0;
+            p
+        };
+        let holder_wins = |batch: u64| {
+            let (best, _) = winner(
+                vec![decoding(0, batch), decoding(1, 4)],
+                &[2000.0, 0.0],
+                2200.0,
+            );
+            best == 0
+        };
+        assert!(holder_wins(4), "equal batches: the cache decides");
+        assert!(
+            holder_wins(8),
+            "a few more decoding: still worth the 800 ms prefill saved"
+        );
+        assert!(
+            !holder_wins(20),
+            "a batch 16 larger costs more than the prefill saves"
+        );
+    }
+
+    #[test]
+    fn engine_side_waiting_counts_as_foreign_work() {
+        // Another router's requests wait on pod 0: the engine reports 6 waiting, kvpick has
+        // none there. Pod 0 holds half the prompt, pod 1 nothing; both have room.
+        let mut busy = pod(0, 10_000, 0, 0.0, 0.0);
+        if let Some(m) = busy.metrics.as_mut() {
+            std::sync::Arc::make_mut(m).waiting = 6.0;
+        }
+        let (best, _) = winner(
+            vec![busy, pod(1, 10_000, 0, 0.0, 0.0)],
+            &[1100.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(
+            best, 1,
+            "3,000 tokens of foreign work outweigh 1,100 cached"
+        );
+    }
+
+    #[test]
+    fn unmeasured_pods_use_the_fleet_median_then_the_prior() {
+        let mut fresh = pod(1, 1000, 0, 0.0, 0.0);
+        fresh.prefill.line = None;
+        let pods = vec![pod(0, 1000, 0, 0.0, 0.0), fresh.clone()];
+        let fleet = fleet_line(&pods);
+        assert_eq!(fleet.map(|l| l.slope_ms), Some(0.4));
+        let p = PlacementParams::default();
+        assert!((predict_ttft_ms(&fresh, fleet, &p, 1000.0, 1000.0) - 410.0).abs() < 1e-9);
+        assert!((predict_ttft_ms(&fresh, None, &p, 1000.0, 1000.0) - 100.0).abs() < 1e-9);
+    }
+}
