@@ -96,8 +96,16 @@ pub async fn serve(
     let datastore = Arc::new(Datastore::new());
     let background = CancellationToken::new();
     let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
+    let model_rewrites = crate::config::Live::new(config.model_rewrites.clone());
+    let objectives = crate::config::Live::new(config.objectives.clone());
     let mut source_ready = sources::start(
         &config.source,
+        sources::Policy {
+            objectives: objectives.clone(),
+            rewrites: model_rewrites.clone(),
+            flag_objectives: config.objectives.clone(),
+            file_rewrites: config.model_rewrites.clone(),
+        },
         &datastore,
         &metrics,
         &registry,
@@ -131,8 +139,6 @@ pub async fn serve(
         tracing::info!(%bound, "accepting KV events from pods that dial in");
     }
     let metrics_store = Arc::new(MetricsStore::default());
-    let model_rewrites = Arc::new(config.model_rewrites.clone());
-
     for warning in &config.picker.warnings {
         tracing::warn!(%warning, "scheduler config");
     }
@@ -222,7 +228,7 @@ pub async fn serve(
         scrapes: Arc::clone(&metrics_store),
         staleness: config.scrape.staleness,
         pool_name: config.pool_name.clone(),
-        model_rewrites: Arc::clone(&model_rewrites),
+        model_rewrites: model_rewrites.clone(),
         scheduler: Arc::clone(&scheduler),
         admission: Arc::clone(&admission),
     };
@@ -253,8 +259,8 @@ pub async fn serve(
         datastore: Arc::clone(&datastore),
         scheduler: Arc::clone(&scheduler) as _,
         tokenizers: Arc::clone(&tokenizers),
-        model_rewrites: Arc::clone(&model_rewrites),
-        objectives: Arc::new(config.objectives.clone()),
+        model_rewrites,
+        objectives,
         admission: Arc::clone(&admission),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::new(BodyBudget::new(

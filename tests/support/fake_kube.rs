@@ -32,7 +32,13 @@ use tokio::task::JoinHandle;
 
 /// The resource an object belongs to: `pods`, or `inferencepools.<group>`.
 pub fn pool_resource(group: &str) -> String {
-    format!("inferencepools.{group}")
+    resource("inferencepools", group)
+}
+
+/// A namespaced resource of an API group: `<plural>.<group>` (served at
+/// `/apis/{group}/{version}/namespaces/{ns}/{plural}`).
+pub fn resource(plural: &str, group: &str) -> String {
+    format!("{plural}.{group}")
 }
 
 /// One change, as watches see it.
@@ -57,6 +63,8 @@ struct State {
     /// Answer every list and watch with 500 (an API server whose etcd is in trouble),
     /// except that a watch from a compacted version still gets its 410.
     failing: bool,
+    /// Resources answered with 404 (a CRD that is not installed).
+    missing: std::collections::HashSet<String>,
 }
 
 /// The fake API server.
@@ -215,6 +223,16 @@ impl FakeKube {
         }
     }
 
+    /// Makes `resource` answer 404 as an uninstalled CRD does (or serves it again).
+    pub fn set_missing(&self, resource: &str, missing: bool) {
+        let mut state = self.state.lock().expect("lock");
+        if missing {
+            state.missing.insert(resource.to_owned());
+        } else {
+            state.missing.remove(resource);
+        }
+    }
+
     /// Makes the server answer 500 to every list and watch (or stops doing so).
     pub fn set_failing(&self, failing: bool) {
         self.state.lock().expect("lock").failing = failing;
@@ -297,9 +315,7 @@ impl Query {
         let path: Vec<&str> = request.uri().path().trim_matches('/').split('/').collect();
         let (resource, namespace) = match path.as_slice() {
             ["api", "v1", "namespaces", ns, "pods"] => ("pods".to_owned(), *ns),
-            ["apis", group, _version, "namespaces", ns, "inferencepools"] => {
-                (pool_resource(group), *ns)
-            }
+            ["apis", group, _version, "namespaces", ns, plural] => (resource(plural, group), *ns),
             _ => return None,
         };
         let mut query = Query {
@@ -392,10 +408,24 @@ impl Shared {
                 status_body(404, "NotFound", &format!("no route {}", request.uri())),
             );
         };
-        let (failing, gone) = {
-            let state = self.state.lock().expect("lock");
-            (state.failing, query.resource_version < state.floor)
+        let (failing, gone, missing) = {
+            let mut state = self.state.lock().expect("lock");
+            let missing = state.missing.contains(&query.resource);
+            if missing {
+                *state.lists.entry(query.resource.clone()).or_default() += 1;
+            }
+            (state.failing, query.resource_version < state.floor, missing)
         };
+        if missing {
+            return full(
+                404,
+                status_body(
+                    404,
+                    "NotFound",
+                    "the server could not find the requested resource",
+                ),
+            );
+        }
         if failing && !(query.watch && gone) {
             return full(
                 500,
