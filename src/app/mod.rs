@@ -98,13 +98,16 @@ pub async fn serve(
     let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
     let model_rewrites = crate::config::Live::new(config.model_rewrites.clone());
     let objectives = crate::config::Live::new(config.objectives.clone());
+    // Fires when shutdown begins (before the drain), unlike `background`.
+    let stepping_down = CancellationToken::new();
     let mut source_ready = sources::start(
         &config.source,
-        sources::Policy {
+        sources::SourceInputs {
             objectives: objectives.clone(),
             rewrites: model_rewrites.clone(),
             flag_objectives: config.objectives.clone(),
             file_rewrites: config.model_rewrites.clone(),
+            stepping_down: stepping_down.clone(),
         },
         &datastore,
         &metrics,
@@ -314,18 +317,21 @@ pub async fn serve(
         Ended::Server(joined) => flatten("ext-proc", joined),
         Ended::Signal => {
             health::set_ready(&reporter, false).await;
+            stepping_down.cancel();
             wind_down(&mut grpc_server, &drain, &config).await
         }
         Ended::Subsystem(failed) => {
             // Readiness is already off; in-flight and arriving requests still get served.
             tracing::error!(%failed, "shutting down: a subsystem failed for good");
             health::set_ready(&reporter, false).await;
+            stepping_down.cancel();
             if let Err(error) = wind_down(&mut grpc_server, &drain, &config).await {
                 tracing::error!(%error, "while shutting down");
             }
             Err(failed.into())
         }
     };
+    stepping_down.cancel();
     background.cancel();
     kv_events.shutdown();
     supervisor.stop(SUBSYSTEM_STOP_TIMEOUT).await;

@@ -25,8 +25,9 @@ use crate::discovery::{PoolFileError, parse_pool};
 use crate::endpoints::Datastore;
 use crate::telemetry::EppMetrics;
 
-/// The objectives and rewrite rules the request path reads, and their flag/file values.
-pub struct Policy {
+/// What a Kubernetes source needs besides its config: the objectives and rewrite rules the
+/// request path reads (and their flag/file values), and when shutdown begins.
+pub struct SourceInputs {
     /// What the ext-proc streams read.
     pub objectives: Live<std::collections::HashMap<String, i32>>,
     /// What the ext-proc streams read.
@@ -35,6 +36,9 @@ pub struct Policy {
     pub flag_objectives: std::collections::HashMap<String, i32>,
     /// `--model-rewrites`.
     pub file_rewrites: crate::request::ModelRewriteRules,
+    /// Fires when shutdown begins: a leader releases its Lease then (as llm-d does), so the
+    /// standby takes over while this replica drains.
+    pub stepping_down: CancellationToken,
 }
 
 /// Loads the first pool (file) or connects the client (Kubernetes), then starts the source's
@@ -42,7 +46,7 @@ pub struct Policy {
 /// source's readiness.
 pub async fn start(
     source: &EndpointSource,
-    policy: Policy,
+    policy: SourceInputs,
     datastore: &Arc<Datastore>,
     metrics: &Arc<EppMetrics>,
     registry: &prometheus::Registry,
@@ -101,10 +105,34 @@ pub async fn start(
                     Box::pin(run_discovery(Arc::clone(&parts), discovery_cancel.clone()))
                 }),
             );
+            let leading = config.leader.as_ref().map(|leader| {
+                let (leading, is_leader) = watch::channel(false);
+                // One identity for every run: a restarted elector renews the Lease it holds.
+                let identity = crate::discovery::kube::leader::identity();
+                tracing::info!(lease = %leader.name, %identity, "leader election on: only the leader reports ready");
+                let (client, leader, stepping_down) =
+                    (client.clone(), leader.clone(), policy.stepping_down.clone());
+                supervisor.spawn(
+                    "leader-election",
+                    SupervisorPolicy::RESTART,
+                    Box::new(move || {
+                        let elector = crate::discovery::kube::leader::Elector::new(
+                            client.clone(),
+                            leader.clone(),
+                            identity.clone(),
+                            leading.clone(),
+                        );
+                        Box::pin(elector.run(stepping_down.clone()))
+                    }),
+                );
+                is_leader
+            });
             // NOTE: objectives and rewrites name a pool; in selector mode there is none, so
             // they come from the flags and files only.
             let DiscoveryTarget::Pool { name, group } = &config.target else {
-                return Ok(ready);
+                let (combined, combined_ready) = watch::channel(Err(NotReady::Syncing));
+                tokio::spawn(combine(ready, None, leading, combined, cancel.clone()));
+                return Ok(combined_ready);
             };
             let (synced, policy_synced) = watch::channel(false);
             let parts = Arc::new(PolicyParts {
@@ -131,32 +159,53 @@ pub async fn start(
                 Box::new(move || Box::pin(run_policy(Arc::clone(&parts), policy_cancel.clone()))),
             );
             let (combined, combined_ready) = watch::channel(Err(NotReady::Syncing));
-            tokio::spawn(combine(ready, policy_synced, combined, cancel.clone()));
+            tokio::spawn(combine(
+                ready,
+                Some(policy_synced),
+                leading,
+                combined,
+                cancel.clone(),
+            ));
             Ok(combined_ready)
         }
     }
 }
 
-/// Readiness of Kubernetes discovery and of the objective/rewrite watches together: not
-/// ready (syncing) until both have listed, then discovery's own readiness.
+/// Readiness of Kubernetes discovery, of the objective/rewrite watches and of leader
+/// election together: discovery's own reason first, then syncing until the policy watches
+/// have listed, then not_leader while another replica holds the Lease.
 async fn combine(
     mut discovery: watch::Receiver<Readiness>,
-    mut policy: watch::Receiver<bool>,
+    mut policy: Option<watch::Receiver<bool>>,
+    mut leading: Option<watch::Receiver<bool>>,
     out: watch::Sender<Readiness>,
     cancel: CancellationToken,
 ) {
+    async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
+        let closed = match rx {
+            Some(rx) => rx.changed().await.is_err(),
+            None => true,
+        };
+        if closed {
+            // A closed or absent input never changes again.
+            std::future::pending::<()>().await;
+        }
+    }
     loop {
-        let now = match (*discovery.borrow_and_update(), *policy.borrow_and_update()) {
-            (Err(reason), _) => Err(reason),
-            (Ok(()), false) => Err(NotReady::Syncing),
-            (Ok(()), true) => Ok(()),
+        let synced = policy.as_mut().is_none_or(|rx| *rx.borrow_and_update());
+        let leader = leading.as_mut().is_none_or(|rx| *rx.borrow_and_update());
+        let now = match *discovery.borrow_and_update() {
+            Err(reason) => Err(reason),
+            Ok(()) if !synced => Err(NotReady::Syncing),
+            Ok(()) if !leader => Err(NotReady::NotLeader),
+            Ok(()) => Ok(()),
         };
         out.send_if_modified(|before| std::mem::replace(before, now) != now);
         tokio::select! {
             () = cancel.cancelled() => return,
             Ok(()) = discovery.changed() => {}
-            Ok(()) = policy.changed() => {}
-            else => return cancel.cancelled().await,
+            () = changed(&mut policy) => {}
+            () = changed(&mut leading) => {}
         }
     }
 }

@@ -78,6 +78,19 @@ pub struct ServeArgs {
     /// endpoints keep being used meanwhile).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub discovery_stale_after: Duration,
+    /// Leader election on a Lease (llm-d's active-passive HA): only the leader reports ready.
+    /// `--ha-enable-leader-election` or `=true`/`=false`, as Go's flags take it.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub ha_enable_leader_election: bool,
+    /// How long the Lease holds without renewal (controller-runtime's default).
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub ha_lease_duration: Duration,
+    /// How long the leader keeps trying to renew before it steps back.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub ha_renew_deadline: Duration,
+    /// How often candidates try to take the Lease and the leader renews it.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub ha_retry_period: Duration,
     /// Static pool file (YAML, see DESIGN §2.1); re-read when it changes.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,

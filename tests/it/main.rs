@@ -16,6 +16,7 @@ mod extproc_stream;
 mod faults_gateway;
 mod faults_kv_events;
 mod k8s_discovery;
+mod k8s_leader;
 mod k8s_policy;
 mod kv_decode_fixtures;
 mod kv_decode_hostile;

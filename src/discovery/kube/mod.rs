@@ -9,6 +9,7 @@
 //! [`watch`] owns every watch stream and all discovery state; `serve` runs it under the
 //! supervisor and stops it with its cancellation token (see [`watch`]'s docs).
 
+pub mod leader;
 pub mod metrics;
 pub mod pod_endpoints;
 pub mod policy;
@@ -57,6 +58,8 @@ pub struct KubeDiscoveryConfig {
     pub kv_ports: KvPorts,
     /// How long the watches may fail before readiness turns off.
     pub stale_after: Duration,
+    /// Leader election (`--ha-enable-leader-election`), when on.
+    pub leader: Option<leader::LeaderConfig>,
 }
 
 /// Parses `--endpoint-selector` (`k=v,k2=v2`).
