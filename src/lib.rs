@@ -7,6 +7,7 @@
 //! - [`endpoints`] and [`discovery`]: the pool of model-server pods and their live load;
 //! - [`scheduling`]: the decision;
 //! - [`telemetry`]: our own metrics and health;
+//! - [`tls`]: TLS on the ext-proc port;
 //! - [`admin`]: the metrics and debug HTTP servers, above every layer they report on;
 //! - [`app`]: `kvpick serve`, the wiring of all of the above;
 //!
@@ -25,6 +26,7 @@ pub mod request;
 pub mod scheduling;
 pub mod scrape;
 pub mod telemetry;
+pub mod tls;
 pub mod tokenize;
 
 /// Where the unit tests find the shared real-vLLM captures: the workspace's one fixture lookup

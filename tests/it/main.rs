@@ -36,6 +36,7 @@ mod sched_scheduler;
 mod sched_tracing;
 mod telemetry_admin;
 mod telemetry_labels;
+mod tls_extproc;
 mod tok_api_captures;
 mod tok_fast_bpe;
 mod tok_fixtures;
