@@ -8,6 +8,7 @@
 //! - [`scheduling`]: the decision;
 //! - [`telemetry`]: our own metrics and health;
 //! - [`tls`]: TLS on the ext-proc port;
+//! - [`live`]: values the request path reads and watchers replace;
 //! - [`admin`]: the metrics and debug HTTP servers, above every layer they report on;
 //! - [`app`]: `kvpick serve`, the wiring of all of the above;
 //!
@@ -22,6 +23,7 @@ pub mod endpoints;
 pub mod extproc;
 pub mod kvcache;
 pub mod kvevents;
+pub mod live;
 pub mod request;
 pub mod scheduling;
 pub mod scrape;

@@ -99,8 +99,8 @@ pub async fn serve(
     let datastore = Arc::new(Datastore::new());
     let background = CancellationToken::new();
     let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
-    let model_rewrites = crate::config::Live::new(config.model_rewrites.clone());
-    let objectives = crate::config::Live::new(config.objectives.clone());
+    let model_rewrites = crate::live::Live::new(config.model_rewrites.clone());
+    let objectives = crate::live::Live::new(config.objectives.clone());
     // Fires when shutdown begins (before the drain), unlike `background`.
     let stepping_down = CancellationToken::new();
     let mut source_ready = sources::start(

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::ServeError;
 use super::subsystems;
 use super::supervise::{Policy as SupervisorPolicy, Supervisor};
-use crate::config::{EndpointSource, Live};
+use crate::config::EndpointSource;
 use crate::discovery::kube::policy::PoolRef;
 use crate::discovery::kube::{
     DiscoveryMetrics, DiscoveryParts, DiscoveryTarget, NotReady, PolicyParts, Readiness,
@@ -23,6 +23,7 @@ use crate::discovery::kube::{
 };
 use crate::discovery::{PoolFileError, parse_pool};
 use crate::endpoints::Datastore;
+use crate::live::Live;
 use crate::telemetry::EppMetrics;
 
 /// What a Kubernetes source needs besides its config: the objectives and rewrite rules the

@@ -4,7 +4,6 @@
 
 mod duration;
 mod handler;
-mod live;
 pub mod picker_config;
 mod picker_doc;
 mod plugins;
@@ -18,7 +17,6 @@ use std::time::Duration;
 use clap::Args;
 
 pub use duration::{DurationError, parse_duration};
-pub use live::Live;
 pub use source::EndpointSource;
 
 /// Flags of `kvpick serve` (GIE-compatible names and defaults where GIE has them).

@@ -95,8 +95,8 @@ async fn start_with(
         datastore,
         scheduler: Arc::clone(&scheduler) as _,
         tokenizers: Arc::new(Tokenizers::new(tokenizers, &registry).expect("tokenizers")),
-        model_rewrites: kvpick::config::Live::default(),
-        objectives: kvpick::config::Live::default(),
+        model_rewrites: kvpick::live::Live::default(),
+        objectives: kvpick::live::Live::default(),
         admission: Arc::new(Admission {
             detector: SaturationDetector::new(
                 SaturationConfig::default(),

@@ -30,7 +30,7 @@ use super::policy::{
     parse_objective, parse_rewrite,
 };
 use super::watch::{WatchStream, watch};
-use crate::config::Live;
+use crate::live::Live;
 use crate::request::ModelRewriteRules;
 
 /// Most objects of one kind kept (both groups together); more are left out, logged and
