@@ -69,13 +69,44 @@ enum Attempt {
 /// What identifies one version of the Lease's record: its holder and renewTime.
 type Record = (Option<String>, Option<Timestamp>);
 
+/// When this replica last saw the Lease's record change, on its own clock.
+#[derive(Debug, Default)]
+struct Observed(Option<(Record, Instant)>);
+
+impl Observed {
+    /// How long `record` (just read) has been unchanged; a new record restarts the clock.
+    fn unchanged_for(&mut self, record: Record) -> Duration {
+        match &self.0 {
+            Some((seen, at)) if *seen == record => at.elapsed(),
+            _ => {
+                self.0 = Some((record, Instant::now()));
+                Duration::ZERO
+            }
+        }
+    }
+}
+
+/// Whether the Lease may be written by `identity`: it has no holder, is ours, or its record
+/// has gone unchanged for the holder's lease duration.
+fn may_take(
+    holder: Option<&str>,
+    identity: &str,
+    unchanged_for: Duration,
+    duration: Duration,
+) -> bool {
+    match holder {
+        None => true,
+        Some(holder) => holder == identity || unchanged_for >= duration,
+    }
+}
+
 /// One replica's elector.
 pub struct Elector {
     api: Api<Lease>,
     config: LeaderConfig,
     identity: String,
     /// The record last read and when (on this replica's clock) it last changed.
-    observed: Option<(Record, Instant)>,
+    observed: Observed,
     leading: watch::Sender<bool>,
 }
 
@@ -91,7 +122,7 @@ impl Elector {
             api: Api::namespaced(client, &config.namespace),
             config,
             identity,
-            observed: None,
+            observed: Observed::default(),
             leading,
         }
     }
@@ -180,14 +211,7 @@ impl Elector {
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
         let record = (holder.clone(), spec.renew_time.as_ref().map(|t| t.0));
-        let observed_at = match &self.observed {
-            Some((seen, at)) if *seen == record => *at,
-            _ => {
-                let at = Instant::now();
-                self.observed = Some((record, at));
-                at
-            }
-        };
+        let unchanged_for = self.observed.unchanged_for(record);
         let ours = holder.as_deref() == Some(self.identity.as_str());
         // The holder's own lease duration (a released lease says 1 s), bounded to sane values.
         let duration = spec
@@ -195,7 +219,7 @@ impl Elector {
             .and_then(|s| u64::try_from(s).ok())
             .map_or(self.config.lease_duration, Duration::from_secs)
             .min(Duration::from_secs(3600));
-        if holder.is_some() && !ours && observed_at.elapsed() < duration {
+        if !may_take(holder.as_deref(), &self.identity, unchanged_for, duration) {
             return Attempt::Other;
         }
         let transitions = spec.lease_transitions.unwrap_or(0);
@@ -213,10 +237,8 @@ impl Elector {
         {
             Ok(written) => {
                 let spec = written.spec.unwrap_or_default();
-                self.observed = Some((
-                    (spec.holder_identity, spec.renew_time.map(|t| t.0)),
-                    Instant::now(),
-                ));
+                self.observed
+                    .unchanged_for((spec.holder_identity, spec.renew_time.map(|t| t.0)));
                 if !ours {
                     tracing::info!(lease = %self.config.name, previous = ?holder, "took the lease");
                 }
@@ -309,6 +331,33 @@ mod tests {
         assert_eq!(deployment_of("my-epp-7d9f8b6c5d-x2x7q"), Some("my-epp"));
         assert_eq!(deployment_of("nodashes"), None);
         assert_eq!(deployment_of("-a-b"), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_expires_after_its_duration_of_our_own_clock_without_change() {
+        let duration = Duration::from_secs(15);
+        let mut observed = Observed::default();
+        let record = |renewed: &str| -> Record {
+            (
+                Some("other".to_owned()),
+                Some(renewed.parse().expect("timestamp")),
+            )
+        };
+        // An old renewTime in the record does not matter: the clock starts when we read it.
+        let stale = record("2020-01-01T00:00:00Z");
+        assert_eq!(observed.unchanged_for(stale.clone()), Duration::ZERO);
+        tokio::time::advance(Duration::from_secs(14)).await;
+        let held_for = observed.unchanged_for(stale.clone());
+        assert!(!may_take(Some("other"), "me", held_for, duration));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let held_for = observed.unchanged_for(stale);
+        assert!(may_take(Some("other"), "me", held_for, duration));
+        // A renewal restarts the clock.
+        let renewed = record("2020-01-01T00:00:02Z");
+        let held_for = observed.unchanged_for(renewed);
+        assert!(!may_take(Some("other"), "me", held_for, duration));
+        assert!(may_take(None, "me", Duration::ZERO, duration), "released");
+        assert!(may_take(Some("me"), "me", Duration::ZERO, duration), "ours");
     }
 
     #[test]
