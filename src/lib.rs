@@ -7,6 +7,8 @@
 //! - [`endpoints`] and [`discovery`]: the pool of model-server pods and their live load;
 //! - [`scheduling`]: the decision;
 //! - [`telemetry`]: our own metrics and health;
+//! - [`tls`]: TLS on the ext-proc port;
+//! - [`live`]: values the request path reads and watchers replace;
 //! - [`admin`]: the metrics and debug HTTP servers, above every layer they report on;
 //! - [`app`]: `kvpick serve`, the wiring of all of the above;
 //!
@@ -21,10 +23,12 @@ pub mod endpoints;
 pub mod extproc;
 pub mod kvcache;
 pub mod kvevents;
+pub mod live;
 pub mod request;
 pub mod scheduling;
 pub mod scrape;
 pub mod telemetry;
+pub mod tls;
 pub mod tokenize;
 
 /// Where the unit tests find the shared real-vLLM captures: the workspace's one fixture lookup

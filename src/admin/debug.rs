@@ -115,7 +115,7 @@ async fn prepare_request(
     body: Bytes,
 ) -> Result<Prepared, Response> {
     let tokenizers = Arc::clone(&state.tokenizers);
-    let rules = Arc::clone(&state.model_rewrites);
+    let rules = state.model_rewrites.load();
     let meta = RequestMeta {
         path: path.unwrap_or_default(),
         ..RequestMeta::default()

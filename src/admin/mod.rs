@@ -50,7 +50,7 @@ pub struct AdminState {
     /// The pool's name (the `name` label of pool metrics).
     pub pool_name: String,
     /// Model rewrite rules (so `/debug/prefix` keys a request as routing does).
-    pub model_rewrites: Arc<crate::request::ModelRewriteRules>,
+    pub model_rewrites: crate::live::Live<crate::request::ModelRewriteRules>,
     /// The scheduler (for `/debug/explain`).
     pub scheduler: Arc<crate::scheduling::ConfiguredScheduler>,
     /// Shedding and flow control (queue gauges).

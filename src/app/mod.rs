@@ -67,6 +67,9 @@ pub enum ServeError {
     /// The KV-event subsystem could not start.
     #[error("kv events: {0}")]
     KvEvents(#[from] KvEventsError),
+    /// TLS on the ext-proc port could not be set up.
+    #[error("--secure-serving: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     /// A background subsystem died for good (see [`supervise`]).
     #[error(transparent)]
     Subsystem(#[from] SubsystemFailed),
@@ -96,8 +99,19 @@ pub async fn serve(
     let datastore = Arc::new(Datastore::new());
     let background = CancellationToken::new();
     let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());
+    let model_rewrites = crate::live::Live::new(config.model_rewrites.clone());
+    let objectives = crate::live::Live::new(config.objectives.clone());
+    // Fires when shutdown begins (before the drain), unlike `background`.
+    let stepping_down = CancellationToken::new();
     let mut source_ready = sources::start(
         &config.source,
+        sources::SourceInputs {
+            objectives: objectives.clone(),
+            rewrites: model_rewrites.clone(),
+            flag_objectives: config.objectives.clone(),
+            file_rewrites: config.model_rewrites.clone(),
+            stepping_down: stepping_down.clone(),
+        },
         &datastore,
         &metrics,
         &registry,
@@ -131,8 +145,6 @@ pub async fn serve(
         tracing::info!(%bound, "accepting KV events from pods that dial in");
     }
     let metrics_store = Arc::new(MetricsStore::default());
-    let model_rewrites = Arc::new(config.model_rewrites.clone());
-
     for warning in &config.picker.warnings {
         tracing::warn!(%warning, "scheduler config");
     }
@@ -192,6 +204,7 @@ pub async fn serve(
     subsystems::supervise_kv_events(&mut supervisor, &kv_events, &background);
     tokio::spawn(trim_memory(Arc::clone(&tokenizers), background.clone()));
 
+    let tls = ext_proc_tls(&config, &registry, &background)?;
     let grpc_listener = bind(config.grpc_addr).await?;
     let health_listener = bind(config.health_addr).await?;
     let metrics_listener = bind(config.metrics_addr).await?;
@@ -222,7 +235,7 @@ pub async fn serve(
         scrapes: Arc::clone(&metrics_store),
         staleness: config.scrape.staleness,
         pool_name: config.pool_name.clone(),
-        model_rewrites: Arc::clone(&model_rewrites),
+        model_rewrites: model_rewrites.clone(),
         scheduler: Arc::clone(&scheduler),
         admission: Arc::clone(&admission),
     };
@@ -253,8 +266,8 @@ pub async fn serve(
         datastore: Arc::clone(&datastore),
         scheduler: Arc::clone(&scheduler) as _,
         tokenizers: Arc::clone(&tokenizers),
-        model_rewrites: Arc::clone(&model_rewrites),
-        objectives: Arc::new(config.objectives.clone()),
+        model_rewrites,
+        objectives,
         admission: Arc::clone(&admission),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::new(BodyBudget::new(
@@ -276,7 +289,10 @@ pub async fn serve(
                     .with_max_streams(config.max_extproc_streams)
                     .into_server(),
             )
-            .serve_with_incoming_shutdown(incoming(grpc_listener), drain.clone().cancelled_owned()),
+            .serve_with_incoming_shutdown(
+                crate::tls::incoming(grpc_listener, tls),
+                drain.clone().cancelled_owned(),
+            ),
     );
     let ready_now = |healthy: bool, source: &watch::Receiver<crate::discovery::kube::Readiness>| {
         healthy && datastore.is_synced() && source.borrow().is_ok()
@@ -308,18 +324,21 @@ pub async fn serve(
         Ended::Server(joined) => flatten("ext-proc", joined),
         Ended::Signal => {
             health::set_ready(&reporter, false).await;
+            stepping_down.cancel();
             wind_down(&mut grpc_server, &drain, &config).await
         }
         Ended::Subsystem(failed) => {
             // Readiness is already off; in-flight and arriving requests still get served.
             tracing::error!(%failed, "shutting down: a subsystem failed for good");
             health::set_ready(&reporter, false).await;
+            stepping_down.cancel();
             if let Err(error) = wind_down(&mut grpc_server, &drain, &config).await {
                 tracing::error!(%error, "while shutting down");
             }
             Err(failed.into())
         }
     };
+    stepping_down.cancel();
     background.cancel();
     kv_events.shutdown();
     supervisor.stop(SUBSYSTEM_STOP_TIMEOUT).await;
@@ -421,6 +440,36 @@ fn local(listener: &TcpListener) -> String {
 
 /// Accepted connections with Nagle's algorithm off: ext-proc replies are small messages on a
 /// latency-critical path, and Nagle plus delayed ACKs would hold some of them for 40 ms.
+/// The ext-proc port's TLS (`--secure-serving`): the first certificate, and with
+/// `--enable-cert-reload` the task that swaps in changed files.
+fn ext_proc_tls(
+    config: &ServeConfig,
+    registry: &prometheus::Registry,
+    background: &CancellationToken,
+) -> Result<Option<(Arc<rustls::ServerConfig>, crate::tls::TlsMetrics)>, ServeError> {
+    let Some(tls) = &config.tls else {
+        return Ok(None);
+    };
+    let metrics = crate::tls::TlsMetrics::new(registry)?;
+    let resolver = Arc::new(crate::tls::CertResolver::new(crate::tls::initial_pair(
+        tls,
+    )?));
+    match (&tls.cert_path, tls.reload) {
+        (Some(dir), true) => {
+            tracing::info!(dir = %dir.display(), "ext-proc serves TLS; certificate reloaded when its files change");
+            tokio::spawn(crate::tls::reload::watch_files(
+                dir.clone(),
+                Arc::clone(&resolver),
+                metrics.reloads.clone(),
+                background.clone(),
+            ));
+        }
+        (Some(dir), false) => tracing::info!(dir = %dir.display(), "ext-proc serves TLS"),
+        (None, _) => tracing::info!("ext-proc serves TLS with a self-signed certificate"),
+    }
+    Ok(Some((crate::tls::server_config(resolver)?, metrics)))
+}
+
 fn incoming(
     listener: TcpListener,
 ) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {

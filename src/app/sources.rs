@@ -7,23 +7,47 @@
 //! stale), which `serve` folds into the gRPC readiness services.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::ServeError;
 use super::subsystems;
-use super::supervise::{Policy, Supervisor};
+use super::supervise::{Policy as SupervisorPolicy, Supervisor};
 use crate::config::EndpointSource;
-use crate::discovery::kube::{DiscoveryMetrics, DiscoveryParts, Readiness, run_discovery};
+use crate::discovery::kube::policy::PoolRef;
+use crate::discovery::kube::{
+    DiscoveryMetrics, DiscoveryParts, DiscoveryTarget, NotReady, PolicyParts, Readiness,
+    run_discovery, run_policy,
+};
 use crate::discovery::{PoolFileError, parse_pool};
 use crate::endpoints::Datastore;
+use crate::live::Live;
 use crate::telemetry::EppMetrics;
 
+/// What a Kubernetes source needs besides its config: the objectives and rewrite rules the
+/// request path reads (and their flag/file values), and when shutdown begins.
+pub struct SourceInputs {
+    /// What the ext-proc streams read.
+    pub objectives: Live<std::collections::HashMap<String, i32>>,
+    /// What the ext-proc streams read.
+    pub rewrites: Live<crate::request::ModelRewriteRules>,
+    /// `--objective`.
+    pub flag_objectives: std::collections::HashMap<String, i32>,
+    /// `--model-rewrites`.
+    pub file_rewrites: crate::request::ModelRewriteRules,
+    /// Fires when shutdown begins: a leader releases its Lease then (as llm-d does), so the
+    /// standby takes over while this replica drains.
+    pub stepping_down: CancellationToken,
+}
+
 /// Loads the first pool (file) or connects the client (Kubernetes), then starts the source's
-/// subsystem. Returns the source's readiness.
+/// subsystem (and, for an InferencePool, the objective/rewrite watches). Returns the
+/// source's readiness.
 pub async fn start(
     source: &EndpointSource,
+    policy: SourceInputs,
     datastore: &Arc<Datastore>,
     metrics: &Arc<EppMetrics>,
     registry: &prometheus::Registry,
@@ -49,7 +73,7 @@ pub async fn start(
             datastore.set_endpoints(endpoints);
             supervisor.spawn(
                 "pool-file-watcher",
-                Policy::RESTART,
+                SupervisorPolicy::RESTART,
                 subsystems::pool_watcher(
                     path.clone(),
                     *reload_interval,
@@ -66,20 +90,123 @@ pub async fn start(
             let client = crate::discovery::kube::client().await?;
             tracing::info!(namespace = %config.namespace, target = ?config.target, "watching Kubernetes for the pool");
             let (readiness, ready) = watch::channel(Ok(()));
+            let metrics = DiscoveryMetrics::new(registry)?;
             let parts = Arc::new(DiscoveryParts {
                 config: config.clone(),
-                client,
+                client: client.clone(),
                 datastore: Arc::clone(datastore),
-                metrics: DiscoveryMetrics::new(registry)?,
+                metrics: metrics.clone(),
                 readiness,
             });
-            let cancel = cancel.clone();
+            let discovery_cancel = cancel.clone();
             supervisor.spawn(
                 "kube-discovery",
-                Policy::RESTART,
-                Box::new(move || Box::pin(run_discovery(Arc::clone(&parts), cancel.clone()))),
+                SupervisorPolicy::RESTART,
+                Box::new(move || {
+                    Box::pin(run_discovery(Arc::clone(&parts), discovery_cancel.clone()))
+                }),
             );
-            Ok(ready)
+            let leading = config.leader.as_ref().map(|leader| {
+                let (leading, is_leader) = watch::channel(false);
+                // One identity for every run: a restarted elector renews the Lease it holds.
+                let identity = crate::discovery::kube::leader::identity();
+                tracing::info!(lease = %leader.name, %identity, "leader election on: only the leader reports ready");
+                let (client, leader, stepping_down) =
+                    (client.clone(), leader.clone(), policy.stepping_down.clone());
+                supervisor.spawn(
+                    "leader-election",
+                    SupervisorPolicy::RESTART,
+                    Box::new(move || {
+                        let elector = crate::discovery::kube::leader::Elector::new(
+                            client.clone(),
+                            leader.clone(),
+                            identity.clone(),
+                            leading.clone(),
+                        );
+                        Box::pin(elector.run(stepping_down.clone()))
+                    }),
+                );
+                is_leader
+            });
+            // NOTE: objectives and rewrites name a pool; in selector mode there is none, so
+            // they come from the flags and files only.
+            let DiscoveryTarget::Pool { name, group } = &config.target else {
+                let (combined, combined_ready) = watch::channel(Err(NotReady::Syncing));
+                tokio::spawn(combine(ready, None, leading, combined, cancel.clone()));
+                return Ok(combined_ready);
+            };
+            let (synced, policy_synced) = watch::channel(false);
+            let parts = Arc::new(PolicyParts {
+                namespace: config.namespace.clone(),
+                pool: PoolRef {
+                    name: name.clone(),
+                    group: group.group().to_owned(),
+                },
+                client,
+                metrics,
+                flag_objectives: policy.flag_objectives,
+                file_rewrites: policy.file_rewrites,
+                objectives: policy.objectives,
+                rewrites: policy.rewrites,
+                synced,
+                retry: config
+                    .stale_after
+                    .clamp(Duration::from_secs(1), Duration::from_secs(30)),
+            });
+            let policy_cancel = cancel.clone();
+            supervisor.spawn(
+                "kube-policy",
+                SupervisorPolicy::RESTART,
+                Box::new(move || Box::pin(run_policy(Arc::clone(&parts), policy_cancel.clone()))),
+            );
+            let (combined, combined_ready) = watch::channel(Err(NotReady::Syncing));
+            tokio::spawn(combine(
+                ready,
+                Some(policy_synced),
+                leading,
+                combined,
+                cancel.clone(),
+            ));
+            Ok(combined_ready)
+        }
+    }
+}
+
+/// Readiness of Kubernetes discovery, of the objective/rewrite watches and of leader
+/// election together: discovery's own reason first, then syncing until the policy watches
+/// have listed, then not_leader while another replica holds the Lease.
+async fn combine(
+    mut discovery: watch::Receiver<Readiness>,
+    mut policy: Option<watch::Receiver<bool>>,
+    mut leading: Option<watch::Receiver<bool>>,
+    out: watch::Sender<Readiness>,
+    cancel: CancellationToken,
+) {
+    async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
+        let closed = match rx {
+            Some(rx) => rx.changed().await.is_err(),
+            None => true,
+        };
+        if closed {
+            // A closed or absent input never changes again.
+            std::future::pending::<()>().await;
+        }
+    }
+    loop {
+        let synced = policy.as_mut().is_none_or(|rx| *rx.borrow_and_update());
+        let leader = leading.as_mut().is_none_or(|rx| *rx.borrow_and_update());
+        let now = match *discovery.borrow_and_update() {
+            Err(reason) => Err(reason),
+            Ok(()) if !synced => Err(NotReady::Syncing),
+            Ok(()) if !leader => Err(NotReady::NotLeader),
+            Ok(()) => Ok(()),
+        };
+        out.send_if_modified(|before| std::mem::replace(before, now) != now);
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            Ok(()) = discovery.changed() => {}
+            () = changed(&mut policy) => {}
+            () = changed(&mut leading) => {}
         }
     }
 }

@@ -76,6 +76,19 @@ pub struct ServeArgs {
     /// endpoints keep being used meanwhile).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub discovery_stale_after: Duration,
+    /// Leader election on a Lease (llm-d's active-passive HA): only the leader reports ready.
+    /// `--ha-enable-leader-election` or `=true`/`=false`, as Go's flags take it.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub ha_enable_leader_election: bool,
+    /// How long the Lease holds without renewal (controller-runtime's default).
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub ha_lease_duration: Duration,
+    /// How long the leader keeps trying to renew before it steps back.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub ha_renew_deadline: Duration,
+    /// How often candidates try to take the Lease and the leader renews it.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub ha_retry_period: Duration,
     /// Static pool file (YAML, see DESIGN §2.1); re-read when it changes.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,
@@ -172,6 +185,17 @@ pub struct ServeArgs {
     /// dynamic-metadata namespace), for tracing. Off: nothing is computed for it.
     #[arg(long)]
     pub emit_endpoint_scores: bool,
+    /// TLS on the ext-proc gRPC port (llm-d's flag; llm-d turns it on by default, kvpick
+    /// does not: see README). `--secure-serving` or `=true`/`=false`.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub secure_serving: bool,
+    /// With `--secure-serving`: the directory holding `tls.crt` and `tls.key` (without it, a
+    /// self-signed certificate made at start).
+    #[arg(long, value_name = "DIR")]
+    pub cert_path: Option<PathBuf>,
+    /// Reload `--cert-path`'s files when they change (checked every second).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub enable_cert_reload: bool,
     /// InferenceModelRewrite-style weighted model rewrite rules (YAML `rules: [{matches,
     /// targets: [{modelRewrite, weight}]}]`). The `x-gateway-model-name-rewrite` header wins.
     #[arg(long)]
@@ -268,6 +292,14 @@ pub enum ConfigError {
     /// The bearer token file cannot be used.
     #[error("--metrics-bearer-token-file: {0}")]
     BearerToken(#[from] crate::admin::auth::TokenError),
+    /// A TLS flag is given without the flag it refines.
+    #[error("--{flag}: {reason}")]
+    Tls {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong.
+        reason: &'static str,
+    },
     /// A size flag is out of range.
     #[error("--{flag} must be at least {min} (got {value})")]
     TooSmall {
@@ -327,12 +359,15 @@ pub struct ServeConfig {
     pub picker: picker_config::ValidatedPickerConfig,
     /// Whether routed requests carry the candidates' scores (`--emit-endpoint-scores`).
     pub emit_endpoint_scores: bool,
+    /// TLS on the ext-proc port (`--secure-serving`), when on.
+    pub tls: Option<crate::tls::TlsConfig>,
 }
 
 impl ServeArgs {
     /// Validates the flags into a [`ServeConfig`].
     pub fn validate(self) -> Result<ServeConfig, ConfigError> {
         let source = self.endpoint_source()?;
+        let tls = self.tls_config()?;
         let ports = [
             ("grpc-port", self.grpc_port),
             ("grpc-health-port", self.grpc_health_port),
@@ -452,6 +487,7 @@ impl ServeArgs {
             .transpose()?;
         let ip = self.bind_address;
         Ok(ServeConfig {
+            tls,
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
             health_addr: SocketAddr::new(ip, self.grpc_health_port),
             metrics_addr: SocketAddr::new(ip, self.metrics_port),
@@ -488,6 +524,39 @@ impl ServeArgs {
             objectives: self.objectives.into_iter().collect(),
             picker,
         })
+    }
+}
+
+impl ServeArgs {
+    /// `--secure-serving` and its refinements; a refinement without it is an error (kvpick
+    /// serves plaintext by default, unlike llm-d, so a lone `--cert-path` would silently
+    /// not do what an llm-d user means).
+    fn tls_config(&self) -> Result<Option<crate::tls::TlsConfig>, ConfigError> {
+        if !self.secure_serving {
+            if self.cert_path.is_some() {
+                return Err(ConfigError::Tls {
+                    flag: "cert-path",
+                    reason: "needs --secure-serving (kvpick serves plaintext unless it is given)",
+                });
+            }
+            if self.enable_cert_reload {
+                return Err(ConfigError::Tls {
+                    flag: "enable-cert-reload",
+                    reason: "needs --secure-serving and --cert-path",
+                });
+            }
+            return Ok(None);
+        }
+        if self.enable_cert_reload && self.cert_path.is_none() {
+            return Err(ConfigError::Tls {
+                flag: "enable-cert-reload",
+                reason: "needs --cert-path (a self-signed certificate has no files to reload)",
+            });
+        }
+        Ok(Some(crate::tls::TlsConfig {
+            cert_path: self.cert_path.clone(),
+            reload: self.enable_cert_reload,
+        }))
     }
 }
 

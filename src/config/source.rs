@@ -57,6 +57,7 @@ impl ServeArgs {
         ) {
             (Some(path), _, _) => {
                 let kube_only = [
+                    (self.ha_enable_leader_election, "ha-enable-leader-election"),
                     (self.pool_namespace.is_some(), "pool-namespace"),
                     (self.kv_events_port.is_some(), "kv-events-port"),
                     (self.kv_replay_port.is_some(), "kv-replay-port"),
@@ -115,18 +116,84 @@ impl ServeArgs {
         if self.discovery_stale_after.is_zero() {
             return Err(invalid("discovery-stale-after", "must be more than 0"));
         }
+        let namespace = self
+            .pool_namespace
+            .clone()
+            .filter(|ns| !ns.trim().is_empty())
+            .unwrap_or_else(default_namespace);
+        let leader = self.leader_config(&namespace, &target)?;
         Ok(EndpointSource::Kube(KubeDiscoveryConfig {
-            namespace: self
-                .pool_namespace
-                .clone()
-                .filter(|ns| !ns.trim().is_empty())
-                .unwrap_or_else(default_namespace),
+            namespace,
+            leader,
             target,
             kv_ports: KvPorts {
                 events: self.kv_events_port,
                 replay: self.kv_replay_port,
             },
             stale_after: self.discovery_stale_after,
+        }))
+    }
+
+    /// Leader election's settings (`None` when off): the Lease is named after the pool as
+    /// llm-d names it, or in selector mode after the Deployment of `POD_NAME`.
+    fn leader_config(
+        &self,
+        namespace: &str,
+        target: &crate::discovery::kube::DiscoveryTarget,
+    ) -> Result<Option<crate::discovery::kube::leader::LeaderConfig>, ConfigError> {
+        use crate::discovery::kube::DiscoveryTarget;
+        use crate::discovery::kube::leader::{LeaderConfig, deployment_of, lease_name};
+        if !self.ha_enable_leader_election {
+            return Ok(None);
+        }
+        let invalid = |flag, reason: &str| ConfigError::Discovery {
+            flag,
+            reason: reason.to_owned(),
+        };
+        let owner = match target {
+            DiscoveryTarget::Pool { name, .. } => name.clone(),
+            DiscoveryTarget::Selector(_) => {
+                let pod = std::env::var("POD_NAME").unwrap_or_default();
+                deployment_of(&pod)
+                    .ok_or_else(|| {
+                        invalid(
+                            "ha-enable-leader-election",
+                            "with --endpoint-selector needs POD_NAME (<deployment>-<hash>-<hash>) to name the Lease",
+                        )
+                    })?
+                    .to_owned()
+            }
+        };
+        let (lease, renew, retry) = (
+            self.ha_lease_duration,
+            self.ha_renew_deadline,
+            self.ha_retry_period,
+        );
+        if lease < Duration::from_secs(1) || lease.subsec_nanos() != 0 {
+            return Err(invalid(
+                "ha-lease-duration",
+                "must be whole seconds, at least 1s (a Lease counts in seconds)",
+            ));
+        }
+        // client-go's checks: leaseDuration > renewDeadline > retryPeriod × 1.2 (jitter).
+        if renew >= lease {
+            return Err(invalid(
+                "ha-renew-deadline",
+                "must be less than --ha-lease-duration",
+            ));
+        }
+        if retry.is_zero() || retry.mul_f64(1.2) >= renew {
+            return Err(invalid(
+                "ha-retry-period",
+                "must be more than 0 and less than --ha-renew-deadline / 1.2",
+            ));
+        }
+        Ok(Some(LeaderConfig {
+            namespace: namespace.to_owned(),
+            name: lease_name(namespace, &owner),
+            lease_duration: lease,
+            renew_deadline: renew,
+            retry_period: retry,
         }))
     }
 }

@@ -34,6 +34,7 @@ use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId, PrefillGuard, live_candidates};
 use crate::kvcache::PromptKeys;
+use crate::live::Live;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::EppMetrics;
@@ -54,9 +55,9 @@ pub struct StreamContext {
     /// Tokenizers per model.
     pub tokenizers: Arc<Tokenizers>,
     /// Weighted model rewrite rules.
-    pub model_rewrites: Arc<ModelRewriteRules>,
+    pub model_rewrites: Live<ModelRewriteRules>,
     /// Objective name → priority (unknown or absent objective: 0).
-    pub objectives: Arc<HashMap<String, i32>>,
+    pub objectives: Live<HashMap<String, i32>>,
     /// Shedding and flow control.
     pub admission: Arc<Admission>,
     /// EPP metrics.
@@ -358,8 +359,7 @@ impl RequestStream {
             .meta
             .objective
             .as_ref()
-            .and_then(|name| self.ctx.objectives.get(name))
-            .copied()
+            .and_then(|name| self.ctx.objectives.load().get(name).copied())
             .unwrap_or(0);
         let candidates = self.candidates();
         let admitted = self
@@ -399,7 +399,7 @@ impl RequestStream {
         if self.body.len() <= INLINE_PREPARE_BYTES {
             let prepared = prepare(
                 &self.ctx.tokenizers,
-                &self.ctx.model_rewrites,
+                &self.ctx.model_rewrites.load(),
                 &self.meta,
                 &self.body,
             )?;
@@ -410,7 +410,7 @@ impl RequestStream {
         let permit = self.ctx.tokenizers.gate().enter(self.body.len()).await;
         let body = std::mem::take(&mut self.body);
         let tokenizers = Arc::clone(&self.ctx.tokenizers);
-        let rules = Arc::clone(&self.ctx.model_rewrites);
+        let rules = self.ctx.model_rewrites.load();
         let scheduler = Arc::clone(&self.ctx.scheduler);
         let meta = self.meta.clone();
         let work = tokio::task::spawn_blocking(move || {

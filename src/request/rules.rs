@@ -68,7 +68,7 @@ fn exact() -> MatchType {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelRewriteRule {
-    /// Client model names this rule applies to.
+    /// Client model names this rule applies to; empty: every model (GIE's generic rule).
     pub matches: Vec<ModelMatch>,
     /// Weighted targets.
     pub targets: Vec<RewriteTarget>,
@@ -89,7 +89,7 @@ impl ModelRewriteRules {
         let rule = self
             .rules
             .iter()
-            .find(|r| r.matches.iter().any(|m| m.name() == model))?;
+            .find(|r| r.matches.is_empty() || r.matches.iter().any(|m| m.name() == model))?;
         let total: u64 = rule.targets.iter().map(|t| u64::from(t.weight)).sum();
         if total == 0 {
             return None;
@@ -129,6 +129,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(crd.pick("m", 7), Some("a"));
+        let generic: ModelRewriteRules = serde_yaml::from_str(
+            "rules:\n- matches: [m]\n  targets: [{modelRewrite: a}]\n- matches: []\n  targets: [{modelRewrite: z}]\n",
+        )
+        .unwrap();
+        assert_eq!(generic.pick("m", 0), Some("a"));
+        assert_eq!(
+            generic.pick("anything", 0),
+            Some("z"),
+            "an empty matches list matches all"
+        );
         assert!(
             serde_yaml::from_str::<ModelRewriteRules>(
                 "rules:\n- matches: [m]\n  targets: [{modelRewrite: a, wieght: 2}]\n"

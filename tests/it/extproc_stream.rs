@@ -106,8 +106,8 @@ async fn start(options: Options) -> Harness {
             None => Arc::new(LeastInFlight::new(options.fallbacks)),
         },
         tokenizers,
-        model_rewrites: Arc::new(options.rewrites.clone()),
-        objectives: Arc::new(options.objectives.clone()),
+        model_rewrites: kvpick::live::Live::new(options.rewrites.clone()),
+        objectives: kvpick::live::Live::new(options.objectives.clone()),
         admission: Arc::new(Admission {
             detector: SaturationDetector::new(
                 SaturationConfig::default(),

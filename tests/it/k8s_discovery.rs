@@ -15,12 +15,12 @@ use support::kvpick::{Kvpick, health};
 use support::wait_until;
 use tonic_health::pb::health_check_response::ServingStatus;
 
-const NS: &str = "llm";
-const V1: &str = "inference.networking.k8s.io";
+pub(crate) const NS: &str = "llm";
+pub(crate) const V1: &str = "inference.networking.k8s.io";
 const V1ALPHA2: &str = "inference.networking.x-k8s.io";
-const LIMIT: Duration = Duration::from_secs(15);
+pub(crate) const LIMIT: Duration = Duration::from_secs(15);
 
-fn pod(name: &str, ip: Option<&str>, app: &str, ready: bool) -> Value {
+pub(crate) fn pod(name: &str, ip: Option<&str>, app: &str, ready: bool) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}"),
@@ -31,7 +31,7 @@ fn pod(name: &str, ip: Option<&str>, app: &str, ready: bool) -> Value {
     })
 }
 
-fn pool_v1(app: &str, ports: &[u16]) -> Value {
+pub(crate) fn pool_v1(app: &str, ports: &[u16]) -> Value {
     let ports: Vec<Value> = ports.iter().map(|p| json!({"number": p})).collect();
     json!({
         "apiVersion": format!("{V1}/v1"), "kind": "InferencePool",
@@ -42,7 +42,7 @@ fn pool_v1(app: &str, ports: &[u16]) -> Value {
 }
 
 /// The pool's endpoints as `/debug/pods` shows them, sorted.
-async fn endpoints(kvpick: &Kvpick) -> Vec<String> {
+pub(crate) async fn endpoints(kvpick: &Kvpick) -> Vec<String> {
     let Ok(reply) = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new()).await else {
         return vec!["(debug server unreachable)".to_owned()];
     };
@@ -56,7 +56,7 @@ async fn endpoints(kvpick: &Kvpick) -> Vec<String> {
     addresses
 }
 
-async fn wait_endpoints(kvpick: &Kvpick, want: &[&str], step: &str) {
+pub(crate) async fn wait_endpoints(kvpick: &Kvpick, want: &[&str], step: &str) {
     let deadline = Instant::now() + LIMIT;
     loop {
         let now = endpoints(kvpick).await;
@@ -71,11 +71,11 @@ async fn wait_endpoints(kvpick: &Kvpick, want: &[&str], step: &str) {
     }
 }
 
-async fn readiness(kvpick: &Kvpick) -> Option<ServingStatus> {
+pub(crate) async fn readiness(kvpick: &Kvpick) -> Option<ServingStatus> {
     health(kvpick.health_port, "readiness").await
 }
 
-async fn wait_readiness(kvpick: &Kvpick, want: ServingStatus, step: &str) {
+pub(crate) async fn wait_readiness(kvpick: &Kvpick, want: ServingStatus, step: &str) {
     let deadline = Instant::now() + LIMIT;
     loop {
         let now = readiness(kvpick).await;
@@ -91,7 +91,7 @@ async fn wait_readiness(kvpick: &Kvpick, want: ServingStatus, step: &str) {
 }
 
 /// The value of a metric series (`name{labels}` exactly as exposed), 0 when absent.
-async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
+pub(crate) async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
     let reply = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
         .await
         .expect("metrics");

@@ -20,7 +20,6 @@ use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::extproc::admission::Admission;
 use kvpick::extproc::{BodyBudget, StreamContext, StreamTimeouts};
 use kvpick::kvcache::{IndexConfig, PrefixIndex, PromptKeys};
-use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{
     ConfiguredScheduler, MetricsSource, SaturationConfig, SaturationDetector, SchedulerConfig,
     SchedulerDeps, SchedulingRequest,
@@ -96,8 +95,8 @@ async fn start_with(
         datastore,
         scheduler: Arc::clone(&scheduler) as _,
         tokenizers: Arc::new(Tokenizers::new(tokenizers, &registry).expect("tokenizers")),
-        model_rewrites: Arc::new(ModelRewriteRules::default()),
-        objectives: Arc::new(HashMap::new()),
+        model_rewrites: kvpick::live::Live::default(),
+        objectives: kvpick::live::Live::default(),
         admission: Arc::new(Admission {
             detector: SaturationDetector::new(
                 SaturationConfig::default(),

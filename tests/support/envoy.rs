@@ -35,6 +35,9 @@ pub struct EnvoyOptions {
     /// Echo the upstream host that served and the number of upstream attempts as response
     /// headers ([`UPSTREAM_ECHO_HEADER`], [`ATTEMPTS_ECHO_HEADER`]).
     pub echo_upstream: bool,
+    /// Speak TLS to kvpick's ext-proc port (`--secure-serving`), without verifying its
+    /// certificate (as gateways do for the EPP's self-signed one); health checks stay plain.
+    pub kvpick_tls: bool,
 }
 
 /// Header the test config adds to responses with the `envoy.lb` destination metadata.
@@ -62,6 +65,37 @@ fn pool_addresses(pool_file: &std::path::Path) -> Vec<SocketAddr> {
 
 /// Replaces the endpoints of cluster `name` (when it lists endpoints: a cluster without a
 /// `load_assignment` is left alone).
+/// Makes the `kvpick` cluster speak TLS (ALPN h2) to the ext-proc port while its gRPC
+/// health checks, on kvpick's plain health port, select a raw-buffer transport socket.
+fn kvpick_over_tls(config: &str) -> String {
+    let mut root: serde_yaml::Value = serde_yaml::from_str(config).expect("envoy.yaml");
+    let clusters = root["static_resources"]["clusters"]
+        .as_sequence_mut()
+        .expect("clusters");
+    let cluster = clusters
+        .iter_mut()
+        .find(|c| c["name"].as_str() == Some("kvpick"))
+        .expect("envoy.yaml has a kvpick cluster");
+    cluster["transport_socket_matches"] = serde_yaml::from_str(
+        r#"
+- name: plain-health-checks
+  match: { plain: "true" }
+  transport_socket: { name: envoy.transport_sockets.raw_buffer, typed_config: { "@type": type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer } }
+- name: tls
+  match: {}
+  transport_socket:
+    name: envoy.transport_sockets.tls
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+      common_tls_context: { alpn_protocols: [h2] }
+"#,
+    )
+    .expect("tls yaml");
+    cluster["health_checks"][0]["transport_socket_match_criteria"] =
+        serde_yaml::from_str(r#"{ plain: "true" }"#).expect("criteria yaml");
+    serde_yaml::to_string(&root).expect("envoy yaml")
+}
+
 fn set_cluster_endpoints(config: &str, name: &str, endpoints: &[SocketAddr]) -> String {
     let mut root: serde_yaml::Value = serde_yaml::from_str(config).expect("envoy.yaml");
     let clusters = root["static_resources"]["clusters"]
@@ -184,6 +218,11 @@ impl Envoy {
         // Endpoints last: the edits above are on the file's text, these on its structure.
         let config = set_cluster_endpoints(&config, "inference-pool", &pool);
         let config = set_cluster_endpoints(&config, "inference-pool-fallback", &fallback);
+        let config = if options.kvpick_tls {
+            kvpick_over_tls(&config)
+        } else {
+            config
+        };
         // NOTE: a port found free can be taken by another test's process before Envoy binds
         // it (tests run in parallel); Envoy then exits, and it is started again on other
         // ports (a few times) instead of failing the test.

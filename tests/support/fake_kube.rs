@@ -12,6 +12,10 @@
 //! objects, end every open watch, compact (so resuming watches get 410 and re-list), change
 //! state without telling the watches, and take the whole server down and up again.
 //!
+//! Leases (`coordination.k8s.io/v1`) are served for get, create and update, with the API
+//! server's optimistic concurrency: an update whose resourceVersion is not the stored one
+//! gets 409 Conflict, a create of an existing name 409 AlreadyExists.
+//!
 //! The kubeconfig it writes points kube's client at it (`KUBECONFIG`).
 
 use std::collections::{BTreeMap, HashMap};
@@ -32,7 +36,13 @@ use tokio::task::JoinHandle;
 
 /// The resource an object belongs to: `pods`, or `inferencepools.<group>`.
 pub fn pool_resource(group: &str) -> String {
-    format!("inferencepools.{group}")
+    resource("inferencepools", group)
+}
+
+/// A namespaced resource of an API group: `<plural>.<group>` (served at
+/// `/apis/{group}/{version}/namespaces/{ns}/{plural}`).
+pub fn resource(plural: &str, group: &str) -> String {
+    format!("{plural}.{group}")
 }
 
 /// One change, as watches see it.
@@ -57,6 +67,8 @@ struct State {
     /// Answer every list and watch with 500 (an API server whose etcd is in trouble),
     /// except that a watch from a compacted version still gets its 410.
     failing: bool,
+    /// Resources answered with 404 (a CRD that is not installed).
+    missing: std::collections::HashSet<String>,
 }
 
 /// The fake API server.
@@ -106,7 +118,7 @@ impl FakeKube {
                 connections.spawn(async move {
                     let service = hyper::service::service_fn(move |request| {
                         let shared = shared.clone();
-                        async move { Ok::<_, Infallible>(shared.handle(request)) }
+                        async move { Ok::<_, Infallible>(shared.route(request).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -215,6 +227,16 @@ impl FakeKube {
         }
     }
 
+    /// Makes `resource` answer 404 as an uninstalled CRD does (or serves it again).
+    pub fn set_missing(&self, resource: &str, missing: bool) {
+        let mut state = self.state.lock().expect("lock");
+        if missing {
+            state.missing.insert(resource.to_owned());
+        } else {
+            state.missing.remove(resource);
+        }
+    }
+
     /// Makes the server answer 500 to every list and watch (or stops doing so).
     pub fn set_failing(&self, failing: bool) {
         self.state.lock().expect("lock").failing = failing;
@@ -235,6 +257,15 @@ impl FakeKube {
             state.history.clear();
         }
         self.end_watches();
+    }
+
+    /// An object as stored (`None`: there is none).
+    pub fn object(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
+        let state = self.state.lock().expect("lock");
+        state
+            .objects
+            .get(&(resource.to_owned(), namespace.to_owned(), name.to_owned()))
+            .cloned()
     }
 
     /// Lists served so far for `resource`.
@@ -297,9 +328,7 @@ impl Query {
         let path: Vec<&str> = request.uri().path().trim_matches('/').split('/').collect();
         let (resource, namespace) = match path.as_slice() {
             ["api", "v1", "namespaces", ns, "pods"] => ("pods".to_owned(), *ns),
-            ["apis", group, _version, "namespaces", ns, "inferencepools"] => {
-                (pool_resource(group), *ns)
-            }
+            ["apis", group, _version, "namespaces", ns, plural] => (resource(plural, group), *ns),
             _ => return None,
         };
         let mut query = Query {
@@ -381,7 +410,133 @@ fn decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The resource of coordination.k8s.io Leases.
+pub const LEASES: &str = "leases.coordination.k8s.io";
+
 impl Shared {
+    async fn route(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
+        let path: Vec<String> = request
+            .uri()
+            .path()
+            .trim_matches('/')
+            .split('/')
+            .map(str::to_owned)
+            .collect();
+        let lease = match path
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .as_slice()
+        {
+            [
+                "apis",
+                "coordination.k8s.io",
+                "v1",
+                "namespaces",
+                ns,
+                "leases",
+                rest @ ..,
+            ] => Some(((*ns).to_owned(), rest.first().map(|n| (*n).to_owned()))),
+            _ => None,
+        };
+        let Some((namespace, name)) = lease else {
+            return self.handle(request);
+        };
+        let method = request.method().clone();
+        let body = match request.into_body().collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(_) => return full(400, status_body(400, "BadRequest", "body")),
+        };
+        if self.state.lock().expect("lock").failing {
+            return full(
+                500,
+                status_body(500, "InternalError", "etcdserver: request timed out"),
+            );
+        }
+        self.lease(&method, &namespace, name.as_deref(), &body)
+    }
+
+    /// Get, create and update of Leases, with resourceVersion conflicts (409) as the API
+    /// server's optimistic concurrency does.
+    fn lease(
+        &self,
+        method: &hyper::Method,
+        namespace: &str,
+        name: Option<&str>,
+        body: &[u8],
+    ) -> Response<Body> {
+        let mut state = self.state.lock().expect("lock");
+        let key = |name: &str| (LEASES.to_owned(), namespace.to_owned(), name.to_owned());
+        match (method.as_str(), name) {
+            ("GET", Some(name)) => match state.objects.get(&key(name)) {
+                Some(object) => full(200, object.clone()),
+                None => full(
+                    404,
+                    status_body(404, "NotFound", &format!("leases \"{name}\" not found")),
+                ),
+            },
+            ("POST", None) | ("PUT", Some(_)) => {
+                let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
+                    return full(400, status_body(400, "BadRequest", "not JSON"));
+                };
+                let Some(name) = object["metadata"]["name"].as_str().map(str::to_owned) else {
+                    return full(422, status_body(422, "Invalid", "metadata.name"));
+                };
+                let existing = state.objects.get(&key(&name)).cloned();
+                let status = match (method.as_str(), &existing) {
+                    ("POST", Some(_)) => {
+                        return full(
+                            409,
+                            status_body(
+                                409,
+                                "AlreadyExists",
+                                &format!("leases \"{name}\" already exists"),
+                            ),
+                        );
+                    }
+                    ("PUT", None) => {
+                        return full(
+                            404,
+                            status_body(404, "NotFound", &format!("leases \"{name}\" not found")),
+                        );
+                    }
+                    ("PUT", Some(current)) => {
+                        if object["metadata"]["resourceVersion"]
+                            != current["metadata"]["resourceVersion"]
+                        {
+                            return full(
+                                409,
+                                status_body(
+                                    409,
+                                    "Conflict",
+                                    "the object has been modified; please apply your changes to the latest version and try again",
+                                ),
+                            );
+                        }
+                        200
+                    }
+                    _ => 201,
+                };
+                state.rv += 1;
+                object["metadata"]["resourceVersion"] = json!(state.rv.to_string());
+                object["metadata"]["namespace"] = json!(namespace);
+                if let Some(current) = &existing {
+                    object["metadata"]["uid"] = current["metadata"]["uid"].clone();
+                } else {
+                    object["metadata"]["uid"] = json!(format!("lease-{}", state.rv));
+                }
+                object["apiVersion"] = json!("coordination.k8s.io/v1");
+                object["kind"] = json!("Lease");
+                state.objects.insert(key(&name), object.clone());
+                full(status, object)
+            }
+            _ => full(
+                405,
+                status_body(405, "MethodNotAllowed", "not served by the fake"),
+            ),
+        }
+    }
+
     fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
         if request.method() != hyper::Method::GET {
             return full(405, status_body(405, "MethodNotAllowed", "read-only fake"));
@@ -392,10 +547,24 @@ impl Shared {
                 status_body(404, "NotFound", &format!("no route {}", request.uri())),
             );
         };
-        let (failing, gone) = {
-            let state = self.state.lock().expect("lock");
-            (state.failing, query.resource_version < state.floor)
+        let (failing, gone, missing) = {
+            let mut state = self.state.lock().expect("lock");
+            let missing = state.missing.contains(&query.resource);
+            if missing {
+                *state.lists.entry(query.resource.clone()).or_default() += 1;
+            }
+            (state.failing, query.resource_version < state.floor, missing)
         };
+        if missing {
+            return full(
+                404,
+                status_body(
+                    404,
+                    "NotFound",
+                    "the server could not find the requested resource",
+                ),
+            );
+        }
         if failing && !(query.watch && gone) {
             return full(
                 500,

@@ -1,7 +1,7 @@
 //! Prometheus metrics of Kubernetes discovery (`kvpick_discovery_*`); every label value comes
 //! from a fixed set, so hostile objects cannot grow `/metrics`.
 
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 /// Discovery's metrics; registers itself into the registry handed to `new`.
 #[derive(Clone)]
@@ -22,6 +22,11 @@ pub struct DiscoveryMetrics {
     pub endpoints: IntGauge,
     /// Pods the watch holds (matching the selector, ready or not).
     pub pods: IntGauge,
+    /// 1 while a policy resource (by resource and group) is not served: CRD not installed
+    /// (404) or not granted (403).
+    pub crd_missing: IntGaugeVec,
+    /// Valid InferenceObjectives / InferenceModelRewrites naming the pool, by kind.
+    pub policy_objects: IntGaugeVec,
 }
 
 impl DiscoveryMetrics {
@@ -69,6 +74,22 @@ impl DiscoveryMetrics {
             "kvpick_discovery_pods",
             "Pods matching the selector that the watch holds, ready or not",
         )?;
+        let crd_missing = IntGaugeVec::new(
+            Opts::new(
+                "kvpick_discovery_crd_missing",
+                "1 while an InferenceObjective/InferenceModelRewrite resource is not served (CRD not installed, or RBAC)",
+            ),
+            &["resource", "group"],
+        )?;
+        let policy_objects = IntGaugeVec::new(
+            Opts::new(
+                "kvpick_discovery_policy_objects",
+                "Valid InferenceObjectives and InferenceModelRewrites naming the pool, by kind",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(crd_missing.clone()))?;
+        registry.register(Box::new(policy_objects.clone()))?;
         for gauge in [&ready, &endpoints, &pods] {
             registry.register(Box::new(gauge.clone()))?;
         }
@@ -82,6 +103,8 @@ impl DiscoveryMetrics {
             updates,
             endpoints,
             pods,
+            crd_missing,
+            policy_objects,
         })
     }
 }

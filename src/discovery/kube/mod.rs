@@ -3,12 +3,17 @@
 //!
 //! [`pool_spec`] reads an InferencePool of either API group, [`pod_endpoints`] turns ready
 //! pods into endpoints, [`watch`] is the one task that watches both and publishes into the
-//! datastore, [`status`] decides readiness and [`metrics`] counts. Concurrency: the task in
+//! datastore, [`status`] decides readiness and [`metrics`] counts. [`policy`] reads
+//! InferenceObjectives and InferenceModelRewrites and [`policy_watch`] is the task that
+//! watches them and swaps the merged result into the request path. Concurrency: the task in
 //! [`watch`] owns every watch stream and all discovery state; `serve` runs it under the
 //! supervisor and stops it with its cancellation token (see [`watch`]'s docs).
 
+pub mod leader;
 pub mod metrics;
 pub mod pod_endpoints;
+pub mod policy;
+pub mod policy_watch;
 pub mod pool_spec;
 pub mod status;
 pub mod watch;
@@ -18,6 +23,7 @@ use std::time::Duration;
 
 pub use metrics::DiscoveryMetrics;
 pub use pod_endpoints::KvPorts;
+pub use policy_watch::{PolicyParts, run_policy};
 pub use pool_spec::{PoolGroup, PoolSpec};
 pub use status::{NotReady, Readiness};
 pub use watch::{DiscoveryParts, run_discovery};
@@ -52,6 +58,8 @@ pub struct KubeDiscoveryConfig {
     pub kv_ports: KvPorts,
     /// How long the watches may fail before readiness turns off.
     pub stale_after: Duration,
+    /// Leader election (`--ha-enable-leader-election`), when on.
+    pub leader: Option<leader::LeaderConfig>,
 }
 
 /// Parses `--endpoint-selector` (`k=v,k2=v2`).

@@ -22,6 +22,8 @@ pub enum NotReady {
     PoolInvalid,
     /// The watches have been failing for longer than the stale period.
     Stale,
+    /// Leader election is on and another replica holds the Lease.
+    NotLeader,
 }
 
 impl NotReady {
@@ -32,6 +34,7 @@ impl NotReady {
             Self::PoolNotFound => "pool_not_found",
             Self::PoolInvalid => "pool_invalid",
             Self::Stale => "stale",
+            Self::NotLeader => "not_leader",
         }
     }
 }

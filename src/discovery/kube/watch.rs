@@ -49,7 +49,7 @@ pub struct DiscoveryParts {
     pub readiness: channel::Sender<Readiness>,
 }
 
-type WatchStream<K> = BoxStream<'static, Result<Event<K>, watcher::Error>>;
+pub(super) type WatchStream<K> = BoxStream<'static, Result<Event<K>, watcher::Error>>;
 
 /// How often readiness (staleness) is re-checked and, while failing, the API probed.
 fn tick_interval(stale_after: Duration) -> Duration {
@@ -104,7 +104,8 @@ fn pool_resource(group: PoolGroup) -> ApiResource {
     )
 }
 
-fn watch<K>(api: Api<K>, config: watcher::Config) -> WatchStream<K>
+/// A watcher with discovery's backoff.
+pub(super) fn watch<K>(api: Api<K>, config: watcher::Config) -> WatchStream<K>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
