@@ -16,7 +16,10 @@ use prometheus::proto::MetricFamily;
 /// (GIE name kvpick exports, llm-d name it is also exported as), from llm-d-router's
 /// `pkg/epp/metrics` (each deprecated GIE metric names its replacement).
 pub const ALIASES: &[(&str, &str)] = &[
-    ("inference_objective_request_total", "llm_d_epp_request_total"),
+    (
+        "inference_objective_request_total",
+        "llm_d_epp_request_total",
+    ),
     (
         "inference_objective_request_error_total",
         "llm_d_epp_request_error_total",
@@ -89,8 +92,12 @@ mod tests {
         )
         .expect("vec");
         let other = IntCounterVec::new(Opts::new("kvpick_x_total", "X."), &["pod"]).expect("vec");
-        registry.register(Box::new(requests.clone())).expect("register");
-        registry.register(Box::new(other.clone())).expect("register");
+        registry
+            .register(Box::new(requests.clone()))
+            .expect("register");
+        registry
+            .register(Box::new(other.clone()))
+            .expect("register");
         requests.with_label_values(&["m", "t"]).inc_by(3);
         other.with_label_values(&["p"]).inc();
         let mut text = Vec::new();
@@ -99,13 +106,19 @@ mod tests {
             .expect("encode");
         let text = String::from_utf8(text).expect("utf8");
         assert!(
-            text.contains("inference_objective_request_total{model_name=\"m\",target_model_name=\"t\"} 3"),
+            text.contains(
+                "inference_objective_request_total{model_name=\"m\",target_model_name=\"t\"} 3"
+            ),
             "{text}"
         );
         assert!(
             text.contains("llm_d_epp_request_total{model_name=\"m\",target_model_name=\"t\"} 3"),
             "{text}"
         );
-        assert_eq!(text.matches("kvpick_x_total{pod=\"p\"} 1").count(), 1, "{text}");
+        assert_eq!(
+            text.matches("kvpick_x_total{pod=\"p\"} 1").count(),
+            1,
+            "{text}"
+        );
     }
 }
