@@ -10,7 +10,7 @@ template order; empty documents are left out. Exit status 1 with the reason on a
 render error.
 
 Usage: .venv/bin/python scripts/helm-render.py [-f VALUES.yaml]... [--name RELEASE]
-       [--namespace NS] [--show-only TEMPLATE.yaml]... [CHART_DIR]
+       [--namespace NS] [--show-only TEMPLATE.yaml]... [--lint] [CHART_DIR]
 """
 
 import argparse
@@ -38,12 +38,24 @@ def main():
     parser.add_argument("--name", default="kvpick")
     parser.add_argument("--namespace", default="default")
     parser.add_argument(
+        "--lint",
+        action="store_true",
+        help="run `helm lint --strict` with the values instead; fail on a warning or error",
+    )
+    parser.add_argument(
         "--show-only", action="append", default=[], help="only these templates (file names)"
     )
     args = parser.parse_args()
     values = {}
     for path in args.values:
         values = merge(values, helm.values_from_yaml(pathlib.Path(path).read_text()) or {})
+    if args.lint:
+        report = helm.lint(args.chart, values, strict=True, namespace=args.namespace)
+        # Severity: 0 unknown, 1 info, 2 warning, 3 error.
+        bad = [m for m in report["messages"] if m["severity"] >= 2] + list(report["errors"])
+        for message in report["messages"]:
+            print(f"helm-lint: {message['path']}: {message['error']}", file=sys.stderr)
+        return 1 if bad else 0
     try:
         with helm.Chart.load(args.chart) as chart:
             chart.validate_schema(values)

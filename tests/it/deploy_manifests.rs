@@ -516,3 +516,21 @@ fn the_crds_reject_what_upstream_validation_rejects() {
         );
     }
 }
+
+#[test]
+fn the_chart_passes_strict_helm_lint_for_every_values_file() {
+    for name in VALUES {
+        let out = Command::new(repo().join(".venv/bin/python"))
+            .arg(repo().join("scripts/helm-render.py"))
+            .arg("--lint")
+            .arg("-f")
+            .arg(repo().join(values_file(name)))
+            .output()
+            .expect("helm lint");
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

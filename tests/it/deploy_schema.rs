@@ -87,18 +87,17 @@ fn walk(value: &Value, schema: &Value, path: &str, errors: &mut Vec<String>) {
             return;
         }
     }
-    if let Some(options) = schema.get("enum").and_then(Value::as_array) {
-        if !options.contains(value) {
-            fail(format!("{value} is not one of {options:?}"));
-        }
+    if let Some(options) = schema.get("enum").and_then(Value::as_array)
+        && !options.contains(value)
+    {
+        fail(format!("{value} is not one of {options:?}"));
     }
     let bound = |key: &str| schema.get(key).and_then(Value::as_f64);
-    if let Some(n) = value.as_f64() {
-        if bound("minimum").is_some_and(|min| n < min)
-            || bound("maximum").is_some_and(|max| n > max)
-        {
-            fail(format!("{n} is out of bounds"));
-        }
+    if let Some(n) = value.as_f64()
+        && (bound("minimum").is_some_and(|min| n < min)
+            || bound("maximum").is_some_and(|max| n > max))
+    {
+        fail(format!("{n} is out of bounds"));
     }
     let sized = match value {
         Value::String(s) => Some((s.chars().count(), "minLength", "maxLength")),
