@@ -13,8 +13,9 @@
 
 use prometheus::proto::MetricFamily;
 
-/// (GIE name kvpick exports, llm-d name it is also exported as), from llm-d-router's
-/// `pkg/epp/metrics` (each deprecated GIE metric names its replacement).
+/// (name kvpick exports, llm-d name it is also exported as), from llm-d-router's
+/// `pkg/epp/metrics` (each deprecated GIE metric names its replacement; the open-stream
+/// gauge is llm-d's `extproc_streams_inflight`, same meaning, no labels).
 pub const ALIASES: &[(&str, &str)] = &[
     (
         "inference_objective_request_total",
@@ -60,6 +61,10 @@ pub const ALIASES: &[(&str, &str)] = &[
     (
         "inference_extension_flow_control_request_queue_duration_seconds",
         "llm_d_epp_flow_control_request_queue_duration_seconds",
+    ),
+    (
+        "kvpick_extproc_open_streams",
+        "llm_d_epp_extproc_streams_inflight",
     ),
 ];
 
