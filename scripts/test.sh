@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
 # inference-perf and the peers for the side-by-side benchmark's smoke test (crates/kvpick-bench).
 scripts/setup-bench-venv.sh
+# hadolint and Helm (helm-python-sdk) for the deployable package's checks (tests/it/deploy_*.rs).
+scripts/setup-deploy-tools.sh
 if ! command -v cargo-nextest >/dev/null 2>&1; then
   echo "test: installing cargo-nextest" >&2
   cargo install --locked cargo-nextest
@@ -16,6 +18,7 @@ fi
 # kvevents-wire); the e2e tests run the binaries the workspace build puts in target/.
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+scripts/lint-dockerfile.sh
 cargo nextest run --workspace --locked --no-fail-fast "$@"
 fuzz_seconds="${KVPICK_FUZZ_SECONDS:-60}"
 if [ "$fuzz_seconds" -gt 0 ]; then

@@ -125,7 +125,8 @@ async fn metrics(State(state): State<AdminState>) -> Response {
             .set(endpoint.in_flight.get() as i64);
     }
     let mut text = Vec::new();
-    match TextEncoder::new().encode(&state.registry.gather(), &mut text) {
+    let families = crate::telemetry::llmd::with_llmd_names(state.registry.gather());
+    match TextEncoder::new().encode(&families, &mut text) {
         Ok(()) => (
             [(
                 header::CONTENT_TYPE,

@@ -92,6 +92,9 @@ impl Supervisor {
 
     /// Starts a subsystem under `policy`.
     pub fn spawn(&mut self, name: &'static str, policy: Policy, mut start: Start) {
+        // The series exists at 0 from the start, so an alert on its increase fires at the
+        // first failure (Prometheus cannot see a counter's first sample as an increase).
+        let _ = self.failures.with_label_values(&[name]);
         let id = self.tasks.spawn(start()).id();
         self.running.insert(
             id,

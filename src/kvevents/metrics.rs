@@ -144,10 +144,18 @@ impl KvEventsMetrics {
         }
     }
 
-    /// Removes a pod's series (it left the pool).
-    pub fn forget(&self, pod: PodId) {
+    /// Creates a pod's series at 0 (its events are being followed). Prometheus only sees a
+    /// counter's first increase once the series exists, so an alert on gaps, drops or clears
+    /// (deploy/monitoring/alerts.yaml) fires on the first one, not the second.
+    pub fn start(&self, pod: PodId) {
         let label = pod.to_string();
-        for vec in [
+        for vec in self.per_pod() {
+            let _ = vec.with_label_values(&[&label]);
+        }
+    }
+
+    fn per_pod(&self) -> [&IntCounterVec; 7] {
+        [
             &self.received,
             &self.applied,
             &self.malformed,
@@ -155,7 +163,13 @@ impl KvEventsMetrics {
             &self.gaps,
             &self.replays,
             &self.clears,
-        ] {
+        ]
+    }
+
+    /// Removes a pod's series (it left the pool).
+    pub fn forget(&self, pod: PodId) {
+        let label = pod.to_string();
+        for vec in self.per_pod() {
             let _ = vec.remove_label_values(&[&label]);
         }
         let _ = self.index_entries.remove_label_values(&[&label]);

@@ -54,6 +54,7 @@ impl PodStream {
         tx: mpsc::Sender<IndexUpdate>,
     ) -> Self {
         let counters = shared.counters_for(pod);
+        shared.metrics.start(pod);
         Self {
             pod,
             label: pod.to_string(),

@@ -11,6 +11,10 @@ mod support;
 mod fake_kube;
 
 mod app_reliability;
+mod deploy_manifests;
+mod deploy_monitoring;
+mod deploy_rbac;
+mod deploy_schema;
 mod envoy_e2e;
 mod extproc_stream;
 mod faults_gateway;

@@ -17,8 +17,11 @@
 //! gets 409 Conflict, a create of an existing name 409 AlreadyExists.
 //!
 //! The kubeconfig it writes points kube's client at it (`KUBECONFIG`).
+//!
+//! Every request is recorded as the RBAC rule it needs, (verb, API group, resource), routed or
+//! not ([`FakeKube::requests`]): the deploy tests compare that with the chart's Role.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -64,6 +67,8 @@ struct State {
     history: Vec<Change>,
     lists: HashMap<String, usize>,
     watches: HashMap<String, usize>,
+    /// (verb, group, resource) of every request, as RBAC names them.
+    requests: BTreeSet<(String, String, String)>,
     /// Answer every list and watch with 500 (an API server whose etcd is in trouble),
     /// except that a watch from a compacted version still gets its 410.
     failing: bool,
@@ -274,6 +279,12 @@ impl FakeKube {
         state.lists.get(resource).copied().unwrap_or(0)
     }
 
+    /// Every (RBAC verb, API group, resource) kvpick's requests have needed so far, including
+    /// requests this fake has no route for (`""` is the core group).
+    pub fn requests(&self) -> BTreeSet<(String, String, String)> {
+        self.state.lock().expect("lock").requests.clone()
+    }
+
     /// Watches opened so far for `resource`.
     pub fn watches(&self, resource: &str) -> usize {
         let state = self.state.lock().expect("lock");
@@ -413,6 +424,41 @@ fn decode(text: &str) -> String {
 /// The resource of coordination.k8s.io Leases.
 pub const LEASES: &str = "leases.coordination.k8s.io";
 
+/// The RBAC rule a request needs: (verb, API group, resource), or `None` for a path that
+/// names no resource (discovery, `/version`).
+fn rbac_rule(request: &Request<hyper::body::Incoming>) -> Option<(String, String, String)> {
+    let path: Vec<&str> = request.uri().path().trim_matches('/').split('/').collect();
+    let (group, rest) = match path.as_slice() {
+        ["api", _version, rest @ ..] => ("", rest),
+        ["apis", group, _version, rest @ ..] => (*group, rest),
+        _ => return None,
+    };
+    let rest = match rest {
+        ["namespaces", _ns, rest @ ..] if !rest.is_empty() => rest,
+        rest => rest,
+    };
+    let (resource, named) = match rest {
+        [resource] => (*resource, false),
+        [resource, _name, ..] => (*resource, true),
+        [] => return None,
+    };
+    let watch = url_pairs(request.uri().query().unwrap_or(""))
+        .iter()
+        .any(|(k, v)| k == "watch" && (v == "true" || v == "1"));
+    let verb = match (request.method().as_str(), named) {
+        ("GET", true) => "get",
+        ("GET", false) if watch => "watch",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
+        (other, _) => other,
+    };
+    Some((verb.to_owned(), group.to_owned(), resource.to_owned()))
+}
+
 impl Shared {
     async fn route(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
         let path: Vec<String> = request
@@ -538,6 +584,9 @@ impl Shared {
     }
 
     fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
+        if let Some(rule) = rbac_rule(&request) {
+            self.state.lock().expect("lock").requests.insert(rule);
+        }
         if request.method() != hyper::Method::GET {
             return full(405, status_body(405, "MethodNotAllowed", "read-only fake"));
         }
