@@ -384,7 +384,7 @@ fn the_values_schema_knows_exactly_kvpicks_flags() {
                 .and_then(|l| l.split_once(", "))
                 .map_or(line, |(_, l)| l);
             let flag = line.strip_prefix("--")?;
-            Some(flag.split([' ', '=']).next()?.to_owned())
+            Some(flag.split([' ', '=', '[']).next()?.to_owned())
         })
         .filter(|flag| flag != "help")
         .collect();

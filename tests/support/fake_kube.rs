@@ -461,6 +461,11 @@ fn rbac_rule(request: &Request<hyper::body::Incoming>) -> Option<(String, String
 
 impl Shared {
     async fn route(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
+        // Every request is recorded before it is served (Leases included), so the RBAC tests
+        // see exactly what kvpick asks for.
+        if let Some(rule) = rbac_rule(&request) {
+            self.state.lock().expect("lock").requests.insert(rule);
+        }
         let path: Vec<String> = request
             .uri()
             .path()
@@ -584,9 +589,6 @@ impl Shared {
     }
 
     fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Body> {
-        if let Some(rule) = rbac_rule(&request) {
-            self.state.lock().expect("lock").requests.insert(rule);
-        }
         if request.method() != hyper::Method::GET {
             return full(405, status_body(405, "MethodNotAllowed", "read-only fake"));
         }
