@@ -22,7 +22,7 @@ from kvbench.procs import Procs, wait_until  # noqa: E402
 from vllme2e import checks  # noqa: E402
 from vllme2e.compare import compare  # noqa: E402
 from vllme2e.events import EventWatcher  # noqa: E402
-from vllme2e.stack import Engine, Envoy, Kvpick, build_model, wait_engines  # noqa: E402
+from vllme2e.stack import Engine, Envoy, Kvpick, SimEngine, build_model, wait_engines  # noqa: E402
 
 
 class Run:
@@ -41,6 +41,7 @@ def parse():
     p.add_argument("--compare", action="store_true", help="also run the kvpick-vs-round-robin comparison")
     p.add_argument("--compare-only", action="store_true", help="only the comparison")
     p.add_argument("--run-dir", required=True, help="logs, configs and the run's captures")
+    p.add_argument("--sim-bin", help="run the same checks on two kvpick-sim processes instead of vLLM")
     a = p.parse_args()
     a.python = sys.executable
     return a
@@ -76,11 +77,13 @@ def main():
     os.makedirs(args.run_dir, exist_ok=True)
     args.model_dir = model_dir(args)
     t0 = time.monotonic()
-    build_model(args.tokenizer, args.model_dir, args.python)
+    if not args.sim_bin:
+        build_model(args.tokenizer, args.model_dir, args.python)
     procs = Procs(os.path.join(args.run_dir, "logs"))
     run = Run()
     run.procs, run.run_dir, run.results = procs, args.run_dir, checks.Results()
     run.watcher = None
+    run.info = {}
 
     def on_signal(signum, _frame):
         raise SystemExit(128 + signum)
@@ -89,7 +92,11 @@ def main():
     signal.signal(signal.SIGINT, on_signal)
     timings = {}
     try:
-        run.engines = [Engine("vllm-a", args), Engine("vllm-b", args)]
+        if args.sim_bin:
+            run.engines = [SimEngine("sim-a", args), SimEngine("sim-b", args)]
+        else:
+            cpus = sorted(os.sched_getaffinity(0))
+            run.engines = [Engine(n, args, cpus[i % len(cpus)]) for i, n in enumerate(("vllm-a", "vllm-b"))]
         # Subscribed before the engines exist: a PUB drops what it sends before a subscriber joins.
         run.watcher = EventWatcher({e.address: e.events for e in run.engines})
         run.watcher.start()
@@ -112,10 +119,12 @@ def main():
               flush=True)
         if not args.compare_only:
             steps = [
+                ("probe", lambda: checks.probe(run)),
                 ("tokenization", lambda: checks.tokenization(run)),
                 ("routing-completions", lambda: checks.routing(run, "completions")),
                 ("routing-chat", lambda: checks.routing(run, "chat")),
                 ("view", lambda: checks.view_matches(run, "after routing")),
+                ("reset", lambda: checks.reset_announce(run)),
                 ("eviction", lambda: checks.eviction(run)),
                 ("view-evicted", lambda: checks.view_matches(run, "after evictions")),
                 ("restart", lambda: checks.restart(run)),
@@ -151,6 +160,8 @@ def main():
     for name, ok, _ in run.results.rows:
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     print("timings:", json.dumps(timings))
+    if run.info:
+        print("findings:", json.dumps(run.info))
     print(f"{passed} passed, {len(failed)} failed")
     return 1 if failed or not run.results.rows else 0
 

