@@ -261,3 +261,47 @@ async fn a_restart_looks_like_the_real_engines_on_metrics() {
     );
     assert_eq!(metric_value(&after, hits), Some(0.0), "{after}");
 }
+
+/// `return_token_ids: true` (what the run uses to read the ids an engine ran): vLLM 0.32 puts
+/// a completion's prompt ids and output ids on its choice, and a chat's prompt ids at the top
+/// with the output ids on the choice. The prompt ids must equal the real engine's; the output
+/// ids are the (random) model's own, so only their count is compared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn return_token_ids_answers_where_vllm_does() {
+    let real: Value = serde_json::from_str(&capture("return-token-ids.json")).expect("capture");
+    let pod = pod().await;
+    let ids_len = |v: &Value| v.as_array().map(Vec::len);
+    for (path, body, answer, prompt_at) in [
+        (
+            "/v1/completions",
+            "completion_body",
+            "completion",
+            "/choices/0/prompt_token_ids",
+        ),
+        (
+            "/v1/chat/completions",
+            "chat_body",
+            "chat",
+            "/prompt_token_ids",
+        ),
+    ] {
+        let (status, ours) = post(&pod, path, &real[body]).await;
+        assert_eq!(status, 200, "{ours}");
+        let theirs = &real[answer];
+        assert!(
+            theirs.pointer(prompt_at).is_some_and(Value::is_array),
+            "{theirs}"
+        );
+        assert_eq!(
+            ours.pointer(prompt_at),
+            theirs.pointer(prompt_at),
+            "{path}: {ours}"
+        );
+        let out = "/choices/0/token_ids";
+        assert_eq!(
+            ours.pointer(out).and_then(ids_len),
+            theirs.pointer(out).and_then(ids_len),
+            "{path}: {ours}"
+        );
+    }
+}
