@@ -20,6 +20,11 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 scripts/lint-dockerfile.sh
 cargo nextest run --workspace --locked --no-fail-fast "$@"
+# The heavier conformance run against two real vLLM CPU engines (README "Conformance against
+# real vLLM"): only when asked, since its first run downloads ≈2.4 GB.
+if [ "${KVPICK_VLLM_E2E:-0}" = 1 ]; then
+  scripts/vllm-e2e.sh
+fi
 fuzz_seconds="${KVPICK_FUZZ_SECONDS:-60}"
 if [ "$fuzz_seconds" -gt 0 ]; then
   scripts/fuzz.sh "$fuzz_seconds"

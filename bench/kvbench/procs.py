@@ -30,6 +30,13 @@ class Procs:
         self.children.append((name, child, log))
         return child
 
+    def forget(self, child):
+        """Stops watching a child that was ended on purpose (a killed engine), so
+        `check_alive` does not report it."""
+        for entry in [c for c in self.children if c[1] is child]:
+            entry[2].close()
+            self.children.remove(entry)
+
     def check_alive(self):
         """Raises naming the first process that exited (and where its log is)."""
         for name, child, _ in self.children:

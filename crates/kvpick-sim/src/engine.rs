@@ -233,6 +233,9 @@ pub struct Engine {
     /// Resident adapters, least recently used first.
     resident_loras: Vec<String>,
     lora_ids: HashMap<String, i64>,
+    /// Events queued outside a step (vLLM's `BlockPool.kv_event_queue`): published with the
+    /// next step's batch, ahead of that step's own events.
+    pending_events: Vec<KvEvent>,
 }
 
 impl Engine {
@@ -254,6 +257,7 @@ impl Engine {
             preemptions: 0,
             resident_loras: Vec::new(),
             lora_ids: HashMap::new(),
+            pending_events: Vec::new(),
         }
     }
 
@@ -334,12 +338,16 @@ impl Engine {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// Clears the prefix cache when idle (vLLM `reset_prefix_cache`), returning the
-    /// `AllBlocksCleared` event to publish.
-    pub fn reset_prefix_cache(&mut self) -> Option<KvEvent> {
-        self.pool
-            .reset_prefix_cache()
-            .then_some(KvEvent::AllBlocksCleared)
+    /// Clears the prefix cache when idle (vLLM `reset_prefix_cache`); false when blocks are in
+    /// use. Like vLLM 0.32, the `AllBlocksCleared` is not published now: it is queued and goes
+    /// out first in the batch of the next step (the next request), so an idle engine announces
+    /// its reset only once traffic comes (captured in tests/fixtures/vllm-e2e/).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let cleared = self.pool.reset_prefix_cache();
+        if cleared {
+            self.pending_events.push(KvEvent::AllBlocksCleared);
+        }
+        cleared
     }
 
     /// A process restart: every request is dropped and the cache is empty; nothing is announced.
@@ -543,7 +551,10 @@ impl Engine {
 
     /// Runs one iteration.
     pub fn step(&mut self) -> StepOutput {
-        let mut out = StepOutput::default();
+        let mut out = StepOutput {
+            events: std::mem::take(&mut self.pending_events),
+            ..StepOutput::default()
+        };
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut scheduled: Vec<(RequestId, usize)> = Vec::new();
         let mut preempted = false;

@@ -279,6 +279,8 @@ pub(crate) struct Common {
     pub(crate) salt: Option<String>,
     session_id: Option<String>,
     full_report: bool,
+    /// vLLM's `return_token_ids`: the answer carries the prompt's and the output's ids.
+    return_token_ids: bool,
 }
 
 fn common(api: &PodApi, body: &Map<String, Value>, chat: bool) -> Result<Common, ApiError> {
@@ -376,6 +378,7 @@ fn common(api: &PodApi, body: &Map<String, Value>, chat: bool) -> Result<Common,
         salt,
         session_id: opt_str("session_id")?,
         full_report,
+        return_token_ids: flag("return_token_ids")?,
     })
 }
 
@@ -522,8 +525,13 @@ async fn run(
     let n = prompts.len();
     let (tx, mut rx) = mpsc::channel::<(usize, TokenOut)>(256);
     let mut prompt_lens = Vec::with_capacity(n);
+    // Kept only when the answer must carry them (`return_token_ids`).
+    let mut prompt_ids: Vec<Vec<u32>> = Vec::new();
     for (index, prompt) in prompts.into_iter().enumerate() {
         prompt_lens.push(prompt.len());
+        if c.return_token_ids {
+            prompt_ids.push(prompt.clone());
+        }
         let mut stream = api
             .pod
             .submit(SimRequest {
@@ -588,15 +596,17 @@ async fn run(
             .enumerate()
             .map(|(i, ids)| {
                 let text = api.tokenizer.decode(ids);
+                // vLLM 0.32 puts a completion's prompt ids on its choice, a chat's at the top.
+                let out_ids = c.return_token_ids.then(|| ids.clone());
                 if chat {
                     json!({"index": i, "message": {"role": "assistant", "content": text,
                         "refusal": null, "annotations": null, "audio": null, "function_call": null,
                         "tool_calls": [], "reasoning": null}, "logprobs": null,
-                        "finish_reason": "length", "stop_reason": null, "token_ids": null})
+                        "finish_reason": "length", "stop_reason": null, "token_ids": out_ids})
                 } else {
                     json!({"index": i, "text": text, "logprobs": null, "finish_reason": "length",
-                        "stop_reason": null, "token_ids": null, "prompt_logprobs": null,
-                        "prompt_token_ids": null})
+                        "stop_reason": null, "token_ids": out_ids, "prompt_logprobs": null,
+                        "prompt_token_ids": prompt_ids.get(i)})
                 }
             })
             .collect();
@@ -605,11 +615,14 @@ async fn run(
         } else {
             "text_completion"
         };
-        return Ok(axum::Json(json!({
+        let mut answer = json!({
             "id": id, "object": object, "created": created, "model": c.model,
             "choices": choices, "usage": usage.json(),
-        }))
-        .into_response());
+        });
+        if chat && let Some(obj) = answer.as_object_mut() {
+            obj.insert("prompt_token_ids".into(), json!(prompt_ids.first()));
+        }
+        return Ok(axum::Json(answer).into_response());
     }
 
     let (body_tx, body_rx) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);

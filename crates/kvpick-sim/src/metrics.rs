@@ -40,6 +40,7 @@ pub struct SimMetrics {
     itl: Histogram,
     e2e: Histogram,
     event_drops: IntCounter,
+    start_time: Gauge,
     last: Mutex<EngineStats>,
 }
 
@@ -146,6 +147,12 @@ impl SimMetrics {
             model,
             &TTFT_BUCKETS,
         ))?;
+        // prometheus_client's process collector in vLLM exports it, unlabelled; a scraper
+        // (kvpick) tells a restarted engine by its change.
+        let start_time = Gauge::with_opts(Opts::new(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+        ))?;
         let event_drops = IntCounter::with_opts(Opts::new(
             "kvpick_sim_kv_event_batches_dropped_total",
             "KV-event batches dropped because the publisher queue was full (simulator only).",
@@ -160,7 +167,7 @@ impl SimMetrics {
         ] {
             registry.register(Box::new(c.clone()))?;
         }
-        for g in [&waiting, &running, &kv_usage, &cache_info] {
+        for g in [&waiting, &running, &kv_usage, &cache_info, &start_time] {
             registry.register(Box::new(g.clone()))?;
         }
         for h in [&ttft, &itl, &e2e] {
@@ -181,8 +188,27 @@ impl SimMetrics {
             itl,
             e2e,
             event_drops,
+            start_time,
             last: Mutex::new(EngineStats::default()),
         })
+    }
+
+    /// The simulated process started (or restarted) at `unix_now`: a real engine's restart is
+    /// a new process, so its start time changes and its counters start again from 0.
+    /// NOTE: histograms keep their samples (the prometheus crate cannot reset one); kvpick
+    /// and the benchmarks read none of them across a restart.
+    pub fn started(&self, unix_now: f64) {
+        self.start_time.set(unix_now);
+        for c in [
+            &self.prefix_queries,
+            &self.prefix_hits,
+            &self.preemptions,
+            &self.prompt_tokens,
+            &self.generation_tokens,
+        ] {
+            c.reset();
+        }
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = EngineStats::default();
     }
 
     /// Refreshes gauges and advances counters from the engine's cumulative stats.

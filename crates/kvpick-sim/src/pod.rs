@@ -207,6 +207,7 @@ impl Pod {
         let (tx, rx) = mpsc::channel(1024);
         let engine = Engine::new(cfg.engine.clone());
         let (stats_tx, stats) = watch::channel(engine.stats());
+        metrics.started(unix_now());
         metrics.update(&engine.stats(), unix_now());
         let driver = Driver {
             engine,
@@ -267,7 +268,8 @@ impl Pod {
         }
     }
 
-    /// `reset_prefix_cache`: clears the cache when idle and publishes `AllBlocksCleared`.
+    /// `reset_prefix_cache`: clears the cache when idle; `AllBlocksCleared` is published with
+    /// the next step's batch, as vLLM does.
     pub async fn reset_prefix_cache(&self) -> bool {
         let (reply, rx) = oneshot::channel();
         if self
@@ -447,13 +449,13 @@ impl Driver {
                 if let Some(publisher) = &self.publisher {
                     publisher.restart().await;
                 }
+                self.metrics.started(unix_now());
                 self.refresh();
                 let _ = reply.send(());
             }
             Command::ResetPrefixCache(reply) => {
-                let event = self.engine.reset_prefix_cache();
-                let ok = event.is_some();
-                self.publish(event.into_iter().collect());
+                // Its AllBlocksCleared goes out with the next step's batch (engine.rs).
+                let ok = self.engine.reset_prefix_cache();
                 self.refresh();
                 let _ = reply.send(ok);
             }
