@@ -61,6 +61,7 @@ fn judge_pool(inputs: &LivenessInputs, exported: &HashSet<String>) -> HashSet<St
                 .kv_events
                 .status(id)
                 .is_some_and(|status| status.connected),
+            was_down: endpoint.liveness.is_down(),
         };
         let verdict = judge(&signals);
         let label = id.to_string();

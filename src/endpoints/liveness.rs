@@ -2,8 +2,11 @@
 //!
 //! An endpoint is down when its `/metrics` scrape finds nothing listening (refused, reset,
 //! unroutable; a timeout is not enough) **and** its KV-event stream is disconnected. For an
-//! endpoint without a configured KV-event endpoint the scrape alone decides. Either signal
-//! coming back (a scrape answers, the event stream reconnects) makes it live again.
+//! endpoint without a configured KV-event endpoint the scrape alone decides. Once down, only
+//! a scrape that answers makes it live again: a restarting vLLM binds its ZMQ publisher
+//! seconds before its HTTP server listens (about 7 s, measured on vLLM 0.32 by
+//! `scripts/vllm-e2e.sh`), so a reconnected event stream alone would bring back a pod that
+//! still refuses requests.
 //!
 //! Down endpoints are left out of the candidates, so a dead engine stops getting traffic;
 //! when every candidate is down all are kept (`super::live_candidates`): a pick among doubtful
@@ -55,11 +58,18 @@ pub struct Signals {
     pub kv_events_configured: bool,
     /// Whether its KV-event stream is connected now.
     pub kv_events_connected: bool,
+    /// Whether it is down now (the last verdict).
+    pub was_down: bool,
 }
 
 /// The verdict: `Some(reason)` when the endpoint is down.
 pub fn judge(signals: &Signals) -> Option<String> {
     let scrape = signals.scrape_connection_error.as_deref()?;
+    if signals.was_down {
+        return Some(format!(
+            "metrics scrape {scrape} (down until the scrape answers)"
+        ));
+    }
     if !signals.kv_events_configured {
         return Some(format!(
             "metrics scrape {scrape} (no KV-event endpoint configured)"
@@ -78,7 +88,20 @@ mod tests {
             scrape_connection_error: refused.then(|| "connection refused".to_owned()),
             kv_events_configured: configured,
             kv_events_connected: connected,
+            was_down: false,
         }
+    }
+
+    #[test]
+    fn a_down_pod_comes_back_only_when_its_scrape_answers() {
+        let down = |refused: bool, connected: bool| Signals {
+            was_down: true,
+            ..signals(refused, true, connected)
+        };
+        let reason = judge(&down(true, true)).expect("events reconnected, HTTP still refused");
+        assert!(reason.contains("until the scrape answers"), "{reason}");
+        assert!(judge(&down(false, true)).is_none(), "the scrape answers");
+        assert!(judge(&down(false, false)).is_none());
     }
 
     #[test]
