@@ -42,9 +42,10 @@ MODES = {
         systems=list(SYSTEMS),
     ),
     # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, three systems,
-    # full caches (the two pods together just hold the groups' prefixes).
+    # full caches (the two pods together hold 60% of the groups' prefixes, so prefixes are
+    # evicted and a router's memory of where it sent them goes stale).
     "smoke": dict(
-        pods=2, time_scale=1.0, cache_fraction=0.5,
+        pods=2, time_scale=1.0, cache_fraction=0.3,
         workload=Workload(groups=7, prompts_per_group=4, system_len=512, question_len=32,
                           output_len=8, rates=[8.0], stage_seconds=5),
         systems=["round-robin", "kvpick-recommended", "smg-cache-aware"],
