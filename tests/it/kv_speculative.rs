@@ -57,7 +57,10 @@ fn matched(index: &PrefixIndex, tokens: &[u32], pods: &[PodId]) -> Vec<usize> {
 
 #[tokio::test(start_paused = true)]
 async fn speculation_lasts_its_ttl_and_yields_to_confirmed_events() {
-    let index = PrefixIndex::new(IndexConfig::default());
+    let index = PrefixIndex::new(IndexConfig {
+        speculative_ttl: Duration::from_secs(2),
+        ..IndexConfig::default()
+    });
     let (a, b) = (pod(8101), pod(8102));
     // Both pods publish events (block size 32 learned from a real batch).
     index.apply_batch(a, "tiny", &batch(0));
@@ -132,7 +135,10 @@ async fn approximate_mode_learns_from_routing_with_lru_capacity() {
 
 #[tokio::test(start_paused = true)]
 async fn record_after_lookup_reuses_keys_and_refreshes_only_speculation() {
-    let index = PrefixIndex::new(IndexConfig::default());
+    let index = PrefixIndex::new(IndexConfig {
+        speculative_ttl: Duration::from_secs(2),
+        ..IndexConfig::default()
+    });
     let (a, b) = (pod(8104), pod(8105));
     index.apply_batch(a, "tiny", &batch(0));
     index.apply_batch(b, "tiny", &batch(0));
