@@ -123,6 +123,15 @@ impl DecayedLine {
 /// Most ms one more decoding request can add to a step (a fit above is noise).
 const MAX_MS_PER_DECODE: f64 = 1_000.0;
 
+/// The decayed mean after its `n`-th value `x` (the first value is the mean).
+fn decayed_mean(mean: f64, x: f64, n: u64) -> f64 {
+    if n <= 1 {
+        x
+    } else {
+        mean * DECAY + x * (1.0 - DECAY)
+    }
+}
+
 /// An endpoint's learned timing.
 #[derive(Debug, Default, Clone)]
 struct Fit {
@@ -143,20 +152,12 @@ struct Fit {
 impl Fit {
     fn observe_first_byte(&mut self, work: f64, ttft_ms: f64, uncached: f64) {
         self.ttft.observe(work, ttft_ms);
-        self.mean_uncached = if self.ttft.observations == 1 {
-            uncached
-        } else {
-            self.mean_uncached * DECAY + uncached * (1.0 - DECAY)
-        };
+        self.mean_uncached = decayed_mean(self.mean_uncached, uncached, self.ttft.observations);
     }
 
     fn observe_response(&mut self, chunks: f64) {
         self.responses += 1;
-        self.mean_chunks = if self.responses == 1 {
-            chunks
-        } else {
-            self.mean_chunks * DECAY + chunks * (1.0 - DECAY)
-        };
+        self.mean_chunks = decayed_mean(self.mean_chunks, chunks, self.responses);
     }
 
     fn heat_at(&self, now: Instant) -> f64 {
