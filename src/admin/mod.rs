@@ -113,9 +113,6 @@ async fn metrics(State(state): State<AdminState>) -> Response {
             .with_label_values(&name)
             .set(queue);
     }
-    if let Some(flow) = &state.admission.flow {
-        state.metrics.flow_queue_size.set(flow.queued() as i64);
-    }
     state.metrics.in_flight.reset();
     for endpoint in &pool.endpoints {
         state

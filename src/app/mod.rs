@@ -170,6 +170,7 @@ pub async fn serve(
     let admission = Arc::new(admission(
         &scheduler,
         config.picker.scheduler.flow_control,
+        &config.pool_name,
         &datastore,
         &mut supervisor,
         &background,
@@ -411,6 +412,7 @@ const FLOW_DISPATCH_INTERVAL: std::time::Duration = std::time::Duration::from_mi
 fn admission(
     scheduler: &ConfiguredScheduler,
     flow_control: bool,
+    pool_name: &str,
     datastore: &Arc<Datastore>,
     supervisor: &mut Supervisor,
     background: &CancellationToken,
@@ -428,7 +430,11 @@ fn admission(
         );
         flow
     });
-    Admission { detector, flow }
+    Admission {
+        detector,
+        flow,
+        pool_name: pool_name.to_owned(),
+    }
 }
 
 fn local(listener: &TcpListener) -> String {

@@ -4,7 +4,8 @@
 use std::time::Instant;
 
 use crate::endpoints::EndpointState;
-use crate::scheduling::{FlowController, FlowRequest, Permit, SaturationDetector};
+use crate::scheduling::{FlowController, FlowError, FlowRequest, Permit, SaturationDetector};
+use crate::telemetry::{EppMetrics, RequestLabels};
 
 use super::error::Rejection;
 use std::sync::Arc;
@@ -15,6 +16,8 @@ pub struct Admission {
     pub detector: SaturationDetector,
     /// Flow control, when the `flowControl` feature gate is on.
     pub flow: Option<FlowController>,
+    /// The pool's name, for the flow-control metrics' `inference_pool` label.
+    pub pool_name: String,
 }
 
 impl Admission {
@@ -26,7 +29,8 @@ impl Admission {
         fairness_id: Option<&str>,
         bytes: usize,
         candidates: &[Arc<EndpointState>],
-        queue_seconds: &prometheus::Histogram,
+        labels: &RequestLabels,
+        metrics: &EppMetrics,
     ) -> Result<Option<Permit>, Rejection> {
         if priority < 0 && !candidates.is_empty() && self.detector.pool(candidates).saturated() {
             return Err(Rejection::Shed);
@@ -34,7 +38,7 @@ impl Admission {
         let Some(flow) = &self.flow else {
             return Ok(None);
         };
-        let started = Instant::now();
+        let mut queued = Queued::enter(metrics, labels, &self.pool_name);
         let admitted = flow
             .admit(FlowRequest {
                 priority,
@@ -43,7 +47,52 @@ impl Admission {
                 ttl: None,
             })
             .await;
-        queue_seconds.observe(started.elapsed().as_secs_f64());
+        queued.outcome = match &admitted {
+            Ok(_) => "Dispatched",
+            Err(FlowError::QueueFull) => "RejectedCapacity",
+            Err(FlowError::TimedOut) => "EvictedTTL",
+        };
         admitted.map(Some).map_err(Rejection::Queue)
+    }
+}
+
+/// A request's stay in flow control, as the metrics see it: counted in the queue gauge
+/// from entry to drop, and timed by outcome when it leaves.
+struct Queued<'a> {
+    metrics: &'a EppMetrics,
+    labels: &'a RequestLabels,
+    pool: &'a str,
+    entered: Instant,
+    /// llm-d's outcome name; a stay dropped before one is set was cancelled (the client or
+    /// gateway went away while it waited).
+    outcome: &'static str,
+}
+
+impl<'a> Queued<'a> {
+    fn enter(metrics: &'a EppMetrics, labels: &'a RequestLabels, pool: &'a str) -> Self {
+        metrics
+            .flow_queue_size
+            .with_label_values(&labels.in_queue(pool))
+            .inc();
+        Self {
+            metrics,
+            labels,
+            pool,
+            entered: Instant::now(),
+            outcome: "EvictedContextCancelled",
+        }
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .flow_queue_size
+            .with_label_values(&self.labels.in_queue(self.pool))
+            .dec();
+        self.metrics
+            .flow_queue_seconds
+            .with_label_values(&self.labels.queue_outcome(self.pool, self.outcome))
+            .observe(self.entered.elapsed().as_secs_f64());
     }
 }

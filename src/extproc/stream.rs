@@ -37,7 +37,7 @@ use crate::kvcache::PromptKeys;
 use crate::live::Live;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
-use crate::telemetry::EppMetrics;
+use crate::telemetry::{EppMetrics, RequestLabels};
 use crate::tokenize::Tokenizers;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
@@ -164,6 +164,9 @@ pub struct RequestStream {
     response: ResponseBody,
     /// Where the request went and under which model labels, for the usage metrics.
     routed: Option<Routed>,
+    /// The request's priority once its objective is looked up (0 before: a rejection
+    /// before that is counted at 0, as llm-d does).
+    priority: i32,
     usage: UsageTail,
     /// The pick's routing record, applied once the decision's replies are sent
     /// ([`Self::take_record`]).
@@ -172,8 +175,7 @@ pub struct RequestStream {
 
 struct Routed {
     pod: PodId,
-    model: String,
-    target_model: String,
+    labels: RequestLabels,
 }
 
 impl RequestStream {
@@ -194,6 +196,7 @@ impl RequestStream {
             streamed: false,
             response: ResponseBody::PassThrough,
             routed: None,
+            priority: 0,
             usage: UsageTail::default(),
             record: None,
         }
@@ -361,7 +364,14 @@ impl RequestStream {
             .as_ref()
             .and_then(|name| self.ctx.objectives.load().get(name).copied())
             .unwrap_or(0);
+        self.priority = priority;
         let candidates = self.candidates();
+        let labels = RequestLabels::new(
+            model.as_deref(),
+            prepared.as_ref().map(|p| p.target_model.as_str()),
+            self.meta.fairness_id.as_deref(),
+            priority,
+        );
         let admitted = self
             .ctx
             .admission
@@ -370,7 +380,8 @@ impl RequestStream {
                 self.meta.fairness_id.as_deref(),
                 self.body.len(),
                 &candidates,
-                &self.ctx.metrics.flow_queue_seconds,
+                &labels,
+                &self.ctx.metrics,
             )
             .await;
         // The permit counts the request as pending until the pick has counted it in flight.
@@ -520,20 +531,20 @@ impl RequestStream {
         metrics
             .scheduler_e2e
             .observe(started.elapsed().as_secs_f64());
-        let model_label = model.as_deref().unwrap_or("");
-        let target_label = target_model.as_deref().unwrap_or(model_label);
-        metrics
-            .requests
-            .with_label_values(&[model_label, target_label])
-            .inc();
+        let labels = RequestLabels::new(
+            model.as_deref(),
+            target_model.as_deref(),
+            self.meta.fairness_id.as_deref(),
+            self.priority,
+        );
+        metrics.requests.with_label_values(&labels.values()).inc();
         metrics
             .request_sizes
-            .with_label_values(&[model_label, target_label])
+            .with_label_values(&labels.values())
             .observe(self.body.len() as f64);
         self.routed = Some(Routed {
             pod: pick.primary,
-            model: model_label.to_owned(),
-            target_model: target_label.to_owned(),
+            labels,
         });
     }
 
@@ -577,11 +588,16 @@ impl RequestStream {
     fn reject(&mut self, rejection: Rejection, model: Option<&str>) -> Vec<ProcessingResponse> {
         let status = rejection.http_status();
         tracing::debug!(status, %rejection, "request rejected");
-        let model = model.unwrap_or("");
+        let labels = RequestLabels::new(
+            model,
+            model,
+            self.meta.fairness_id.as_deref(),
+            self.priority,
+        );
         self.ctx
             .metrics
             .request_errors
-            .with_label_values(&[model, model, rejection.error_code()])
+            .with_label_values(&labels.with_code(rejection.error_code()))
             .inc();
         self.release_body();
         self.phase = Phase::Done;
@@ -618,7 +634,7 @@ impl RequestStream {
         }
         if let (Some(routed), Some(usage)) = (&self.routed, self.usage.usage()) {
             let metrics = &self.ctx.metrics;
-            let labels = [routed.model.as_str(), routed.target_model.as_str()];
+            let labels = routed.labels.values();
             metrics
                 .input_tokens
                 .with_label_values(&labels)

@@ -1,15 +1,18 @@
-//! Bounds on Prometheus label values that come from requests (the model names).
+//! Bounds on Prometheus label values that come from requests (model names, fairness ids).
 //!
-//! A client chooses its `model` string, so a label taken from it is hostile input: eleven
+//! A client chooses its `model` string and its `x-gateway-inference-fairness-id` header, so a
+//! label taken from either is hostile input: eleven
 //! 1 MB model names made `/metrics` 411 MB, and a million distinct names would be a million
 //! series held forever. Each such value is cut to [`MAX_LABEL_BYTES`] (on a char boundary),
 //! and only the first [`MAX_LABEL_VALUES`] distinct values get series of their own (llm-d's
-//! cap); later ones are counted under [`OVERFLOW_LABEL`]. Both are counted in
+//! cap, per label kind: model names and fairness ids each have their own); later ones are
+//! counted under [`OVERFLOW_LABEL`]. Both are counted in
 //! `kvpick_metric_label_values_bounded_total`.
 
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use prometheus::core::{MetricVec, MetricVecBuilder};
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
@@ -24,9 +27,13 @@ pub const OVERFLOW_LABEL: &str = "other";
 /// Admits at most `max_values` distinct values of at most `max_bytes` bytes each.
 #[derive(Debug)]
 pub struct LabelLimiter {
+    /// What the values are, for the log line (`model names`, `fairness ids`).
+    kind: &'static str,
     max_bytes: usize,
     max_values: usize,
     seen: Mutex<HashSet<Box<str>>>,
+    /// Whether the once-only "too many distinct values" line was logged.
+    warned: AtomicBool,
     truncated: IntCounter,
     collapsed: IntCounter,
 }
@@ -53,12 +60,28 @@ impl LabelLimiter {
         )?;
         registry.register(Box::new(counter.clone()))?;
         Ok(Self {
+            kind: "model names",
             max_bytes,
             max_values,
             seen: Mutex::new(HashSet::new()),
+            warned: AtomicBool::new(false),
             truncated: counter.with_label_values(&["truncated"]),
             collapsed: counter.with_label_values(&["collapsed"]),
         })
+    }
+
+    /// A limiter of the same bounds for another kind of value (its own distinct-value set),
+    /// counting into the same `kvpick_metric_label_values_bounded_total`.
+    pub fn for_kind(&self, kind: &'static str) -> Self {
+        Self {
+            kind,
+            max_bytes: self.max_bytes,
+            max_values: self.max_values,
+            seen: Mutex::new(HashSet::new()),
+            warned: AtomicBool::new(false),
+            truncated: self.truncated.clone(),
+            collapsed: self.collapsed.clone(),
+        }
     }
 
     /// The label value to record for `value`.
@@ -78,10 +101,11 @@ impl LabelLimiter {
             return Cow::Borrowed(cut);
         }
         drop(seen);
-        if self.collapsed.get() == 0 {
+        if !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 limit = self.max_values,
-                "too many distinct model names for metric labels; counting the rest as `{OVERFLOW_LABEL}`"
+                "too many distinct {} for metric labels; counting the rest as `{OVERFLOW_LABEL}`",
+                self.kind
             );
         }
         self.collapsed.inc();
@@ -101,19 +125,20 @@ pub fn truncate(value: &str, max: usize) -> &str {
     &value[..end]
 }
 
-/// A metric vector whose first `bounded` labels are request-derived and pass a
+/// A metric vector some of whose labels are request-derived, each passing its
 /// [`LabelLimiter`]; the rest (fixed sets such as error codes) are used as given.
 #[derive(Clone)]
 pub struct BoundedVec<V> {
     inner: V,
-    limiter: std::sync::Arc<LabelLimiter>,
-    bounded: usize,
+    /// (label position, the limiter its values pass).
+    bounds: Vec<(usize, std::sync::Arc<LabelLimiter>)>,
 }
 
 impl<V> std::fmt::Debug for BoundedVec<V> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let positions: Vec<usize> = self.bounds.iter().map(|(i, _)| *i).collect();
         f.debug_struct("BoundedVec")
-            .field("bounded", &self.bounded)
+            .field("bounded", &positions)
             .finish_non_exhaustive()
     }
 }
@@ -123,9 +148,16 @@ impl<P: MetricVecBuilder> BoundedVec<MetricVec<P>> {
     pub fn new(limiter: std::sync::Arc<LabelLimiter>, bounded: usize, inner: MetricVec<P>) -> Self {
         Self {
             inner,
-            limiter,
-            bounded,
+            bounds: (0..bounded)
+                .map(|i| (i, std::sync::Arc::clone(&limiter)))
+                .collect(),
         }
+    }
+
+    /// Also bounds the label at `position` with `limiter`.
+    pub fn bounding(mut self, position: usize, limiter: std::sync::Arc<LabelLimiter>) -> Self {
+        self.bounds.push((position, limiter));
+        self
     }
 
     /// The metric for `values` (request-derived ones bounded first).
@@ -133,12 +165,9 @@ impl<P: MetricVecBuilder> BoundedVec<MetricVec<P>> {
         let labels: Vec<Cow<'_, str>> = values
             .iter()
             .enumerate()
-            .map(|(i, v)| {
-                if i < self.bounded {
-                    self.limiter.bound(v)
-                } else {
-                    Cow::Borrowed(*v)
-                }
+            .map(|(i, v)| match self.bounds.iter().find(|(at, _)| *at == i) {
+                Some((_, limiter)) => limiter.bound(v),
+                None => Cow::Borrowed(*v),
             })
             .collect();
         self.inner.with_label_values(&labels)
@@ -173,5 +202,21 @@ mod tests {
         assert_eq!(limiter.bound("abcd€€"), "abcd", "same cut, same series");
         assert_eq!(limiter.truncated.get(), 2);
         assert_eq!(limiter.collapsed.get(), 1);
+    }
+
+    #[test]
+    fn another_kind_has_its_own_distinct_values_and_shares_the_counters() {
+        let registry = Registry::new();
+        let models = LabelLimiter::with_bounds(&registry, 5, 1).expect("limiter");
+        let tenants = models.for_kind("fairness ids");
+        assert_eq!(models.bound("m"), "m");
+        assert_eq!(
+            tenants.bound("t"),
+            "t",
+            "a model name does not use a tenant's slot"
+        );
+        assert_eq!(tenants.bound("u"), OVERFLOW_LABEL);
+        assert_eq!(models.bound("n"), OVERFLOW_LABEL);
+        assert_eq!(models.collapsed.get(), 2, "one counter for both kinds");
     }
 }

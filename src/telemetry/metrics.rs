@@ -18,6 +18,113 @@ pub type ModelCounterVec = BoundedVec<IntCounterVec>;
 /// A histogram vector whose model labels are bounded ([`super::labels`]).
 pub type ModelHistogramVec = BoundedVec<HistogramVec>;
 
+/// The labels of the per-request series, llm-d's set. GIE's names show them without
+/// `fairness_id` (and, but for the request counter, without `priority`): [`super::llmd`].
+pub const REQUEST_LABELS: [&str; 4] =
+    ["model_name", "target_model_name", "fairness_id", "priority"];
+/// [`REQUEST_LABELS`] and the error code.
+pub const REQUEST_ERROR_LABELS: [&str; 5] = [
+    "model_name",
+    "target_model_name",
+    "fairness_id",
+    "priority",
+    "error_code",
+];
+/// The labels of the flow-control queue gauge (GIE's and llm-d's).
+pub const FLOW_QUEUE_LABELS: [&str; 5] = [
+    "fairness_id",
+    "priority",
+    "inference_pool",
+    "model_name",
+    "target_model_name",
+];
+/// The labels of the flow-control queue-time histogram (GIE's and llm-d's).
+pub const FLOW_OUTCOME_LABELS: [&str; 6] = [
+    "fairness_id",
+    "priority",
+    "outcome",
+    "inference_pool",
+    "model_name",
+    "target_model_name",
+];
+
+/// The fairness id of a request without `x-gateway-inference-fairness-id` (llm-d's).
+pub const DEFAULT_FAIRNESS_ID: &str = "default-flow";
+
+/// The values of a request's [`REQUEST_LABELS`].
+#[derive(Debug, Clone, Default)]
+pub struct RequestLabels {
+    /// The model the client asked for.
+    pub model: String,
+    /// The model the pods serve it as (after any rewrite).
+    pub target_model: String,
+    /// The flow-control tenant ([`DEFAULT_FAIRNESS_ID`] when none was sent).
+    pub fairness_id: String,
+    /// The objective's priority.
+    pub priority: String,
+}
+
+impl RequestLabels {
+    /// Labels for a request; an absent target model is the model, an absent tenant
+    /// [`DEFAULT_FAIRNESS_ID`].
+    pub fn new(
+        model: Option<&str>,
+        target_model: Option<&str>,
+        fairness_id: Option<&str>,
+        priority: i32,
+    ) -> Self {
+        let model = model.unwrap_or("");
+        Self {
+            model: model.to_owned(),
+            target_model: target_model.unwrap_or(model).to_owned(),
+            fairness_id: fairness_id
+                .filter(|id| !id.is_empty())
+                .unwrap_or(DEFAULT_FAIRNESS_ID)
+                .to_owned(),
+            priority: priority.to_string(),
+        }
+    }
+
+    /// The values in [`REQUEST_LABELS`] order.
+    pub fn values(&self) -> [&str; 4] {
+        [
+            &self.model,
+            &self.target_model,
+            &self.fairness_id,
+            &self.priority,
+        ]
+    }
+
+    /// The values in [`FLOW_QUEUE_LABELS`] order, in `pool`.
+    pub fn in_queue<'a>(&'a self, pool: &'a str) -> [&'a str; 5] {
+        [
+            &self.fairness_id,
+            &self.priority,
+            pool,
+            &self.model,
+            &self.target_model,
+        ]
+    }
+
+    /// The values in [`FLOW_OUTCOME_LABELS`] order, in `pool`.
+    pub fn queue_outcome<'a>(&'a self, pool: &'a str, outcome: &'a str) -> [&'a str; 6] {
+        [
+            &self.fairness_id,
+            &self.priority,
+            outcome,
+            pool,
+            &self.model,
+            &self.target_model,
+        ]
+    }
+
+    /// The values in [`REQUEST_ERROR_LABELS`] order.
+    pub fn with_code<'a>(&'a self, code: &'a str) -> [&'a str; 5] {
+        let [m, t, f, p] = self.values();
+        [m, t, f, p, code]
+    }
+}
+
 /// Metrics of the ext-proc path and the pool.
 #[derive(Debug, Clone)]
 pub struct EppMetrics {
@@ -56,11 +163,12 @@ pub struct EppMetrics {
     /// Prompt tokens the servers served from their prefix cache, by endpoint: with
     /// `kvpick_prompt_tokens_total` this is the real cache hit rate of kvpick's routing.
     pub cached_prompt_tokens: IntCounterVec,
-    /// Requests waiting in flow control (GIE: `inference_extension_flow_control_queue_size`).
-    pub flow_queue_size: IntGauge,
-    /// Time requests spent in flow control
+    /// Requests waiting in flow control, by [`FLOW_QUEUE_LABELS`]
+    /// (GIE: `inference_extension_flow_control_queue_size`).
+    pub flow_queue_size: BoundedVec<IntGaugeVec>,
+    /// Time requests spent in flow control, by [`FLOW_OUTCOME_LABELS`]
     /// (GIE: `inference_extension_flow_control_request_queue_duration_seconds`).
-    pub flow_queue_seconds: Histogram,
+    pub flow_queue_seconds: ModelHistogramVec,
     /// 1 while an endpoint is down (scrape refused and event stream gone), by endpoint.
     pub endpoint_down: IntGaugeVec,
     /// Times an endpoint went down, by endpoint.
@@ -84,6 +192,8 @@ impl EppMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
         // One limiter for every model label: the same client-chosen names feed them all.
         let models = Arc::new(LabelLimiter::new(registry)?);
+        // Tenants come from a client header: their own bound, like llm-d's.
+        let tenants = Arc::new(models.for_kind("fairness ids"));
         let metrics = Self {
             requests: BoundedVec::new(
                 Arc::clone(&models),
@@ -93,9 +203,10 @@ impl EppMetrics {
                         "inference_objective_request_total",
                         "Requests scheduled, by model.",
                     ),
-                    &["model_name", "target_model_name"],
+                    &REQUEST_LABELS,
                 )?,
-            ),
+            )
+            .bounding(2, Arc::clone(&tenants)),
             request_errors: BoundedVec::new(
                 Arc::clone(&models),
                 2,
@@ -104,9 +215,10 @@ impl EppMetrics {
                         "inference_objective_request_error_total",
                         "Requests answered with an error by kvpick, by model and error code.",
                     ),
-                    &["model_name", "target_model_name", "error_code"],
+                    &REQUEST_ERROR_LABELS,
                 )?,
-            ),
+            )
+            .bounding(2, Arc::clone(&tenants)),
             request_sizes: BoundedVec::new(
                 Arc::clone(&models),
                 2,
@@ -116,9 +228,10 @@ impl EppMetrics {
                         "Request body sizes in bytes.",
                     )
                     .buckets(prometheus::exponential_buckets(64.0, 4.0, 12)?),
-                    &["model_name", "target_model_name"],
+                    &REQUEST_LABELS,
                 )?,
-            ),
+            )
+            .bounding(2, Arc::clone(&tenants)),
             scheduler_e2e: Histogram::with_opts(
                 HistogramOpts::new(
                     "inference_extension_scheduler_e2e_duration_seconds",
@@ -175,9 +288,10 @@ impl EppMetrics {
                         "Prompt tokens per request, as the model server reported.",
                     )
                     .buckets(prometheus::exponential_buckets(16.0, 2.0, 16)?),
-                    &["model_name", "target_model_name"],
+                    &REQUEST_LABELS,
                 )?,
-            ),
+            )
+            .bounding(2, Arc::clone(&tenants)),
             output_tokens: BoundedVec::new(
                 Arc::clone(&models),
                 2,
@@ -187,9 +301,10 @@ impl EppMetrics {
                         "Generated tokens per request, as the model server reported.",
                     )
                     .buckets(prometheus::exponential_buckets(1.0, 2.0, 16)?),
-                    &["model_name", "target_model_name"],
+                    &REQUEST_LABELS,
                 )?,
-            ),
+            )
+            .bounding(2, Arc::clone(&tenants)),
             prompt_tokens: IntCounterVec::new(
                 Opts::new(
                     "kvpick_prompt_tokens_total",
@@ -204,17 +319,33 @@ impl EppMetrics {
                 ),
                 &["endpoint"],
             )?,
-            flow_queue_size: IntGauge::new(
-                "inference_extension_flow_control_queue_size",
-                "Requests waiting in flow control.",
-            )?,
-            flow_queue_seconds: Histogram::with_opts(
-                HistogramOpts::new(
-                    "inference_extension_flow_control_request_queue_duration_seconds",
-                    "Time a request waited in flow control.",
-                )
-                .buckets(prometheus::exponential_buckets(1e-4, 2.0, 20)?),
-            )?,
+            flow_queue_size: BoundedVec::new(
+                Arc::clone(&tenants),
+                1,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "inference_extension_flow_control_queue_size",
+                        "Requests waiting in flow control.",
+                    ),
+                    &FLOW_QUEUE_LABELS,
+                )?,
+            )
+            .bounding(3, Arc::clone(&models))
+            .bounding(4, Arc::clone(&models)),
+            flow_queue_seconds: BoundedVec::new(
+                Arc::clone(&tenants),
+                1,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "inference_extension_flow_control_request_queue_duration_seconds",
+                        "Time a request waited in flow control, by outcome.",
+                    )
+                    .buckets(prometheus::exponential_buckets(1e-4, 2.0, 20)?),
+                    &FLOW_OUTCOME_LABELS,
+                )?,
+            )
+            .bounding(4, Arc::clone(&models))
+            .bounding(5, Arc::clone(&models)),
             endpoint_down: IntGaugeVec::new(
                 Opts::new(
                     "kvpick_endpoint_down",
@@ -266,8 +397,8 @@ impl EppMetrics {
         registry.register(Box::new(metrics.output_tokens.inner().clone()))?;
         registry.register(Box::new(metrics.prompt_tokens.clone()))?;
         registry.register(Box::new(metrics.cached_prompt_tokens.clone()))?;
-        registry.register(Box::new(metrics.flow_queue_size.clone()))?;
-        registry.register(Box::new(metrics.flow_queue_seconds.clone()))?;
+        registry.register(Box::new(metrics.flow_queue_size.inner().clone()))?;
+        registry.register(Box::new(metrics.flow_queue_seconds.inner().clone()))?;
         registry.register(Box::new(metrics.endpoint_down.clone()))?;
         registry.register(Box::new(metrics.endpoint_down_total.clone()))?;
         registry.register(Box::new(metrics.pool_reloads.clone()))?;

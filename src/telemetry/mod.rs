@@ -8,5 +8,5 @@ pub mod llmd;
 mod metrics;
 mod ttft;
 
-pub use metrics::EppMetrics;
+pub use metrics::{DEFAULT_FAIRNESS_ID, EppMetrics, RequestLabels};
 pub use ttft::TtftMetrics;

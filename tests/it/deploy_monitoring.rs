@@ -19,6 +19,25 @@ use support::kvpick::Kvpick;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
+/// GIE's default profile, and flow control.
+const DEFAULT_WITH_FLOW_CONTROL: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: kv-cache-utilization-scorer
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: max-score-picker
+featureGates:
+- flowControl
+";
+
 /// One kvpick-sim pod whose PUB drops half its KV-event batches (they stay replayable).
 struct LossySim {
     child: std::process::Child,
@@ -189,7 +208,18 @@ async fn every_metric_the_dashboard_and_alerts_query_is_exported_by_a_live_kvpic
         sim.http, sim.events, sim.replay
     );
     let tokenizer = support::repo_root().join("assets/tokenizer");
-    let routing = Kvpick::start(&pool, &["--tokenizer", tokenizer.to_str().expect("path")]).await;
+    // GIE's default profile with flow control on, so the dashboard's flow-control panels
+    // have series (a labelled family has none until a request passed through it).
+    let routing = Kvpick::start(
+        &pool,
+        &[
+            "--tokenizer",
+            tokenizer.to_str().expect("path"),
+            "--config-text",
+            DEFAULT_WITH_FLOW_CONTROL,
+        ],
+    )
+    .await;
     let envoy = Envoy::start(&routing, EnvoyOptions::default()).await;
     let system = "You are a helpful assistant who answers in one short sentence. ".repeat(20);
     for i in 0..12 {
@@ -236,22 +266,73 @@ async fn every_metric_the_dashboard_and_alerts_query_is_exported_by_a_live_kvpic
         "queried by deploy/monitoring but not exported: {missing:?}"
     );
 
-    // llm-d's names: the same series as GIE's, line for line.
+    // llm-d's names: the same series as GIE's, line for line; where GIE's name lacks
+    // labels llm-d's has (the tenant, the priority), GIE's line is the sum of llm-d's.
     let lines: BTreeSet<&str> = routing_text.lines().collect();
     let mut mirrored = 0;
     for (gie, llmd) in kvpick::telemetry::llmd::ALIASES {
-        for line in routing_text.lines().filter(|l| {
-            l.strip_prefix(gie)
+        let folded = kvpick::telemetry::llmd::GIE_FOLDED
+            .iter()
+            .find(|(name, _)| name == gie)
+            .map(|(_, labels)| *labels);
+        let ours = |name: &str, line: &str| {
+            line.strip_prefix(name)
                 .is_some_and(|rest| rest.starts_with(['{', ' ', '_']))
-        }) {
+        };
+        if let Some(labels) = folded {
+            let summed = |name: &str| sum_series(&routing_text, name, labels);
+            let (gie_series, llmd_series) = (summed(gie), summed(llmd));
+            assert!(!gie_series.is_empty(), "no `{gie}` series");
+            assert_eq!(
+                gie_series, llmd_series,
+                "`{gie}` is not `{llmd}` summed over {labels:?}"
+            );
+            mirrored += gie_series.len();
+            continue;
+        }
+        for line in routing_text.lines().filter(|l| ours(gie, l)) {
             let twin = format!("{llmd}{}", &line[gie.len()..]);
             assert!(lines.contains(twin.as_str()), "no `{twin}` beside `{line}`");
             mirrored += 1;
         }
     }
     assert!(
-        routing_text.contains("llm_d_epp_request_total{model_name=\"sim-model\""),
-        "no llm-d request counter"
+        routing_text.contains(
+            "llm_d_epp_request_total{fairness_id=\"default-flow\",model_name=\"sim-model\",priority=\"0\""
+        ),
+        "no llm-d request counter with the tenant and priority"
     );
     assert!(mirrored > 20, "only {mirrored} llm-d series");
+}
+
+/// The series of family `name` (its `_bucket`/`_sum`/`_count` lines included) with `drop`
+/// labels removed, summed: (the line's name suffix and the labels left) → value.
+fn sum_series(text: &str, name: &str, drop: &[&str]) -> std::collections::BTreeMap<String, f64> {
+    let mut sums = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let Some((series, value)) = rest.rsplit_once(' ') else {
+            continue;
+        };
+        let (suffix, labels) = match series.split_once('{') {
+            Some((suffix, labels)) => (suffix, labels.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        if !suffix.is_empty() && !["_bucket", "_sum", "_count"].contains(&suffix) {
+            continue;
+        }
+        // Label values here (model names, tenants, numbers, `le`) hold no commas.
+        let kept: Vec<&str> = labels
+            .split(',')
+            .filter(|pair| !pair.is_empty())
+            .filter(|pair| !drop.iter().any(|d| pair.starts_with(&format!("{d}=\""))))
+            .collect();
+        let value: f64 = value.parse().expect("a sample value");
+        *sums
+            .entry(format!("{suffix}{{{}}}", kept.join(",")))
+            .or_insert(0.0) += value;
+    }
+    sums
 }

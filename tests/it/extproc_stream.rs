@@ -114,6 +114,7 @@ async fn start(options: Options) -> Harness {
                 Arc::clone(&options.scrapes) as Arc<dyn MetricsSource>,
             ),
             flow: None,
+            pool_name: "default".into(),
         }),
         metrics: Arc::clone(&metrics),
         body_budget: Arc::clone(&budget),
@@ -970,7 +971,7 @@ async fn a_body_that_does_not_arrive_in_time_gets_408_and_returns_its_budget() {
     assert_eq!(
         h.metrics
             .request_errors
-            .with_label_values(&["", "", "RequestTimeout"])
+            .with_label_values(&["", "", "default-flow", "0", "RequestTimeout"])
             .get(),
         1
     );

@@ -103,6 +103,7 @@ async fn start_with(
                 metrics as Arc<dyn MetricsSource>,
             ),
             flow: None,
+            pool_name: "default".into(),
         }),
         metrics: Arc::new(EppMetrics::new(&registry).expect("metrics")),
         body_budget: Arc::new(BodyBudget::new(1 << 20, 1 << 20)),

@@ -103,8 +103,8 @@ featureGates:
 
 /// Sends 5 normal then 5 sheddable requests through Envoy to kvpick started with `extra`
 /// beside one overloaded and two idle pods: each must be served promptly, none by the
-/// overloaded pod.
-async fn ten_requests_go_around_the_overloaded_pod(extra: &[&str]) {
+/// overloaded pod. Returns kvpick, still running.
+async fn ten_requests_go_around_the_overloaded_pod(extra: &[&str]) -> Kvpick {
     let (backends, kvpick) = one_overloaded_two_idle(extra).await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
     let url = envoy.url("/v1/completions");
@@ -132,12 +132,40 @@ async fn ten_requests_go_around_the_overloaded_pod(extra: &[&str]) {
     );
     let served: usize = backends.iter().map(|b| b.seen().len()).sum();
     assert_eq!(served, 10);
+    kvpick
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flow_control_serves_promptly_when_one_pod_is_overloaded_and_two_are_idle() {
     // The saturation filter removes the overloaded pod.
-    ten_requests_go_around_the_overloaded_pod(&["--config-text", FLOW_CONTROLLED]).await;
+    let kvpick =
+        ten_requests_go_around_the_overloaded_pod(&["--config-text", FLOW_CONTROLLED]).await;
+    // Flow control's metrics carry GIE's and llm-d's labels: the tenant, the priority, the
+    // pool, the models and (for the queue time) the outcome.
+    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    for name in [
+        "inference_extension_flow_control_request_queue_duration_seconds_count",
+        "llm_d_epp_flow_control_request_queue_duration_seconds_count",
+    ] {
+        for priority in ["0", "-1"] {
+            let series = format!(
+                "{name}{{fairness_id=\"default-flow\",inference_pool=\"default\",model_name=\"m\",outcome=\"Dispatched\",priority=\"{priority}\",target_model_name=\"m\"}} 5"
+            );
+            assert!(text.contains(&series), "no `{series}` in\n{text}");
+        }
+    }
+    for name in [
+        "inference_extension_flow_control_queue_size",
+        "llm_d_epp_flow_control_queue_size",
+    ] {
+        let series = format!(
+            "{name}{{fairness_id=\"default-flow\",inference_pool=\"default\",model_name=\"m\",priority=\"0\",target_model_name=\"m\"}} 0"
+        );
+        assert!(text.contains(&series), "no `{series}`: every request left the queue");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,6 @@
 //! Label values taken from requests are bounded, through the real kvpick binary and a real
-//! Envoy: huge and many distinct model names keep `/metrics` small.
+//! Envoy: huge and many distinct model names and fairness ids keep `/metrics` small, and the
+//! llm-d request series carry each request's tenant and priority.
 
 use crate::support;
 
@@ -14,11 +15,27 @@ fn body(model: &str) -> Vec<u8> {
         .into_bytes()
 }
 
+/// A request for `model` from tenant `tenant` under objective `critical`.
+async fn post_as(url: &str, model: &str, tenant: &str) -> support::http::Reply {
+    send(
+        "POST",
+        url,
+        &[
+            ("content-type", "application/json"),
+            ("x-gateway-inference-fairness-id", tenant),
+            ("x-gateway-inference-objective", "critical"),
+        ],
+        body(model),
+    )
+    .await
+    .expect("request")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_and_many_distinct_model_names_keep_metrics_small() {
     let backend = Backend::start("127.0.0.1").await;
     let pool = format!("endpoints:\n  - address: {}\n", backend.addr);
-    let kvpick = Kvpick::start(&pool, &[]).await;
+    let kvpick = Kvpick::start(&pool, &["--objective", "critical=7"]).await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
     let url = envoy.url("/v1/completions");
 
@@ -29,8 +46,9 @@ async fn huge_and_many_distinct_model_names_keep_metrics_small() {
         let reply = post_json(&url, &body(&huge)).await;
         assert_eq!(reply.status, 200, "{}", reply.text());
     }
+    // Each of them from its own tenant: fairness ids have a bound of their own.
     for i in 0..1100 {
-        let reply = post_json(&url, &body(&format!("model-{i}"))).await;
+        let reply = post_as(&url, &format!("model-{i}"), &format!("tenant-{i}")).await;
         assert_eq!(reply.status, 200, "{}", reply.text());
     }
     assert_eq!(backend.seen().len(), 1104, "every request was routed");
@@ -41,20 +59,37 @@ async fn huge_and_many_distinct_model_names_keep_metrics_small() {
     assert_eq!(metrics.status, 200);
     let text = metrics.text();
     eprintln!("/metrics: {} bytes", text.len());
-    // 1,000 series of a counter and a 12-bucket histogram with short names are ~2.5 MB;
-    // unbounded, this was > 100 MB.
-    assert!(text.len() < 4 << 20, "/metrics is {} bytes", text.len());
+    // 1,000 series of a counter and a 12-bucket histogram with short names, under GIE's
+    // and llm-d's names (llm-d's with the tenant too), are ~4 MB; unbounded, this was
+    // > 100 MB.
+    assert!(text.len() < 6 << 20, "/metrics is {} bytes", text.len());
     let longest = text.lines().map(str::len).max().unwrap_or(0);
     assert!(longest < 1024, "a {longest}-byte line in /metrics");
     assert!(
         text.contains(
-            "inference_objective_request_total{model_name=\"other\",target_model_name=\"other\"}"
+            "inference_objective_request_total{model_name=\"other\",priority=\"7\",target_model_name=\"other\"}"
         ),
         "names past the bound are counted as `other`"
     );
     assert!(
-        text.contains("inference_objective_request_total{model_name=\"model-0\",target_model_name=\"model-0\"} 1"),
-        "names within the bound keep their series"
+        text.contains("inference_objective_request_total{model_name=\"model-0\",priority=\"7\",target_model_name=\"model-0\"} 1"),
+        "names within the bound keep their series, with the objective's priority"
+    );
+    assert!(
+        text.contains("llm_d_epp_request_total{fairness_id=\"tenant-0\",model_name=\"model-0\",priority=\"7\",target_model_name=\"model-0\"} 1"),
+        "llm-d's series name the tenant"
+    );
+    assert!(
+        text.contains("llm_d_epp_request_total{fairness_id=\"default-flow\",model_name=\"a"),
+        "a request without a tenant is llm-d's default flow"
+    );
+    assert!(
+        text.contains("llm_d_epp_request_total{fairness_id=\"other\",model_name=\"other\",priority=\"7\",target_model_name=\"other\"}"),
+        "tenants past the bound are counted as `other`"
+    );
+    assert!(
+        !text.contains("inference_objective_request_total{fairness_id"),
+        "GIE's names have no tenant label"
     );
     let cut = "a".repeat(256);
     assert!(
