@@ -164,7 +164,10 @@ async fn flow_control_serves_promptly_when_one_pod_is_overloaded_and_two_are_idl
         let series = format!(
             "{name}{{fairness_id=\"default-flow\",inference_pool=\"default\",model_name=\"m\",priority=\"0\",target_model_name=\"m\"}} 0"
         );
-        assert!(text.contains(&series), "no `{series}`: every request left the queue");
+        assert!(
+            text.contains(&series),
+            "no `{series}`: every request left the queue"
+        );
     }
 }
 
