@@ -277,6 +277,7 @@ pub async fn serve(
         )),
         max_body_bytes: config.max_body_bytes,
         timeouts: config.stream_timeouts,
+        conformance_hooks: config.conformance_hooks,
     });
     // The same bound per HTTP/2 connection keeps one client from opening more h2 streams
     // than the service would take, before the service even sees them.

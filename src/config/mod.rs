@@ -185,6 +185,12 @@ pub struct ServeArgs {
     /// dynamic-metadata namespace), for tracing. Off: nothing is computed for it.
     #[arg(long)]
     pub emit_endpoint_scores: bool,
+    /// GIE's conformance-suite hooks: the `test-epp-endpoint-selection` request header
+    /// restricts the pick, and the served endpoint is echoed as
+    /// `x-conformance-test-served-endpoint`. For conformance runs only: any client could
+    /// steer its own request with the header.
+    #[arg(long)]
+    pub enable_conformance_hooks: bool,
     /// TLS on the ext-proc gRPC port (llm-d's flag; llm-d turns it on by default, kvpick
     /// does not: see README). `--secure-serving` or `=true`/`=false`.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
@@ -337,6 +343,8 @@ pub struct ServeConfig {
     pub stream_timeouts: crate::extproc::StreamTimeouts,
     /// Open ext-proc streams bound.
     pub max_extproc_streams: usize,
+    /// Whether GIE's conformance hooks are on.
+    pub conformance_hooks: bool,
     /// Fallbacks after the primary.
     pub max_fallbacks: usize,
     /// Drain timeout on shutdown.
@@ -502,6 +510,7 @@ impl ServeArgs {
                 body: self.request_body_timeout,
             },
             max_extproc_streams: self.max_extproc_streams,
+            conformance_hooks: self.enable_conformance_hooks,
             max_fallbacks: self.max_fallbacks,
             emit_endpoint_scores: self.emit_endpoint_scores,
             drain_timeout: self.drain_timeout,

@@ -33,6 +33,9 @@ pub enum Rejection {
     /// The gateway's subset hint left no endpoint of the pool.
     #[error("no endpoint of the pool is in the gateway's subset hint")]
     EmptySubset,
+    /// A conformance test's `test-epp-endpoint-selection` named no live endpoint.
+    #[error("no endpoint of the pool is in test-epp-endpoint-selection")]
+    NoSelectedEndpoint,
     /// The scheduler found no endpoint.
     #[error("{0}")]
     Schedule(#[from] ScheduleError),
@@ -54,7 +57,10 @@ impl Rejection {
             Self::BadRequest(_) => 400,
             Self::BodyTooLarge { .. } => 413,
             Self::BodyTimeout { .. } => 408,
-            Self::BufferBudgetExhausted | Self::EmptySubset | Self::Schedule(_) => 503,
+            Self::BufferBudgetExhausted
+            | Self::EmptySubset
+            | Self::NoSelectedEndpoint
+            | Self::Schedule(_) => 503,
             Self::Shed => 429,
             Self::Queue(error) => error.http_status(),
             Self::Internal(_) => 500,
@@ -67,7 +73,9 @@ impl Rejection {
             Self::BadRequest(_) | Self::BodyTooLarge { .. } => "BadRequest",
             Self::BufferBudgetExhausted => "ResourceExhausted",
             Self::BodyTimeout { .. } => "RequestTimeout",
-            Self::EmptySubset | Self::Schedule(_) => "ServiceUnavailable",
+            Self::EmptySubset | Self::NoSelectedEndpoint | Self::Schedule(_) => {
+                "ServiceUnavailable"
+            }
             Self::Shed | Self::Queue(FlowError::QueueFull) => "InferencePoolResourceExhausted",
             Self::Queue(FlowError::TimedOut) => "ServiceUnavailable",
             Self::Internal(_) => "Internal",

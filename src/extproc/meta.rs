@@ -12,6 +12,8 @@ pub const MODEL_REWRITE_HEADER: &str = "x-gateway-model-name-rewrite";
 pub const SESSION_HEADER: &str = "x-session-id";
 /// Longest control-header value kept; longer values are ignored (hostile input).
 const MAX_VALUE_BYTES: usize = 256;
+/// Longest `test-epp-endpoint-selection` kept: a list of addresses (~100 IPv4 `ip:port`).
+const MAX_SELECTION_BYTES: usize = 2048;
 
 /// The request headers kvpick acts on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,6 +28,9 @@ pub struct RequestMeta {
     pub model_rewrite: Option<String>,
     /// The session id.
     pub session_id: Option<String>,
+    /// A conformance test's endpoint list (`test-epp-endpoint-selection`; acted on only
+    /// with `--enable-conformance-hooks`).
+    pub endpoint_selection: Option<String>,
     /// Control headers present (removed before forwarding), lower-case; also any client
     /// copy of a header only kvpick sets (`super::scores::KVPICK_SET_HEADERS`).
     pub control_headers: Vec<String>,
@@ -57,6 +62,12 @@ impl RequestMeta {
             }
             match key.as_str() {
                 ":path" => meta.path = String::from_utf8_lossy(raw).into_owned(),
+                super::conformance::SELECTION_HEADER => {
+                    meta.endpoint_selection = std::str::from_utf8(raw)
+                        .ok()
+                        .filter(|v| v.len() <= MAX_SELECTION_BYTES)
+                        .map(str::to_owned);
+                }
                 OBJECTIVE_HEADER => meta.objective = value,
                 FAIRNESS_HEADER => meta.fairness_id = value,
                 MODEL_REWRITE_HEADER => meta.model_rewrite = value,

@@ -14,6 +14,7 @@
 
 pub mod admission;
 pub mod budget;
+pub mod conformance;
 pub mod error;
 pub mod meta;
 pub mod mutations;

@@ -170,6 +170,19 @@ pub fn response_headers_continue(remove_content_length: bool) -> ProcessingRespo
     }
 }
 
+/// Adds `key: value` to a headers reply built by [`response_headers_continue`].
+pub fn set_response_header(reply: &mut ProcessingResponse, key: &str, value: &str) {
+    if let Some(Response::ResponseHeaders(headers)) = reply.response.as_mut() {
+        headers
+            .response
+            .get_or_insert_with(CommonResponse::default)
+            .header_mutation
+            .get_or_insert_with(HeaderMutation::default)
+            .set_headers
+            .push(set_header(key, value));
+    }
+}
+
 /// Continues request trailers unchanged.
 pub fn request_trailers_continue() -> ProcessingResponse {
     ProcessingResponse {

@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use super::admission::Admission;
 use super::budget::{BodyBudget, Held};
+use super::conformance::{EndpointSelection, SERVED_ECHO_HEADER, served_echo};
 use super::error::{ProtocolError, Rejection};
 use super::meta::RequestMeta;
 use super::mutations;
@@ -68,6 +69,9 @@ pub struct StreamContext {
     pub max_body_bytes: usize,
     /// How long the request may take to arrive.
     pub timeouts: StreamTimeouts,
+    /// Whether GIE's conformance hooks are on (`--enable-conformance-hooks`:
+    /// [`super::conformance`]).
+    pub conformance_hooks: bool,
 }
 
 /// How long each part of the request may take to arrive (see the module docs).
@@ -150,6 +154,8 @@ pub struct RequestStream {
     phase: Phase,
     meta: RequestMeta,
     subset: Option<SubsetHint>,
+    /// A conformance test's endpoint restriction (only with the hooks on).
+    selection: Option<EndpointSelection>,
     body: Vec<u8>,
     budget: Held,
     end: RequestEnd,
@@ -187,6 +193,7 @@ impl RequestStream {
             phase: Phase::AwaitRequestHeaders,
             meta: RequestMeta::default(),
             subset: None,
+            selection: None,
             body: Vec::new(),
             budget: Held::default(),
             end: RequestEnd::Bodyless,
@@ -253,6 +260,9 @@ impl RequestStream {
         if self.subset.is_none() {
             self.subset = subset_hint(message.metadata_context.as_ref());
         }
+        let served = (self.ctx.conformance_hooks
+            && matches!(message.request, Some(Request::ResponseHeaders(_))))
+        .then(|| served_echo(message.metadata_context.as_ref()));
         let request = message.request.ok_or(ProtocolError::Empty)?;
         let replies = match (self.phase, request) {
             (Phase::AwaitRequestHeaders, Request::RequestHeaders(headers)) => {
@@ -273,9 +283,12 @@ impl RequestStream {
                 } else {
                     Phase::Response
                 };
-                vec![mutations::response_headers_continue(
-                    self.response.changes_length(),
-                )]
+                let mut reply =
+                    mutations::response_headers_continue(self.response.changes_length());
+                if let Some(served) = served {
+                    mutations::set_response_header(&mut reply, SERVED_ECHO_HEADER, &served);
+                }
+                vec![reply]
             }
             (Phase::Response, Request::ResponseBody(body)) => {
                 if !body.body.is_empty() {
@@ -303,6 +316,13 @@ impl RequestStream {
 
     fn on_request_headers(&mut self, headers: HttpHeaders) -> Step {
         self.meta = RequestMeta::from_headers(headers.headers.as_ref());
+        if self.ctx.conformance_hooks {
+            self.selection = self
+                .meta
+                .endpoint_selection
+                .as_deref()
+                .map(EndpointSelection::parse);
+        }
         if headers.end_of_stream {
             self.end = RequestEnd::Bodyless;
             self.phase = Phase::Deciding;
@@ -443,12 +463,11 @@ impl RequestStream {
     /// those that are down (unless all of them are).
     fn candidates(&self) -> Vec<Arc<crate::endpoints::EndpointState>> {
         let pool = self.ctx.datastore.snapshot();
-        match &self.subset {
-            Some(hint) => {
-                live_candidates(pool.endpoints.iter().filter(|e| hint.allows(e.id().addr())))
-            }
-            None => live_candidates(&pool.endpoints),
-        }
+        live_candidates(pool.endpoints.iter().filter(|e| {
+            let addr = e.id().addr();
+            self.subset.as_ref().is_none_or(|hint| hint.allows(addr))
+                && self.selection.as_ref().is_none_or(|s| s.allows(addr))
+        }))
     }
 
     /// The decision for the prepared request, then the replies that carry it.
@@ -479,7 +498,9 @@ impl RequestStream {
         let candidates = self.candidates();
         if candidates.is_empty() {
             let pool_empty = self.ctx.datastore.snapshot().endpoints.is_empty();
-            return Err(if self.subset.is_some() && !pool_empty {
+            return Err(if self.selection.is_some() && !pool_empty {
+                Rejection::NoSelectedEndpoint
+            } else if self.subset.is_some() && !pool_empty {
                 Rejection::EmptySubset
             } else {
                 Rejection::Schedule(ScheduleError::NoCandidates)

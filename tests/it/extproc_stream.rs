@@ -120,6 +120,7 @@ async fn start(options: Options) -> Harness {
         body_budget: Arc::clone(&budget),
         max_body_bytes: options.max_body,
         timeouts: options.timeouts,
+        conformance_hooks: false,
     });
     let client = support::extproc::serve(ctx).await;
     Harness {
@@ -577,6 +578,41 @@ async fn subset_hint_restricts_the_pick_and_an_empty_subset_gets_503() {
         .await;
     s.send(body(BODY, true)).await;
     assert_eq!(immediate(&s.recv().await).0, 503);
+}
+
+#[tokio::test]
+async fn without_conformance_hooks_the_selection_header_is_ignored_and_nothing_is_echoed() {
+    let mut h = start(Options::default()).await;
+    let mut s = h.open().await;
+    s.send(headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("test-epp-endpoint-selection", "10.9.9.9:8000"),
+        ],
+        false,
+    ))
+    .await;
+    s.send(body(BODY, true)).await;
+    let picked = decision(&s.recv().await).destination;
+    assert!(
+        picked.starts_with("10.0.0."),
+        "routed normally, to {picked}"
+    );
+    let _body = s.recv().await;
+    s.send(response_headers()).await;
+    let reply = s.recv().await;
+    let Some(Response::ResponseHeaders(h)) = &reply.response else {
+        panic!("expected a response headers reply, got {reply:?}");
+    };
+    let set: Vec<_> = h
+        .response
+        .iter()
+        .flat_map(|c| c.header_mutation.iter())
+        .flat_map(|m| m.set_headers.iter())
+        .filter_map(|o| o.header.as_ref().map(|h| h.key.clone()))
+        .collect();
+    assert!(set.is_empty(), "headers set on the response: {set:?}");
 }
 
 #[tokio::test]

@@ -11,6 +11,7 @@ mod support;
 mod fake_kube;
 
 mod app_reliability;
+mod conformance_hooks;
 mod deploy_manifests;
 mod deploy_monitoring;
 mod deploy_rbac;

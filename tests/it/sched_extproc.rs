@@ -109,6 +109,7 @@ async fn start_with(
         body_budget: Arc::new(BodyBudget::new(1 << 20, 1 << 20)),
         max_body_bytes: 1 << 20,
         timeouts: StreamTimeouts::default(),
+        conformance_hooks: false,
     });
     let client = support::extproc::serve(ctx).await;
     Harness {

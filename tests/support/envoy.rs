@@ -35,6 +35,10 @@ pub struct EnvoyOptions {
     /// Echo the upstream host that served and the number of upstream attempts as response
     /// headers ([`UPSTREAM_ECHO_HEADER`], [`ATTEMPTS_ECHO_HEADER`]).
     pub echo_upstream: bool,
+    /// Report the upstream host that served in `envoy.lb` metadata
+    /// `x-gateway-destination-endpoint-served` and forward it to kvpick with the response
+    /// headers, as a gateway running GIE's conformance suite does.
+    pub served_endpoint_metadata: bool,
     /// Speak TLS to kvpick's ext-proc port (`--secure-serving`), without verifying its
     /// certificate (as gateways do for the EPP's self-signed one); health checks stay plain.
     pub kvpick_tls: bool,
@@ -204,6 +208,22 @@ impl Envoy {
         if options.echo_upstream {
             echoed.push(format!("                        - header: {{ key: {UPSTREAM_ECHO_HEADER}, value: \"%UPSTREAM_HOST%\" }}\n"));
             echoed.push(format!("                        - header: {{ key: {ATTEMPTS_ECHO_HEADER}, value: \"%UPSTREAM_REQUEST_ATTEMPT_COUNT%\" }}\n"));
+        }
+        if options.served_endpoint_metadata {
+            // The router adds the route's response headers before the filters above it see
+            // the response: header_to_metadata (between ext_proc and the router) moves the
+            // header into `envoy.lb`, and ext_proc forwards that namespace to kvpick.
+            echoed.push("                        - header: { key: x-gateway-destination-endpoint-served, value: \"%UPSTREAM_HOST%\" }\n".to_owned());
+            replace_once(
+                &mut config,
+                "                  - name: envoy.filters.http.router\n",
+                "                  - name: envoy.filters.http.header_to_metadata\n                    typed_config:\n                      \"@type\": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config\n                      response_rules:\n                        - header: x-gateway-destination-endpoint-served\n                          on_header_present: { metadata_namespace: envoy.lb, key: x-gateway-destination-endpoint-served, type: STRING }\n                          remove: true\n                  - name: envoy.filters.http.router\n",
+            );
+            replace_once(
+                &mut config,
+                "untyped: [\"envoy.lb.subset_hint\"]",
+                "untyped: [\"envoy.lb.subset_hint\", \"envoy.lb\"]",
+            );
         }
         if !echoed.is_empty() {
             replace_once(
