@@ -179,6 +179,17 @@ pub async fn watch_pool_file(
         if last_text.as_deref() == Some(text.as_str()) {
             continue;
         }
+        // NOTE: an empty file is read as a half-written one (a truncate-then-write edit read
+        // between the two), not as an empty pool: emptying the pool would fail every request
+        // until the next read. `endpoints: []` empties it on purpose.
+        if text.trim().is_empty() {
+            if !last_text.as_deref().is_some_and(|t| t.trim().is_empty()) {
+                tracing::warn!(path = %path.display(), "endpoints file is empty; keeping the last good pool (write `endpoints: []` to empty it)");
+                metrics.pool_reload_errors.inc();
+            }
+            last_text = Some(text);
+            continue;
+        }
         match parse_pool(&path, &text) {
             Ok(endpoints) => {
                 tracing::info!(path = %path.display(), endpoints = endpoints.len(), "endpoints file reloaded");
@@ -314,6 +325,18 @@ mod tests {
             "last good pool kept"
         );
         assert_eq!(metrics.pool_reload_errors.get(), 1);
+
+        // A half-written (empty) file keeps the pool; `endpoints: []` empties it.
+        std::fs::write(&path, "").expect("write");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(
+            datastore.snapshot().endpoints.len(),
+            2,
+            "empty file: pool kept"
+        );
+        assert_eq!(metrics.pool_reload_errors.get(), 2, "counted once");
+        std::fs::write(&path, "endpoints: []\n").expect("write");
+        assert!(wait_for(0).await, "an explicit empty list empties the pool");
 
         cancel.cancel();
         task.await.expect("watcher exits on cancel");

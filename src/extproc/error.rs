@@ -60,8 +60,8 @@ impl Rejection {
             Self::BufferBudgetExhausted
             | Self::EmptySubset
             | Self::NoSelectedEndpoint
-            | Self::Schedule(_) => 503,
-            Self::Shed => 429,
+            | Self::Schedule(ScheduleError::NoCandidates) => 503,
+            Self::Shed | Self::Schedule(ScheduleError::SloUnattainable) => 429,
             Self::Queue(error) => error.http_status(),
             Self::Internal(_) => 500,
         }
@@ -73,10 +73,12 @@ impl Rejection {
             Self::BadRequest(_) | Self::BodyTooLarge { .. } => "BadRequest",
             Self::BufferBudgetExhausted => "ResourceExhausted",
             Self::BodyTimeout { .. } => "RequestTimeout",
-            Self::EmptySubset | Self::NoSelectedEndpoint | Self::Schedule(_) => {
-                "ServiceUnavailable"
-            }
-            Self::Shed | Self::Queue(FlowError::QueueFull) => "InferencePoolResourceExhausted",
+            Self::EmptySubset
+            | Self::NoSelectedEndpoint
+            | Self::Schedule(ScheduleError::NoCandidates) => "ServiceUnavailable",
+            Self::Shed
+            | Self::Schedule(ScheduleError::SloUnattainable)
+            | Self::Queue(FlowError::QueueFull) => "InferencePoolResourceExhausted",
             Self::Queue(FlowError::TimedOut) => "ServiceUnavailable",
             Self::Internal(_) => "Internal",
         }

@@ -10,13 +10,17 @@ pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 pub const MODEL_REWRITE_HEADER: &str = "x-gateway-model-name-rewrite";
 /// Client session id for session affinity.
 pub const SESSION_HEADER: &str = "x-session-id";
+/// Time-to-first-token objective in ms (llm-d; `x-slo-ttft-ms` is its deprecated alias).
+pub const SLO_TTFT_HEADER: &str = "x-llm-d-slo-ttft-ms";
+/// Time-per-output-token objective in ms (llm-d; `x-slo-tpot-ms` is its deprecated alias).
+pub const SLO_TPOT_HEADER: &str = "x-llm-d-slo-tpot-ms";
 /// Longest control-header value kept; longer values are ignored (hostile input).
 const MAX_VALUE_BYTES: usize = 256;
 /// Longest `test-epp-endpoint-selection` kept: a list of addresses (~100 IPv4 `ip:port`).
 const MAX_SELECTION_BYTES: usize = 2048;
 
 /// The request headers kvpick acts on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestMeta {
     /// `:path` (decides the API kind of the body).
     pub path: String,
@@ -28,6 +32,9 @@ pub struct RequestMeta {
     pub model_rewrite: Option<String>,
     /// The session id.
     pub session_id: Option<String>,
+    /// The latency objectives (an absent, unparsable, zero, negative or non-finite value is
+    /// no objective, as llm-d treats it).
+    pub slo: crate::scheduling::LatencySlo,
     /// A conformance test's endpoint list (`test-epp-endpoint-selection`; acted on only
     /// with `--enable-conformance-hooks`).
     pub endpoint_selection: Option<String>,
@@ -72,6 +79,12 @@ impl RequestMeta {
                 FAIRNESS_HEADER => meta.fairness_id = value,
                 MODEL_REWRITE_HEADER => meta.model_rewrite = value,
                 SESSION_HEADER => meta.session_id = value,
+                SLO_TTFT_HEADER | "x-slo-ttft-ms" => {
+                    meta.slo.ttft_ms = slo_ms(value.as_deref()).or(meta.slo.ttft_ms);
+                }
+                SLO_TPOT_HEADER | "x-slo-tpot-ms" => {
+                    meta.slo.tpot_ms = slo_ms(value.as_deref()).or(meta.slo.tpot_ms);
+                }
                 _ => continue,
             }
             if matches!(
@@ -85,6 +98,14 @@ impl RequestMeta {
     }
 }
 
+/// A latency objective header's value in ms: a positive finite number.
+fn slo_ms(value: Option<&str>) -> Option<f64> {
+    value?
+        .parse::<f64>()
+        .ok()
+        .filter(|ms| ms.is_finite() && *ms > 0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +117,30 @@ mod tests {
             raw_value: value.as_bytes().to_vec(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn slo_headers_are_positive_finite_milliseconds() {
+        let read = |pairs: &[(&str, &str)]| {
+            let map = HeaderMap {
+                headers: pairs.iter().map(|(k, v)| header(k, v)).collect(),
+            };
+            RequestMeta::from_headers(Some(&map)).slo
+        };
+        let slo = read(&[(SLO_TTFT_HEADER, " 250 "), (SLO_TPOT_HEADER, "12.5")]);
+        assert_eq!((slo.ttft_ms, slo.tpot_ms), (Some(250.0), Some(12.5)));
+        let slo = read(&[("x-slo-ttft-ms", "300")]);
+        assert_eq!(slo.ttft_ms, Some(300.0), "the deprecated alias");
+        for bad in ["0", "-5", "NaN", "inf", "soon", ""] {
+            let slo = read(&[(SLO_TTFT_HEADER, bad), (SLO_TPOT_HEADER, bad)]);
+            assert!(!slo.is_set(), "`{bad}` is no objective");
+        }
+        let slo = read(&[(SLO_TTFT_HEADER, "200"), ("x-slo-ttft-ms", "junk")]);
+        assert_eq!(
+            slo.ttft_ms,
+            Some(200.0),
+            "a bad alias does not erase a good value"
+        );
     }
 
     #[test]

@@ -525,6 +525,7 @@ impl RequestStream {
             priority,
             fairness_id: self.meta.fairness_id.clone(),
             session_id: self.meta.session_id.clone(),
+            slo: self.meta.slo,
         };
         let (pick, record) = self.ctx.scheduler.pick_deferred(&request, &candidates)?;
         self.record = (!record.is_empty()).then_some(record);

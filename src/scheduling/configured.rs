@@ -618,6 +618,14 @@ impl Scheduler for ConfiguredScheduler {
             .iter()
             .filter_map(|i| cycle.pods.get(*i).map(|p| p.id));
         let primary = ids.next().ok_or(ScheduleError::NoCandidates)?;
+        // Only sheddable requests are refused for an objective nobody meets; the others go to
+        // the least late pod (the scorer's ranking).
+        if request.priority < 0
+            && let Some(params) = &self.placement
+            && !placement::slo_attainable(&cycle, params)
+        {
+            return Err(ScheduleError::SloUnattainable);
+        }
         let mut pick = Pick::new(primary, ids.collect());
         pick.expected = self.expected(&cycle, &order);
         let mut record = PendingRecord::default();

@@ -69,6 +69,34 @@ pub struct SchedulingRequest {
     pub fairness_id: Option<String>,
     /// A client session id for session affinity (`x-session-id` header), when sent.
     pub session_id: Option<String>,
+    /// The latency objectives the client asked for (llm-d's SLO headers), if any.
+    pub slo: LatencySlo,
+}
+
+/// A request's latency objectives (llm-d's `x-llm-d-slo-ttft-ms`, `x-llm-d-slo-tpot-ms`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LatencySlo {
+    /// Time to first token, ms.
+    pub ttft_ms: Option<f64>,
+    /// Time per output token, ms.
+    pub tpot_ms: Option<f64>,
+}
+
+impl LatencySlo {
+    /// Whether any objective is set.
+    pub fn is_set(&self) -> bool {
+        self.ttft_ms.is_some() || self.tpot_ms.is_some()
+    }
+
+    /// Whether predictions `ttft_ms` and `tpot_ms` meet the objectives; a prediction that
+    /// does not exist yet (no decode measured) does not count against its objective.
+    pub fn met_by(&self, ttft_ms: f64, tpot_ms: Option<f64>) -> bool {
+        self.ttft_ms.is_none_or(|slo| ttft_ms <= slo)
+            && match (self.tpot_ms, tpot_ms) {
+                (Some(slo), Some(predicted)) => predicted <= slo,
+                _ => true,
+            }
+    }
 }
 
 impl Default for SchedulingRequest {
@@ -81,6 +109,7 @@ impl Default for SchedulingRequest {
             priority: 0,
             fairness_id: None,
             session_id: None,
+            slo: LatencySlo::default(),
         }
     }
 }
@@ -159,6 +188,10 @@ pub enum ScheduleError {
     /// No endpoint was eligible.
     #[error("no candidate endpoints")]
     NoCandidates,
+    /// A sheddable request's latency objective can be met by no endpoint (none is predicted
+    /// to, none is idle, none has a cold cache).
+    #[error("request is sheddable and no endpoint is predicted to meet its latency SLO")]
+    SloUnattainable,
 }
 
 /// Picks endpoints for requests.

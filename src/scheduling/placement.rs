@@ -48,6 +48,18 @@
 //!
 //! Before a pod has its own fit (a few first bytes), it is predicted with the fleet's median
 //! fitted line, and before any pod has one, with the configured prior.
+//!
+//! Latency objectives (llm-d's `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms`): a pod meets
+//! them when its predicted TTFT and time per output token (its fitted chunk gap at the batch
+//! the request joins) are within them. When some candidate meets them, the others score 0,
+//! so the pick is the best-placed pod among those predicted in time (llm-d's
+//! `slo-headroom-tier-filter` keeps that tier too); when none does, the ranking is unchanged
+//! (the least late). A sheddable request nobody can serve in time is refused by the scheduler
+//! ([`slo_attainable`]).
+//!
+//! NOTE: unlike llm-d's tier filter, no 1% of requests is sent to the late tier to re-measure
+//! recovering pods: kvpick's predictions follow each pod's queue from its own records and the
+//! engine's scrapes, not only from the requests routed there.
 
 use crate::endpoints::FittedLine;
 
@@ -97,6 +109,11 @@ pub struct PlacementCost {
     pub decode_ms: f64,
     /// `(ttft + displacement) / hold bias + decode`: what the score ranks.
     pub cost_ms: f64,
+    /// Predicted time per output token at the batch the request joins, ms (`None` before
+    /// any pod's decode is measured).
+    pub tpot_ms: Option<f64>,
+    /// Whether the predictions meet the request's latency objectives (true without any).
+    pub meets_slo: bool,
 }
 
 /// The line that predicts pod `pod`: its own, else the fleet's median, else the prior.
@@ -220,8 +237,16 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
             // NOTE: the hold bias scales only what the prefix changes (its prefill and what
             // it evicts); decoding costs the same whoever holds the prefix.
             let cost_ms = (ttft_ms + displacement_ms) / bias + decode_ms;
+            let tpot_ms = pod
+                .prefill
+                .itl
+                .or(fleet_itl)
+                .map(|line| line.predict_ms(pod.in_flight as f64 + 1.0))
+                .filter(|ms| ms.is_finite());
             PlacementCost {
                 ttft_ms,
+                tpot_ms,
+                meets_slo: cycle.request.slo.met_by(ttft_ms, tpot_ms),
                 decode_ms,
                 displacement_ms: if displacement_ms.is_finite() {
                     displacement_ms
@@ -266,13 +291,45 @@ pub fn score(cycle: &Cycle<'_>, params: &PlacementParams, out: &mut [f64]) {
         .iter()
         .map(|c| c.cost_ms)
         .fold(f64::INFINITY, f64::min);
+    // The best among those predicted in time, when some are: the late ones rank last.
+    let in_time = cycle.request.slo.is_set() && costs.iter().any(|c| c.meets_slo);
+    let best = if in_time {
+        costs
+            .iter()
+            .filter(|c| c.meets_slo)
+            .map(|c| c.cost_ms)
+            .fold(f64::INFINITY, f64::min)
+    } else {
+        best
+    };
     for (slot, cost) in out.iter_mut().zip(&costs) {
-        *slot = if cost.cost_ms <= MIN_COST_MS || !best.is_finite() {
+        *slot = if in_time && !cost.meets_slo {
+            0.0
+        } else if cost.cost_ms <= MIN_COST_MS || !best.is_finite() {
             1.0
         } else {
             (best.max(MIN_COST_MS) / cost.cost_ms).clamp(0.0, 1.0)
         };
     }
+}
+
+/// Whether a request with latency objectives can be served in time somewhere: a candidate
+/// is predicted to meet them, or one is idle (nothing in flight from kvpick, nothing running
+/// or waiting on the engine: its prediction rests on no load at all), or one has a cold cache
+/// (< 2% used: a fresh pod whose fits are not yet worth much). llm-d's `latency-slo-admitter`
+/// admits on the same three conditions.
+pub fn slo_attainable(cycle: &Cycle<'_>, params: &PlacementParams) -> bool {
+    if !cycle.request.slo.is_set() {
+        return true;
+    }
+    let idle_or_cold = cycle.pods.iter().any(|pod| {
+        let engine = pod.metrics.as_ref();
+        let idle =
+            pod.in_flight == 0 && engine.is_none_or(|m| m.waiting <= 0.0 && m.running <= 0.0);
+        let cold = engine.is_some_and(|m| m.kv_usage < 0.02);
+        idle || cold
+    });
+    idle_or_cold || costs(cycle, params).iter().any(|c| c.meets_slo)
 }
 
 /// Costs below this count as equal.
@@ -286,6 +343,7 @@ mod tests {
     use super::*;
     use crate::endpoints::PrefillView;
     use crate::scrape::PodMetrics;
+    use std::sync::Arc;
 
     /// A pod with `waiting` engine-side waiting requests, `capacity` blocks of 16 tokens of
     /// which `held` are occupied, and kvpick's own `backlog` tokens awaiting first bytes
@@ -327,9 +385,19 @@ mod tests {
         cached: &[f64],
         prompt: f64,
     ) -> (usize, Vec<f64>) {
-        let request = SchedulingRequest::default();
+        winner_for(&SchedulingRequest::default(), params, pods, cached, prompt).0
+    }
+
+    /// The winner, the scores, and whether the request's objectives are attainable.
+    fn winner_for(
+        request: &SchedulingRequest,
+        params: &PlacementParams,
+        pods: Vec<PodView>,
+        cached: &[f64],
+        prompt: f64,
+    ) -> ((usize, Vec<f64>), bool) {
         let cycle = Cycle {
-            request: &request,
+            request,
             prefix: cached
                 .iter()
                 .map(|c| PrefixHit {
@@ -347,7 +415,98 @@ mod tests {
         let best = (0..out.len())
             .max_by(|a, b| out[*a].total_cmp(&out[*b]))
             .expect("candidates");
-        (best, out)
+        let attainable = slo_attainable(&cycle, params);
+        ((best, out), attainable)
+    }
+
+    fn with_slo(ttft_ms: Option<f64>, tpot_ms: Option<f64>) -> SchedulingRequest {
+        SchedulingRequest {
+            slo: super::super::LatencySlo { ttft_ms, tpot_ms },
+            ..SchedulingRequest::default()
+        }
+    }
+
+    /// The holder of 2,000 of a 2,200-token prompt with 2,200 tokens queued (predicted TTFT
+    /// 970 ms, and 83 ms of evictions, but the hold bias makes it the best-placed) and an
+    /// empty pod that would prefill it all (890 ms); `busy` puts two requests running on the
+    /// empty one's engine.
+    fn holder_and_empty(busy: bool) -> Vec<PodView> {
+        let mut empty = pod(1, 1000, 0, 0.0, 0.0);
+        if busy && let Some(m) = empty.metrics.as_mut() {
+            Arc::make_mut(m).running = 2.0;
+        }
+        vec![pod(0, 1000, 1000, 2200.0, 3.0), empty]
+    }
+
+    #[test]
+    fn a_ttft_objective_sends_the_request_to_a_pod_predicted_in_time() {
+        let params = PlacementParams::default();
+        let run = |request: &SchedulingRequest, busy: bool| {
+            winner_for(
+                request,
+                &params,
+                holder_and_empty(busy),
+                &[2000.0, 0.0],
+                2200.0,
+            )
+        };
+        let ((best, _), _) = run(&SchedulingRequest::default(), false);
+        assert_eq!(
+            best, 0,
+            "without an objective the holder is the better placement"
+        );
+        let ((best, scores), attainable) = run(&with_slo(Some(950.0), None), false);
+        assert_eq!(
+            best, 1,
+            "only the empty pod is predicted within 950 ms: {scores:?}"
+        );
+        assert_eq!(scores[0], 0.0, "the late pod ranks last");
+        assert!(attainable);
+        // Nobody in time: the ranking is the usual one (the least late placement).
+        let ((best, _), attainable) = run(&with_slo(Some(100.0), None), false);
+        assert_eq!(best, 0);
+        assert!(attainable, "an idle pod makes an objective attainable");
+        let ((_, _), attainable) = run(&with_slo(Some(100.0), None), true);
+        assert!(!attainable, "nobody in time, nobody idle, no cold cache");
+    }
+
+    #[test]
+    fn a_tpot_objective_counts_the_decode_batch_the_request_joins() {
+        let params = PlacementParams::default();
+        let mut pods = holder_and_empty(true);
+        for p in &mut pods {
+            p.prefill.itl = Some(FittedLine {
+                base_ms: 20.0,
+                slope_ms: 2.0,
+            });
+        }
+        // The holder has 3 in flight: 20 + 2 × 4 = 28 ms per token; the other 22 ms.
+        let ((best, _), attainable) = winner_for(
+            &with_slo(None, Some(25.0)),
+            &params,
+            pods.clone(),
+            &[2000.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 1);
+        assert!(attainable);
+        let ((best, _), attainable) = winner_for(
+            &with_slo(None, Some(30.0)),
+            &params,
+            pods.clone(),
+            &[2000.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 0, "both in time: the better placement");
+        assert!(attainable);
+        let ((_, _), attainable) = winner_for(
+            &with_slo(None, Some(10.0)),
+            &params,
+            pods,
+            &[2000.0, 0.0],
+            2200.0,
+        );
+        assert!(!attainable);
     }
 
     #[test]

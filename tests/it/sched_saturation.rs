@@ -177,3 +177,76 @@ async fn the_recommended_profile_places_around_an_overloaded_pod() {
     // prefill as queued work.
     ten_requests_go_around_the_overloaded_pod(&["--recommended-profile"]).await;
 }
+
+/// What a vLLM with two requests running and none waiting reports.
+const BUSY_METRICS: &str = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\n\
+    vllm:num_requests_running{model_name=\"m\"} 2.0\n\
+    vllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sheddable_request_no_pod_can_serve_within_its_slo_is_refused_and_others_are_served() {
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    for b in &backends {
+        b.set_metrics(BUSY_METRICS);
+    }
+    let kvpick = Kvpick::start(
+        &pool_yaml(&backends),
+        &["--recommended-profile", "--objective", "batch=-1"],
+    )
+    .await;
+    let url = kvpick.metrics_url("/metrics");
+    support::wait_until("both pods scraped", Duration::from_secs(10), || {
+        let url = url.clone();
+        async move {
+            send("GET", &url, &[], Vec::new()).await.is_ok_and(|r| {
+                r.text()
+                    .contains("inference_pool_ready_pods{name=\"default\"} 2")
+            })
+        }
+    })
+    .await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    // ~300 prompt tokens: a few tens of ms of predicted prefill at the prior's 0.1 ms/token.
+    let body = serde_json::json!({"model": "m", "prompt": "many words ".repeat(150)})
+        .to_string()
+        .into_bytes();
+    let post = |headers: Vec<(&'static str, &'static str)>| {
+        let (url, body) = (url.clone(), body.clone());
+        async move {
+            let mut all = vec![("content-type", "application/json")];
+            all.extend(headers);
+            send("POST", &url, &all, body).await.expect("request")
+        }
+    };
+    let refused = post(vec![
+        ("x-gateway-inference-objective", "batch"),
+        ("x-llm-d-slo-ttft-ms", "1"),
+    ])
+    .await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(refused.text().contains("latency SLO"), "{}", refused.text());
+    // The same objective on a request that is not sheddable: served (by the least late pod).
+    let served = post(vec![("x-llm-d-slo-ttft-ms", "1")]).await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    // Sheddable, with an objective the pods are predicted to meet: served.
+    let served = post(vec![
+        ("x-gateway-inference-objective", "batch"),
+        ("x-llm-d-slo-ttft-ms", "60000"),
+        ("x-llm-d-slo-tpot-ms", "1000"),
+    ])
+    .await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    // The deprecated alias is read too.
+    let refused = post(vec![
+        ("x-gateway-inference-objective", "batch"),
+        ("x-slo-ttft-ms", "1"),
+    ])
+    .await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let seen: usize = backends.iter().map(|b| b.seen().len()).sum();
+    assert_eq!(seen, 2, "only the two admitted requests reached a pod");
+}
