@@ -27,11 +27,12 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let filter = log_filter(&cli.log);
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_new(&filter)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off")),
         )
         .init();
     let Command::Serve(args) = cli.command;
@@ -55,6 +56,40 @@ fn main() -> ExitCode {
             tracing::error!(%error, "kvpick failed");
             eprintln!("kvpick: {error}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The log filter for `--log`/`RUST_LOG`.
+///
+/// NOTE: kube's client logs every failed request at ERROR (twice a second while the API is
+/// down), which kvpick's own watch logging already reports once per outage; it is off unless
+/// the filter names it.
+fn log_filter(given: &str) -> String {
+    if given.contains("kube_client") {
+        given.to_owned()
+    } else {
+        format!("{given},kube_client=off")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_filter;
+
+    #[test]
+    fn kube_clients_request_errors_are_off_unless_named() {
+        assert_eq!(log_filter("info"), "info,kube_client=off");
+        assert_eq!(log_filter("kvpick=debug"), "kvpick=debug,kube_client=off");
+        assert_eq!(
+            log_filter("info,kube_client=debug"),
+            "info,kube_client=debug"
+        );
+        for filter in [log_filter("info"), log_filter("warn,kvpick=trace")] {
+            assert!(
+                tracing_subscriber::EnvFilter::try_new(&filter).is_ok(),
+                "{filter}"
+            );
         }
     }
 }
