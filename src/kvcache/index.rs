@@ -189,6 +189,8 @@ pub struct PrefixIndex {
     /// Pods purged recently, and when: a routing record applied after its pod left the pool
     /// (records trail the reply) must not bring the pod back. Bounded (see `purge_pod`).
     purged: Mutex<HashMap<PodId, Instant>>,
+    /// Where routing records also go (the replica exchange; `exchange`), when set.
+    pub(super) route_sink: std::sync::OnceLock<super::exchange::RouteSink>,
 }
 
 /// How long a purged pod is not re-created by a late routing record (a pod that returns to
@@ -208,6 +210,7 @@ impl PrefixIndex {
             metrics: None,
             learned_block_size: AtomicU32::new(0),
             purged: Mutex::new(HashMap::new()),
+            route_sink: std::sync::OnceLock::new(),
         }
     }
 

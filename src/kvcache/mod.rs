@@ -19,6 +19,7 @@
 mod apply;
 mod approx;
 mod blockmap;
+mod exchange;
 pub mod index;
 pub mod key;
 pub mod matching;
@@ -28,6 +29,7 @@ mod record;
 mod span;
 mod speculative;
 
+pub use exchange::{ForeignRecord, RouteSink};
 pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
 pub use key::{BlockKey, KeyContext, block_keys};
 pub use matching::{DebugPrefix, DebugPrefixPod, PrefixLookup, PrefixMatch};
