@@ -5,14 +5,9 @@
 //! runs on pods with events, the approximate LRU set on pods without), so it goes through the
 //! same `record_keys`; only the export and the checks on foreign input are new.
 
-use super::index::PrefixIndex;
+use super::index::{PrefixIndex, RouteSink};
 use super::key::BlockKey;
 use crate::endpoints::PodId;
-
-/// Receives each routing record kvpick makes: the pod, the block size its keys were computed
-/// at, and the prompt's keys from the first block on. Called on the request's task, so it
-/// must not block (the exchange's sink only tries a bounded channel).
-pub type RouteSink = Box<dyn Fn(PodId, u32, &[BlockKey]) + Send + Sync>;
 
 /// What became of a foreign routing record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -177,6 +177,11 @@ pub(super) struct PodTable {
     free: Vec<u32>,
 }
 
+/// Receives each routing record kvpick makes (the replica exchange, `exchange`): the pod,
+/// the block size its keys were computed at, and the prompt's keys from the first block on.
+/// Called on the request's task, so it must not block.
+pub type RouteSink = Box<dyn Fn(PodId, u32, &[BlockKey]) + Send + Sync>;
+
 /// The precise prefix index (see the module docs for its concurrency rules).
 pub struct PrefixIndex {
     config: IndexConfig,
@@ -190,7 +195,7 @@ pub struct PrefixIndex {
     /// (records trail the reply) must not bring the pod back. Bounded (see `purge_pod`).
     purged: Mutex<HashMap<PodId, Instant>>,
     /// Where routing records also go (the replica exchange; `exchange`), when set.
-    pub(super) route_sink: std::sync::OnceLock<super::exchange::RouteSink>,
+    pub(super) route_sink: std::sync::OnceLock<RouteSink>,
 }
 
 /// How long a purged pod is not re-created by a late routing record (a pod that returns to

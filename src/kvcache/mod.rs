@@ -29,8 +29,8 @@ mod record;
 mod span;
 mod speculative;
 
-pub use exchange::{ForeignRecord, RouteSink};
-pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
+pub use exchange::ForeignRecord;
+pub use index::{ApplyStats, IndexConfig, PrefixIndex, RouteSink, TierWeights};
 pub use key::{BlockKey, KeyContext, block_keys};
 pub use matching::{DebugPrefix, DebugPrefixPod, PrefixLookup, PrefixMatch};
 pub use metrics::IndexMetrics;
