@@ -147,6 +147,8 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
         })
         .await;
     }
+    // Active-active: without leader election every replica takes traffic as a leader.
+    assert_eq!(metric(&a, "kvpick_leader").await, 1.0);
     let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
 
     // Each new prefix routed by A; B, which has no event and did not route it, follows.
