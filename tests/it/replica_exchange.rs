@@ -19,8 +19,20 @@ use tonic::transport::Channel;
 
 use crate::support;
 use support::backend::{Backend, pool_yaml};
-use support::http::send;
+use support::http::{post_json, send};
 use support::kvpick::Kvpick;
+
+/// The sum of a metric's samples over all its label sets.
+async fn metric_sum(kvpick: &Kvpick, name: &str) -> f64 {
+    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    text.lines()
+        .filter(|line| line.starts_with(name) && !line.starts_with('#'))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
 
 /// A metric sample of kvpick's /metrics by its full name with labels (0 when absent).
 async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
@@ -243,4 +255,137 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     // B still routes.
     let after = route(&mut client_b, &prompt(0)).await;
     assert!(!after.endpoint.is_empty());
+}
+
+/// Sends `body` to `url` in a loop until `stop`, returning each answer's status and whether
+/// kvpick picked its destination (else Envoy failed open to the fallback cluster).
+async fn load(
+    url: String,
+    body: Vec<u8>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Vec<(u16, bool)> {
+    let mut seen = Vec::new();
+    while !stop.is_cancelled() {
+        let reply = send(
+            "POST",
+            &url,
+            &[("content-type", "application/json")],
+            body.clone(),
+        )
+        .await
+        .map(|r| {
+            let picked = r
+                .header(support::envoy::METADATA_ECHO_HEADER)
+                .is_some_and(|h| !h.is_empty() && h != "-");
+            (r.status, picked)
+        })
+        .unwrap_or((0, false));
+        seen.push(reply);
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaving_behind_envoy_loses_no_request() {
+    use support::envoy::{Envoy, EnvoyOptions};
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
+    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let replica = |own: u16, peer: u16| {
+        [
+            "--replica-exchange-port".to_owned(),
+            own.to_string(),
+            "--replica-peers".to_owned(),
+            format!("127.0.0.1:{peer}"),
+        ]
+    };
+    let (mut args_a, args_b) = (replica(port_a, port_b).to_vec(), replica(port_b, port_a));
+    // Past Envoy's next health check (every 1 s) before A stops taking streams.
+    args_a.extend(["--shutdown-grace-period", "1200ms", "--drain-timeout", "2s"].map(String::from));
+    let args_a: Vec<&str> = args_a.iter().map(String::as_str).collect();
+    let args_b: Vec<&str> = args_b.iter().map(String::as_str).collect();
+    let (mut a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
+    let envoy = Envoy::start(
+        &a,
+        EnvoyOptions {
+            extra_kvpicks: vec![(b.grpc_port, b.health_port)],
+            fallback: backends.iter().map(|b| b.addr).collect(),
+            echo_metadata: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let url = envoy.url("/v1/completions");
+    let body = serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4})
+        .to_string()
+        .into_bytes();
+    // Both replicas take streams before the fault.
+    let streams = "inference_objective_request_total{";
+    support::wait_until("both replicas to route", Duration::from_secs(10), || {
+        let (url, body, a, b) = (&url, &body, &a, &b);
+        async move {
+            let reply = send(
+                "POST",
+                url,
+                &[("content-type", "application/json")],
+                body.clone(),
+            )
+            .await;
+            assert_eq!(reply.map(|r| r.status).ok(), Some(200));
+            metric_sum(a, streams).await > 0.0 && metric_sum(b, streams).await > 0.0
+        }
+    })
+    .await;
+
+    // Two clients keep requests coming while replica A leaves (SIGTERM, as in a scale-down
+    // or a rolling update): readiness off, Envoy's health check moves new streams to B, A
+    // drains its open ones.
+    // NOTE: a replica that crashes (SIGKILL) costs the requests Envoy sends it until its
+    // next health check: Envoy cannot fail open once a FULL_DUPLEX_STREAMED body has gone
+    // into the stream (see deploy/envoy/envoy.yaml and README).
+    let stop = tokio_util::sync::CancellationToken::new();
+    let clients: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(load(url.clone(), body.clone(), stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.terminate();
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    stop.cancel();
+    let mut seen = Vec::new();
+    for client in clients {
+        seen.extend(client.await.expect("client"));
+    }
+    let lost: Vec<_> = seen.iter().filter(|(status, _)| *status != 200).collect();
+    let picked = seen.iter().filter(|(_, picked)| *picked).count();
+    eprintln!(
+        "replica left under load: {} requests, {} lost, {} picked by kvpick",
+        seen.len(),
+        lost.len(),
+        picked
+    );
+    assert!(seen.len() > 20, "the load ran ({} requests)", seen.len());
+    assert!(lost.is_empty(), "requests lost: {lost:?}");
+    assert_eq!(
+        picked,
+        seen.len(),
+        "B picked every request A no longer took (none failed open)"
+    );
+    assert_eq!(
+        a.wait_exit(Duration::from_secs(5)).await,
+        Some(0),
+        "A drained and exited"
+    );
+    // After the fault B serves every request itself (no fail-open).
+    for _ in 0..5 {
+        let reply = post_json(&url, &body).await;
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply
+                .header(support::envoy::METADATA_ECHO_HEADER)
+                .is_some_and(|h| !h.is_empty() && h != "-")
+        );
+    }
 }
