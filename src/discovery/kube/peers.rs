@@ -133,3 +133,43 @@ async fn run(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, ip: Option<&str>, ready: bool) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "status": {"podIP": ip, "conditions": [
+                {"type": "Ready", "status": if ready { "True" } else { "False" }}]}
+        }))
+        .unwrap_or_else(|e| panic!("pod: {e}"))
+    }
+
+    #[test]
+    fn peers_are_the_other_ready_pods_with_an_ip() {
+        let own = Some("kvpick-a");
+        assert_eq!(
+            peer_addr(&pod("kvpick-b", Some("10.0.0.2"), true), own, 9010).as_deref(),
+            Some("10.0.0.2:9010")
+        );
+        assert_eq!(
+            peer_addr(&pod("kvpick-c", Some("fd00::3"), true), own, 9010).as_deref(),
+            Some("[fd00::3]:9010")
+        );
+        assert_eq!(
+            peer_addr(&pod("kvpick-a", Some("10.0.0.1"), true), own, 9010),
+            None
+        );
+        assert_eq!(
+            peer_addr(&pod("kvpick-d", Some("10.0.0.4"), false), own, 9010),
+            None
+        );
+        assert_eq!(peer_addr(&pod("kvpick-e", None, true), own, 9010), None);
+        assert_eq!(
+            peer_addr(&pod("kvpick-f", Some("not-an-ip"), true), own, 9010),
+            None
+        );
+    }
+}
