@@ -195,3 +195,47 @@ impl ReplicaExchange for Arc<Inbox> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::Endpoint;
+
+    #[tokio::test(start_paused = true)]
+    async fn foreign_counts_sum_over_replicas_expire_and_are_bounded() {
+        let datastore = Datastore::new();
+        let pods: Vec<PodId> = ["10.0.0.1:8000", "10.0.0.2:8000"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        datastore.set_endpoints(pods.iter().map(|p| Endpoint::new(*p)).collect());
+        let pool = datastore.snapshot();
+        let foreign = ForeignLoads::default();
+        let now = Instant::now();
+        assert!(foreign.update("b", HashMap::from([(pods[0], 2)]), now));
+        assert!(foreign.update("c", HashMap::from([(pods[0], 3), (pods[1], 1)]), now));
+        foreign.publish(&pool);
+        let counts = |pool: &PoolSnapshot| -> Vec<u64> {
+            pool.endpoints
+                .iter()
+                .map(|e| e.in_flight.foreign())
+                .collect()
+        };
+        assert_eq!(counts(&pool), [5, 1]);
+        // A replica's next batch replaces its counts.
+        assert!(foreign.update("b", HashMap::new(), now + Duration::from_secs(2)));
+        foreign.publish(&pool);
+        assert_eq!(counts(&pool), [3, 1]);
+        // "c" has been silent for the TTL: its counts stop counting.
+        assert!(foreign.expire(now + FOREIGN_LOAD_TTL));
+        foreign.publish(&pool);
+        assert_eq!(counts(&pool), [0, 0]);
+        // At most MAX_REPLICAS live replicas are kept.
+        let later = now + Duration::from_secs(10);
+        for i in 0..MAX_REPLICAS {
+            assert!(foreign.update(&format!("r{i}"), HashMap::new(), later));
+        }
+        assert!(!foreign.update("one-too-many", HashMap::new(), later));
+        assert!(foreign.update("one-too-many", HashMap::new(), later + FOREIGN_LOAD_TTL));
+    }
+}
