@@ -389,3 +389,61 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         );
     }
 }
+
+#[test]
+fn replica_flags_are_validated_at_start() {
+    let bin = env!("CARGO_BIN_EXE_kvpick");
+    let pool = ["--endpoints-file", "pool.yaml"];
+    let cases: [(Vec<&str>, &str); 4] = [
+        (
+            [&pool[..], &["--replica-peers", "10.0.0.2:9010"]].concat(),
+            "--replica-peers: needs --replica-exchange-port",
+        ),
+        (
+            [
+                &pool[..],
+                &[
+                    "--replica-exchange-port",
+                    "9010",
+                    "--replica-peers",
+                    "no-port",
+                ],
+            ]
+            .concat(),
+            "--replica-peers: `no-port` is not HOST:PORT",
+        ),
+        (
+            [
+                &pool[..],
+                &[
+                    "--replica-exchange-port",
+                    "9010",
+                    "--replica-peers",
+                    "a:1",
+                    "--peer-selector",
+                    "app=kvpick",
+                ],
+            ]
+            .concat(),
+            "--peer-selector: and --replica-peers are given together",
+        ),
+        (
+            [
+                &pool[..],
+                &["--replica-exchange-port", "9002", "--grpc-port", "9002"],
+            ]
+            .concat(),
+            "--grpc-port and --replica-exchange-port both use port 9002",
+        ),
+    ];
+    for (args, want) in cases {
+        let output = std::process::Command::new(bin)
+            .arg("serve")
+            .args(&args)
+            .output()
+            .expect("run kvpick");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} must not start");
+        assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
+    }
+}
