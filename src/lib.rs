@@ -9,6 +9,7 @@
 //! - [`telemetry`]: our own metrics and health;
 //! - [`tls`]: TLS on the ext-proc port;
 //! - [`live`]: values the request path reads and watchers replace;
+//! - [`replica`]: what active-active replicas exchange (routing records, in-flight counts);
 //! - [`admin`]: the metrics and debug HTTP servers, above every layer they report on;
 //! - [`app`]: `kvpick serve`, the wiring of all of the above;
 //!
@@ -24,6 +25,7 @@ pub mod extproc;
 pub mod kvcache;
 pub mod kvevents;
 pub mod live;
+pub mod replica;
 pub mod request;
 pub mod scheduling;
 pub mod scrape;

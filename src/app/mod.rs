@@ -70,6 +70,9 @@ pub enum ServeError {
     /// TLS on the ext-proc port could not be set up.
     #[error("--secure-serving: {0}")]
     Tls(#[from] crate::tls::TlsError),
+    /// The replica exchange could not start.
+    #[error(transparent)]
+    Replica(#[from] crate::replica::ReplicaError),
     /// A background subsystem died for good (see [`supervise`]).
     #[error(transparent)]
     Subsystem(#[from] SubsystemFailed),
@@ -143,6 +146,17 @@ pub async fn serve(
     if let Some(endpoint) = &config.kv_events_bind {
         let bound = kv_events.bind_central(endpoint).await?;
         tracing::info!(%bound, "accepting KV events from pods that dial in");
+    }
+    if let Some(replica) = &config.replica {
+        let parts = crate::replica::ReplicaParts {
+            index: Arc::clone(&index),
+            datastore: Arc::clone(&datastore),
+            registry: registry.clone(),
+        };
+        let started = crate::replica::start(replica, parts, &background).await?;
+        for (name, task) in started.tasks {
+            supervisor.spawn(name, Policy::RESTART, task);
+        }
     }
     let metrics_store = Arc::new(MetricsStore::default());
     for warning in &config.picker.warnings {

@@ -90,6 +90,7 @@ pub async fn start(
             let client = crate::discovery::kube::client().await?;
             tracing::info!(namespace = %config.namespace, target = ?config.target, "watching Kubernetes for the pool");
             let (readiness, ready) = watch::channel(Ok(()));
+            let metrics_leader = metrics.leader.clone();
             let metrics = DiscoveryMetrics::new(registry)?;
             let parts = Arc::new(DiscoveryParts {
                 config: config.clone(),
@@ -108,6 +109,11 @@ pub async fn start(
             );
             let leading = config.leader.as_ref().map(|leader| {
                 let (leading, is_leader) = watch::channel(false);
+                tokio::spawn(crate::discovery::kube::leader::export_leading(
+                    is_leader.clone(),
+                    metrics_leader.clone(),
+                    cancel.clone(),
+                ));
                 // One identity for every run: a restarted elector renews the Lease it holds.
                 let identity = crate::discovery::kube::leader::identity();
                 tracing::info!(lease = %leader.name, %identity, "leader election on: only the leader reports ready");

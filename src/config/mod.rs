@@ -89,6 +89,20 @@ pub struct ServeArgs {
     /// How often candidates try to take the Lease and the leader renews it.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub ha_retry_period: Duration,
+    /// Port of the replica exchange (active-active replicas tell each other their routing
+    /// records and in-flight counts); off when not given.
+    #[arg(long)]
+    pub replica_exchange_port: Option<u16>,
+    /// Replica peers as `host:port,...` (their `--replica-exchange-port`), without Kubernetes.
+    #[arg(long, value_delimiter = ',')]
+    pub replica_peers: Vec<String>,
+    /// Replica peers from the API: the ready pods with these labels (`k=v,...`) in the pool's
+    /// namespace, this pod excluded, on the exchange port.
+    #[arg(long)]
+    pub peer_selector: Option<String>,
+    /// How often the replica exchange sends a batch (at most 1s).
+    #[arg(long, default_value = "10ms", value_parser = parse_duration)]
+    pub replica_batch_interval: Duration,
     /// Static pool file (YAML, see DESIGN §2.1); re-read when it changes.
     #[arg(long)]
     pub endpoints_file: Option<PathBuf>,
@@ -306,6 +320,9 @@ pub enum ConfigError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// A replica-exchange flag is invalid.
+    #[error(transparent)]
+    Replica(#[from] crate::replica::config::ReplicaFlagError),
     /// A size flag is out of range.
     #[error("--{flag} must be at least {min} (got {value})")]
     TooSmall {
@@ -369,18 +386,35 @@ pub struct ServeConfig {
     pub emit_endpoint_scores: bool,
     /// TLS on the ext-proc port (`--secure-serving`), when on.
     pub tls: Option<crate::tls::TlsConfig>,
+    /// The replica exchange (`--replica-exchange-port`), when on.
+    pub replica: Option<crate::replica::ReplicaConfig>,
 }
 
 impl ServeArgs {
     /// Validates the flags into a [`ServeConfig`].
     pub fn validate(self) -> Result<ServeConfig, ConfigError> {
         let source = self.endpoint_source()?;
+        let replica = crate::replica::config::validate(crate::replica::config::ReplicaFlags {
+            port: self.replica_exchange_port,
+            bind: self.bind_address,
+            peers: &self.replica_peers,
+            peer_selector: self.peer_selector.as_deref(),
+            batch_interval: self.replica_batch_interval,
+            namespace: self
+                .pool_namespace
+                .clone()
+                .unwrap_or_else(crate::discovery::kube::default_namespace),
+        })?;
         let tls = self.tls_config()?;
         let ports = [
             ("grpc-port", self.grpc_port),
             ("grpc-health-port", self.grpc_health_port),
             ("metrics-port", self.metrics_port),
             ("debug-port", self.debug_port),
+            (
+                "replica-exchange-port",
+                self.replica_exchange_port.unwrap_or(0),
+            ),
         ];
         for (i, (first, a)) in ports.iter().enumerate() {
             for (second, b) in &ports[i + 1..] {
@@ -496,6 +530,7 @@ impl ServeArgs {
         let ip = self.bind_address;
         Ok(ServeConfig {
             tls,
+            replica,
             grpc_addr: SocketAddr::new(ip, self.grpc_port),
             health_addr: SocketAddr::new(ip, self.grpc_health_port),
             metrics_addr: SocketAddr::new(ip, self.metrics_port),

@@ -4,6 +4,10 @@
 //! it rises when an endpoint is picked and falls when the response ends or the ext-proc stream
 //! breaks. The fall is tied to a guard's `Drop`, so no code path (client abort, gRPC error,
 //! panic in a handler) can leak a count.
+//!
+//! With active-active replicas, the other replicas' counts arrive over the replica exchange
+//! (`crate::replica`) as a *foreign* term: [`InFlight::get`] (what scheduling reads) is the
+//! sum, [`InFlight::local`] this replica's own (what it tells its peers).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,12 +16,30 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, Default)]
 pub struct InFlight {
     count: AtomicU64,
+    /// The other replicas' in-flight requests to the endpoint, as last exchanged.
+    foreign: AtomicU64,
 }
 
 impl InFlight {
-    /// Requests routed to the endpoint whose response has not ended.
+    /// Requests in flight to the endpoint: this replica's plus the other replicas' last
+    /// exchanged counts (the load scheduling sees).
     pub fn get(&self) -> u64 {
+        self.local().saturating_add(self.foreign())
+    }
+
+    /// Requests this replica routed to the endpoint whose response has not ended.
+    pub fn local(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
+    }
+
+    /// The other replicas' in-flight requests, as last exchanged.
+    pub fn foreign(&self) -> u64 {
+        self.foreign.load(Ordering::Relaxed)
+    }
+
+    /// Replaces the other replicas' count (the replica exchange).
+    pub fn set_foreign(&self, count: u64) {
+        self.foreign.store(count, Ordering::Relaxed);
     }
 
     /// Counts one more request; the returned guard counts it back out when dropped.
@@ -62,5 +84,15 @@ mod tests {
         assert_eq!(load.get(), 1);
         drop(b);
         assert_eq!(load.get(), 0);
+    }
+
+    #[test]
+    fn foreign_counts_add_to_the_load_but_not_to_the_local_count() {
+        let load = Arc::new(InFlight::default());
+        let _a = load.start();
+        load.set_foreign(3);
+        assert_eq!((load.get(), load.local(), load.foreign()), (4, 1, 3));
+        load.set_foreign(u64::MAX);
+        assert_eq!(load.get(), u64::MAX, "saturates");
     }
 }

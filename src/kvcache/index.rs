@@ -177,6 +177,11 @@ pub(super) struct PodTable {
     free: Vec<u32>,
 }
 
+/// Receives each routing record kvpick makes (the replica exchange, `exchange`): the pod,
+/// the block size its keys were computed at, and the prompt's keys from the first block on.
+/// Called on the request's task, so it must not block.
+pub type RouteSink = Box<dyn Fn(PodId, u32, &[BlockKey]) + Send + Sync>;
+
 /// The precise prefix index (see the module docs for its concurrency rules).
 pub struct PrefixIndex {
     config: IndexConfig,
@@ -189,6 +194,8 @@ pub struct PrefixIndex {
     /// Pods purged recently, and when: a routing record applied after its pod left the pool
     /// (records trail the reply) must not bring the pod back. Bounded (see `purge_pod`).
     purged: Mutex<HashMap<PodId, Instant>>,
+    /// Where routing records also go (the replica exchange; `exchange`), when set.
+    pub(super) route_sink: std::sync::OnceLock<RouteSink>,
 }
 
 /// How long a purged pod is not re-created by a late routing record (a pod that returns to
@@ -208,6 +215,7 @@ impl PrefixIndex {
             metrics: None,
             learned_block_size: AtomicU32::new(0),
             purged: Mutex::new(HashMap::new()),
+            route_sink: std::sync::OnceLock::new(),
         }
     }
 

@@ -19,6 +19,7 @@
 mod apply;
 mod approx;
 mod blockmap;
+mod exchange;
 pub mod index;
 pub mod key;
 pub mod matching;
@@ -28,7 +29,8 @@ mod record;
 mod span;
 mod speculative;
 
-pub use index::{ApplyStats, IndexConfig, PrefixIndex, TierWeights};
+pub use exchange::ForeignRecord;
+pub use index::{ApplyStats, IndexConfig, PrefixIndex, RouteSink, TierWeights};
 pub use key::{BlockKey, KeyContext, block_keys};
 pub use matching::{DebugPrefix, DebugPrefixPod, PrefixLookup, PrefixMatch};
 pub use metrics::IndexMetrics;

@@ -58,12 +58,14 @@ impl PrefixIndex {
             let keys = lazy.upto(usize::MAX);
             if !keys.is_empty() {
                 self.record_keys(&entry, keys, held);
+                // All the keys: a peer may not know the pod holds the first `held`.
+                self.export_route(pod, size, keys);
             }
         });
     }
 
     /// [`Self::record_routed_from`] over the prompt's keys at the pod's block size.
-    fn record_keys(&self, entry: &Arc<PodEntry>, keys: &[BlockKey], held: usize) {
+    pub(super) fn record_keys(&self, entry: &Arc<PodEntry>, keys: &[BlockKey], held: usize) {
         let mut state = entry.lock();
         if state.retired {
             return;

@@ -150,6 +150,9 @@ pub struct EppMetrics {
     pub in_flight: IntGaugeVec,
     /// Ext-proc streams currently open.
     pub open_streams: IntGauge,
+    /// 1 while this replica may take traffic as the leader: it holds the Lease, or leader
+    /// election is off (every replica serves); 0 while another replica holds the Lease.
+    pub leader: IntGauge,
     /// Ext-proc streams that broke before the request was answered, by phase.
     pub aborted_streams: IntCounterVec,
     /// Bytes of request bodies buffered right now.
@@ -263,11 +266,19 @@ impl EppMetrics {
             in_flight: IntGaugeVec::new(
                 Opts::new(
                     "kvpick_endpoint_in_flight_requests",
-                    "Requests routed to an endpoint whose response has not ended.",
+                    "Requests routed to an endpoint whose response has not ended (this replica's, plus the other replicas' from the replica exchange).",
                 ),
                 &["endpoint"],
             )?,
             open_streams: IntGauge::new("kvpick_extproc_open_streams", "Open ext-proc streams.")?,
+            leader: {
+                let leader = IntGauge::new(
+                    "kvpick_leader",
+                    "1 while this replica holds the leader Lease or leader election is off; 0 while another replica leads.",
+                )?;
+                leader.set(1);
+                leader
+            },
             aborted_streams: IntCounterVec::new(
                 Opts::new(
                     "kvpick_extproc_aborted_streams_total",
@@ -391,6 +402,7 @@ impl EppMetrics {
         registry.register(Box::new(metrics.pool_average_queue.clone()))?;
         registry.register(Box::new(metrics.in_flight.clone()))?;
         registry.register(Box::new(metrics.open_streams.clone()))?;
+        registry.register(Box::new(metrics.leader.clone()))?;
         registry.register(Box::new(metrics.aborted_streams.clone()))?;
         registry.register(Box::new(metrics.buffered_bytes.clone()))?;
         registry.register(Box::new(metrics.input_tokens.inner().clone()))?;

@@ -267,6 +267,18 @@ fn the_chart_renders_each_mode_as_its_values_say() {
     assert_eq!(of_kind(&ha, "Deployment")[0]["spec"]["replicas"], 3);
     assert!(!args(&ha).contains(&"--ha-enable-leader-election".to_owned()));
     assert!(args(&ha).contains(&"--tokenizer=/models/tokenizer".to_owned()));
+    // Active-active: the replicas exchange routing records with the Deployment's own pods.
+    let ha_args = args(&ha);
+    assert!(
+        ha_args
+            .windows(2)
+            .any(|w| w == ["--replica-exchange-port", "9010"])
+            && ha_args
+                .windows(2)
+                .any(|w| w == ["--peer-selector", "llm-d-router-gateway=kvpick-epp"]),
+        "{ha_args:?}"
+    );
+    assert!(!default_args.iter().any(|a| a.starts_with("--replica")));
     for kind in ["ServiceMonitor", "PrometheusRule", "HTTPRoute"] {
         assert_eq!(of_kind(&ha, kind).len(), 1, "HA renders one {kind}");
     }

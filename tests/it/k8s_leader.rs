@@ -68,14 +68,30 @@ async fn one_leader(replicas: &[&Kvpick], step: &str) -> usize {
         assert_eq!(serving(replicas).await, vec![leader], "{step}: one leader");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    for kvpick in replicas {
+    for (i, kvpick) in replicas.iter().enumerate() {
         assert_eq!(
             health(kvpick.health_port, "liveness").await,
             Some(ServingStatus::Serving),
             "{step}: every replica stays live"
         );
+        let want = if i == leader { 1.0 } else { 0.0 };
+        assert_eq!(
+            leader_gauge(kvpick).await,
+            Some(want),
+            "{step}: kvpick_leader of replica {i}"
+        );
     }
     leader
+}
+
+/// `kvpick_leader` from the replica's /metrics.
+async fn leader_gauge(kvpick: &Kvpick) -> Option<f64> {
+    let text = support::http::send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .ok()?
+        .text();
+    text.lines()
+        .find_map(|line| line.strip_prefix("kvpick_leader ")?.parse().ok())
 }
 
 fn holder(fake: &FakeKube) -> Option<String> {

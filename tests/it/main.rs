@@ -33,6 +33,7 @@ mod kv_speculative;
 mod kv_subscriber;
 mod layering;
 mod quickstart;
+mod replica_exchange;
 mod req_long_strings;
 mod sched_config;
 mod sched_extproc;

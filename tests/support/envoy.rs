@@ -42,6 +42,9 @@ pub struct EnvoyOptions {
     /// Speak TLS to kvpick's ext-proc port (`--secure-serving`), without verifying its
     /// certificate (as gateways do for the EPP's self-signed one); health checks stay plain.
     pub kvpick_tls: bool,
+    /// More kvpick replicas in the ext_proc cluster, as (gRPC port, health port): Envoy
+    /// balances streams over all of them and health-checks each.
+    pub extra_kvpicks: Vec<(u16, u16)>,
 }
 
 /// Header the test config adds to responses with the `envoy.lb` destination metadata.
@@ -179,6 +182,18 @@ impl Envoy {
             "port_value: 9003",
             &format!("port_value: {kvpick_health_port}"),
         );
+        for (grpc, health) in &options.extra_kvpicks {
+            let last = format!(
+                "                  health_check_config: {{ port_value: {kvpick_health_port} }}\n"
+            );
+            replace_once(
+                &mut config,
+                &last,
+                &format!(
+                    "{last}              - endpoint:\n                  address:\n                    socket_address: {{ address: 127.0.0.1, port_value: {grpc} }}\n                  health_check_config: {{ port_value: {health} }}\n"
+                ),
+            );
+        }
         let fallback = if options.fallback.is_empty() {
             // Nothing listens here: a request that reaches the fallback fails visibly.
             vec!["127.0.0.1:1".parse().expect("addr")]

@@ -309,6 +309,21 @@ fn jittered(period: Duration, leading: bool) -> Duration {
     }
 }
 
+/// Keeps `gauge` (`kvpick_leader`) at 1 while `leading` says this replica leads, else 0.
+pub async fn export_leading(
+    mut leading: watch::Receiver<bool>,
+    gauge: prometheus::IntGauge,
+    cancel: CancellationToken,
+) {
+    loop {
+        gauge.set(i64::from(*leading.borrow_and_update()));
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            changed = leading.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
 /// This replica's identity: the pod name (or host name) and a random suffix, as
 /// controller-runtime's `hostname_<uuid>`.
 pub fn identity() -> String {

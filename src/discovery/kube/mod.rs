@@ -11,6 +11,7 @@
 
 pub mod leader;
 pub mod metrics;
+pub mod peers;
 pub mod pod_endpoints;
 pub mod policy;
 pub mod policy_watch;

@@ -35,6 +35,22 @@ llm-d.ai/igw-mode: llm-d-router-standalone
 {{- end -}}
 
 {{/* "true" when replicas wait on a Lease (llm-d: replicas > 1), else "". */}}
+{{/* The replica exchange: active-active with more than one replica. */}}
+{{- define "kvpick.replicaExchange" -}}
+{{- if and (gt (int .Values.router.epp.replicas) 1) .Values.router.epp.activeActive -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The Deployment's own pods as a --peer-selector (selectorLabels as k=v). */}}
+{{- define "kvpick.peerSelector" -}}
+{{- if .Values.router.inferencePool.create -}}
+llm-d-router-gateway={{ include "kvpick.name" . }}
+{{- else -}}
+llm-d-router-standalone={{ include "kvpick.name" . }}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvpick.leaderElection" -}}
 {{- if and (gt (int .Values.router.epp.replicas) 1) (not .Values.router.epp.activeActive) -}}
 true

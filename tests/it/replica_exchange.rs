@@ -1,0 +1,449 @@
+//! Active-active replicas through the real binary: two kvpick replicas with static peers
+//! (`--replica-peers`), pods without KV-event sources (so nothing but the exchange can tell
+//! one replica what the other routed), requests sent straight to each replica's ext-proc
+//! port. Also: in-flight counts cross over, and a hostile peer is bounded and counted.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, ProcessingRequest, ProcessingResponse,
+};
+use kvpick::replica::proto::replica_exchange_client::ReplicaExchangeClient;
+use kvpick::replica::proto::{Batch, EndpointLoad, RoutingRecord};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+use crate::support;
+use support::backend::{Backend, pool_yaml};
+use support::http::{post_json, send};
+use support::kvpick::Kvpick;
+
+/// The sum of a metric's samples over all its label sets.
+async fn metric_sum(kvpick: &Kvpick, name: &str) -> f64 {
+    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    text.lines()
+        .filter(|line| line.starts_with(name) && !line.starts_with('#'))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A metric sample of kvpick's /metrics by its full name with labels (0 when absent).
+async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
+    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn ext_proc(port: u16) -> ExternalProcessorClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    ExternalProcessorClient::new(channel)
+}
+
+/// An open ext-proc stream whose request was routed: dropping it ends the request.
+struct Routed {
+    endpoint: String,
+    _tx: mpsc::Sender<ProcessingRequest>,
+    _rx: tonic::Streaming<ProcessingResponse>,
+}
+
+/// Sends one completion request for `prompt` and returns the endpoint kvpick picked (the
+/// first of the destination list; the others are fallbacks).
+async fn route(client: &mut ExternalProcessorClient<Channel>, prompt: &str) -> Routed {
+    let (tx, rx) = mpsc::channel(8);
+    let mut replies = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .expect("stream")
+        .into_inner();
+    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 4}).to_string();
+    for request in [
+        support::extproc::headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/completions"),
+                ("content-type", "application/json"),
+            ],
+            false,
+        ),
+        Request::RequestBody(HttpBody {
+            body: body.into_bytes(),
+            end_of_stream: true,
+            ..Default::default()
+        }),
+    ] {
+        tx.send(ProcessingRequest {
+            request: Some(request),
+            ..Default::default()
+        })
+        .await
+        .expect("send");
+    }
+    let reply = replies.message().await.expect("reply").expect("a reply");
+    let Some(Response::RequestHeaders(headers)) = reply.response else {
+        panic!("not routed: {reply:?}");
+    };
+    let endpoint = headers
+        .response
+        .and_then(|r| r.header_mutation)
+        .and_then(|m| {
+            m.set_headers.into_iter().find_map(|option| {
+                let header = option.header?;
+                (header.key == "x-gateway-destination-endpoint").then(|| {
+                    if header.raw_value.is_empty() {
+                        header.value
+                    } else {
+                        String::from_utf8_lossy(&header.raw_value).into_owned()
+                    }
+                })
+            })
+        })
+        .expect("a destination header");
+    let endpoint = endpoint.split(',').next().unwrap_or_default().to_owned();
+    Routed {
+        endpoint,
+        _tx: tx,
+        _rx: replies,
+    }
+}
+
+/// A prompt of a few hundred tokens, distinct from the first word on.
+fn prompt(i: usize) -> String {
+    format!("Case {i}. ")
+        + &format!("Summarise invoice {i} for the customer in one line. ").repeat(30)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross_over() {
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
+    let tokenizer = support::repo_root().join("assets/tokenizer");
+    let tokenizer = tokenizer.to_str().expect("path");
+    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let replica = |own: u16, peer: u16| {
+        [
+            "--tokenizer".to_owned(),
+            tokenizer.to_owned(),
+            "--replica-exchange-port".to_owned(),
+            own.to_string(),
+            "--replica-peers".to_owned(),
+            format!("127.0.0.1:{peer}"),
+        ]
+    };
+    let (args_a, args_b) = (replica(port_a, port_b), replica(port_b, port_a));
+    let args_a: Vec<&str> = args_a.iter().map(String::as_str).collect();
+    let args_b: Vec<&str> = args_b.iter().map(String::as_str).collect();
+    let (a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
+    for kvpick in [&a, &b] {
+        support::wait_until("the peers to connect", Duration::from_secs(10), || async {
+            metric(kvpick, "kvpick_replica_peers_connected").await == 1.0
+        })
+        .await;
+    }
+    // Active-active: without leader election every replica takes traffic as a leader.
+    assert_eq!(metric(&a, "kvpick_leader").await, 1.0);
+    let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
+
+    // Each new prefix routed by A; B, which has no event and did not route it, follows.
+    let mut picked = std::collections::BTreeSet::new();
+    for i in 0..6 {
+        let first = route(&mut client_a, &prompt(i)).await.endpoint;
+        picked.insert(first.clone());
+        // Eventually consistent within the batch interval (10 ms): wait for the record.
+        let want = (i + 1) as f64;
+        support::wait_until(
+            "B to receive A's record",
+            Duration::from_secs(5),
+            || async {
+                metric(&b, "kvpick_replica_records_total{direction=\"received\"}").await >= want
+            },
+        )
+        .await;
+        let second = route(&mut client_b, &prompt(i)).await.endpoint;
+        assert_eq!(second, first, "prefix {i}: B follows A's route");
+    }
+    assert!(
+        picked.len() >= 2,
+        "new prefixes spread over the idle pods ({picked:?}), so following A is no accident"
+    );
+
+    // A request in flight on A counts on B (as the foreign term of its load).
+    let held = route(&mut client_a, "a request held open").await;
+    let gauge = format!(
+        "kvpick_endpoint_in_flight_requests{{endpoint=\"{}\"}}",
+        held.endpoint
+    );
+    support::wait_until("B to count A's request", Duration::from_secs(5), || async {
+        metric(&b, &gauge).await == 1.0
+    })
+    .await;
+    drop(held);
+    support::wait_until("B to see it end", Duration::from_secs(5), || async {
+        metric(&b, &gauge).await == 0.0
+    })
+    .await;
+
+    // A hostile peer: more records than a batch may carry, bad and unknown endpoints, a
+    // wrong block size, counts for endpoints not in the pool. All bounded and counted.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port_b}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect to B's exchange");
+    let mut hostile = ReplicaExchangeClient::new(channel);
+    let good = backends[0].addr.to_string();
+    let mut records: Vec<RoutingRecord> = (0..1500)
+        .map(|i| RoutingRecord {
+            endpoint: good.clone(),
+            block_size: 16,
+            block_keys: vec![i; 4],
+        })
+        .collect();
+    records[0].endpoint = "not an address".into();
+    records[1].endpoint = "10.9.9.9:8000".into();
+    records[2].block_size = 7;
+    let batch = Batch {
+        replica: "x".repeat(10_000),
+        records,
+        in_flight: vec![
+            EndpointLoad {
+                endpoint: "10.9.9.9:8000".into(),
+                in_flight: u64::MAX,
+            },
+            EndpointLoad {
+                endpoint: good.clone(),
+                in_flight: 5,
+            },
+        ],
+    };
+    let summary = hostile
+        .exchange(tokio_stream::iter([batch]))
+        .await
+        .expect("B answers a hostile stream")
+        .into_inner();
+    assert_eq!(summary.records, 1024 - 3, "bounded to one batch's records");
+    for (reason, count) in [
+        ("oversized", 1500.0 - 1024.0),
+        ("bad_endpoint", 1.0),
+        ("unknown_endpoint", 1.0),
+        ("block_size", 1.0),
+    ] {
+        let series = format!("kvpick_replica_dropped_records_total{{reason=\"{reason}\"}}");
+        assert_eq!(metric(&b, &series).await, count, "{series}");
+    }
+    let good_gauge = format!("kvpick_endpoint_in_flight_requests{{endpoint=\"{good}\"}}");
+    assert_eq!(metric(&b, &good_gauge).await, 5.0, "known endpoint counted");
+    // B still routes.
+    let after = route(&mut client_b, &prompt(0)).await;
+    assert!(!after.endpoint.is_empty());
+}
+
+/// Sends `body` to `url` in a loop until `stop`, returning each answer's status and whether
+/// kvpick picked its destination (else Envoy failed open to the fallback cluster).
+async fn load(
+    url: String,
+    body: Vec<u8>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Vec<(u16, bool)> {
+    let mut seen = Vec::new();
+    while !stop.is_cancelled() {
+        let reply = send(
+            "POST",
+            &url,
+            &[("content-type", "application/json")],
+            body.clone(),
+        )
+        .await
+        .map(|r| {
+            let picked = r
+                .header(support::envoy::METADATA_ECHO_HEADER)
+                .is_some_and(|h| !h.is_empty() && h != "-");
+            (r.status, picked)
+        })
+        .unwrap_or((0, false));
+        seen.push(reply);
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaving_behind_envoy_loses_no_request() {
+    use support::envoy::{Envoy, EnvoyOptions};
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
+    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let replica = |own: u16, peer: u16| {
+        [
+            "--replica-exchange-port".to_owned(),
+            own.to_string(),
+            "--replica-peers".to_owned(),
+            format!("127.0.0.1:{peer}"),
+        ]
+    };
+    let (mut args_a, args_b) = (replica(port_a, port_b).to_vec(), replica(port_b, port_a));
+    // Past Envoy's next health check (every 1 s) before A stops taking streams.
+    args_a.extend(["--shutdown-grace-period", "1200ms", "--drain-timeout", "2s"].map(String::from));
+    let args_a: Vec<&str> = args_a.iter().map(String::as_str).collect();
+    let args_b: Vec<&str> = args_b.iter().map(String::as_str).collect();
+    let (mut a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
+    let envoy = Envoy::start(
+        &a,
+        EnvoyOptions {
+            extra_kvpicks: vec![(b.grpc_port, b.health_port)],
+            fallback: backends.iter().map(|b| b.addr).collect(),
+            echo_metadata: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let url = envoy.url("/v1/completions");
+    let body = serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4})
+        .to_string()
+        .into_bytes();
+    // Both replicas take streams before the fault.
+    let streams = "inference_objective_request_total{";
+    support::wait_until("both replicas to route", Duration::from_secs(10), || {
+        let (url, body, a, b) = (&url, &body, &a, &b);
+        async move {
+            let reply = send(
+                "POST",
+                url,
+                &[("content-type", "application/json")],
+                body.clone(),
+            )
+            .await;
+            assert_eq!(reply.map(|r| r.status).ok(), Some(200));
+            metric_sum(a, streams).await > 0.0 && metric_sum(b, streams).await > 0.0
+        }
+    })
+    .await;
+
+    // Two clients keep requests coming while replica A leaves (SIGTERM, as in a scale-down
+    // or a rolling update): readiness off, Envoy's health check moves new streams to B, A
+    // drains its open ones.
+    // NOTE: a replica that crashes (SIGKILL) costs the requests Envoy sends it until its
+    // next health check: Envoy cannot fail open once a FULL_DUPLEX_STREAMED body has gone
+    // into the stream (see deploy/envoy/envoy.yaml and README).
+    let stop = tokio_util::sync::CancellationToken::new();
+    let clients: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(load(url.clone(), body.clone(), stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.terminate();
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    stop.cancel();
+    let mut seen = Vec::new();
+    for client in clients {
+        seen.extend(client.await.expect("client"));
+    }
+    let lost: Vec<_> = seen.iter().filter(|(status, _)| *status != 200).collect();
+    let picked = seen.iter().filter(|(_, picked)| *picked).count();
+    eprintln!(
+        "replica left under load: {} requests, {} lost, {} picked by kvpick",
+        seen.len(),
+        lost.len(),
+        picked
+    );
+    assert!(seen.len() > 20, "the load ran ({} requests)", seen.len());
+    assert!(lost.is_empty(), "requests lost: {lost:?}");
+    assert_eq!(
+        picked,
+        seen.len(),
+        "B picked every request A no longer took (none failed open)"
+    );
+    assert_eq!(
+        a.wait_exit(Duration::from_secs(5)).await,
+        Some(0),
+        "A drained and exited"
+    );
+    // After the fault B serves every request itself (no fail-open).
+    for _ in 0..5 {
+        let reply = post_json(&url, &body).await;
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply
+                .header(support::envoy::METADATA_ECHO_HEADER)
+                .is_some_and(|h| !h.is_empty() && h != "-")
+        );
+    }
+}
+
+#[test]
+fn replica_flags_are_validated_at_start() {
+    let bin = env!("CARGO_BIN_EXE_kvpick");
+    let pool = ["--endpoints-file", "pool.yaml"];
+    let cases: [(Vec<&str>, &str); 4] = [
+        (
+            [&pool[..], &["--replica-peers", "10.0.0.2:9010"]].concat(),
+            "--replica-peers: needs --replica-exchange-port",
+        ),
+        (
+            [
+                &pool[..],
+                &[
+                    "--replica-exchange-port",
+                    "9010",
+                    "--replica-peers",
+                    "no-port",
+                ],
+            ]
+            .concat(),
+            "--replica-peers: `no-port` is not HOST:PORT",
+        ),
+        (
+            [
+                &pool[..],
+                &[
+                    "--replica-exchange-port",
+                    "9010",
+                    "--replica-peers",
+                    "a:1",
+                    "--peer-selector",
+                    "app=kvpick",
+                ],
+            ]
+            .concat(),
+            "--peer-selector: and --replica-peers are given together",
+        ),
+        (
+            [
+                &pool[..],
+                &["--replica-exchange-port", "9002", "--grpc-port", "9002"],
+            ]
+            .concat(),
+            "--grpc-port and --replica-exchange-port both use port 9002",
+        ),
+    ];
+    for (args, want) in cases {
+        let output = std::process::Command::new(bin)
+            .arg("serve")
+            .args(&args)
+            .output()
+            .expect("run kvpick");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} must not start");
+        assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
+    }
+}
