@@ -187,9 +187,13 @@ def run_system(args, name, index, total, workload, out_dir):
     run_dir = os.path.join(out_dir, name)
     os.makedirs(run_dir, exist_ok=True)
     procs = Procs(os.path.join(run_dir, "logs"))
+    t0 = time.monotonic()
+    phases = {}
     try:
         fleet, blocks = start_fleet(args, procs, workload, run_dir)
+        phases["fleet_up"] = round(time.monotonic() - t0, 1)
         front = SYSTEMS[name]["start"](Ctx(args, fleet, run_dir, args.block_size), procs)
+        phases["system_up"] = round(time.monotonic() - t0, 1)
         before = scrape(fleet)
         ipf_out = os.path.join(run_dir, "inference-perf")
         cfg = inference_perf_config(workload, front, args.model, os.path.join(REPO, "assets/tokenizer"), ipf_out)
@@ -213,12 +217,14 @@ def run_system(args, name, index, total, workload, out_dir):
         finally:
             progress.stop.set()
             progress.join()
+        phases["load_done"] = round(time.monotonic() - t0, 1)
         if code != 0:
             raise RuntimeError(f"inference-perf exited with {code}; see {log_path}")
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
         rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
-        return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks, **whole}
+        return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks,
+                      "phase_seconds": phases, **whole}
     finally:
         procs.stop_all()
 
