@@ -68,7 +68,7 @@ MODES = {
 # What each workload kind changes from the mode's shared-prefix shape (--workload).
 KIND_SETTINGS = {
     "default": {
-        "multi-turn": dict(conversations=96, turns=8, shared_len=200, system_len=1000),
+        "multi-turn": dict(conversations=90, turns=8, shared_len=200, system_len=1000),
         "shifting": dict(hot_fraction=0.25, hot_share=0.9),
     },
     "quick": {

@@ -20,6 +20,8 @@ workload): at each stage after the first, the generator re-primes its sessions w
 sends only the current turn's text, so every conversation of stage 2 onwards lost its system
 prompt and its history (measured: ~100-token prompts, nothing cached). The patch makes a
 session primed with a context keep it as its system prompt, as the first stage's sessions do.
+Its conversations also take their turns in a seeded random order per round instead of a
+fixed cycle (bench/kvbench/conversations.py), and the tokenizer is loaded once per process.
 """
 
 import itertools
@@ -80,6 +82,26 @@ def install_session_fix():
     ConversationReplayDataGenerator._new_session = _new_session
 
 
+def install_conversation_shuffle():
+    """Each round of conversation_replay visits its conversations in a seeded random order
+    (bench/kvbench/conversations.py says why)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kvbench import conversations
+    from inference_perf.datagen.replay.conversation_replay_datagen import ConversationReplayDataGenerator
+
+    original = ConversationReplayDataGenerator.load_lazy_data
+    if getattr(original, "_kvpick_shuffled", False):
+        return
+
+    def load_lazy_data(self, data):
+        stage = getattr(data, "stage_id", None) or 0
+        index = conversations.shuffled_index(data.data_index, len(self.blueprints), self.cr_config.seed, stage)
+        return original(self, data.model_copy(update={"data_index": index}))
+
+    load_lazy_data._kvpick_shuffled = True
+    ConversationReplayDataGenerator.load_lazy_data = load_lazy_data
+
+
 def install_tokenizer_cache():
     """One tokenizer load per process instead of three.
 
@@ -107,6 +129,7 @@ def install_tokenizer_cache():
 if __name__ == "__main__":
     install()
     install_session_fix()
+    install_conversation_shuffle()
     install_tokenizer_cache()
     if os.environ.get("KVPICK_BENCH_SHIFTING"):
         install_shifting(json.loads(os.environ["KVPICK_BENCH_SHIFTING"]))

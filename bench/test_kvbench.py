@@ -13,7 +13,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvbench import shifting, stats  # noqa: E402
+from kvbench import conversations, shifting, stats  # noqa: E402
 from kvbench.workload import Workload, blocks_per_pod, inference_perf_config, max_concurrency, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,12 +120,46 @@ class WorkloadKindsTest(unittest.TestCase):
                 Workload(kind="shifting", **bad).validate()
 
 
+class ConversationOrderTest(unittest.TestCase):
+    def test_every_round_visits_each_conversation_once_in_a_seeded_order(self):
+        c = 8
+        sends = [conversations.shuffled_index(i, c, seed=42) for i in range(3 * c)]
+        for rnd in range(3):
+            chunk = sends[rnd * c:(rnd + 1) * c]
+            # Same round, every conversation once.
+            self.assertEqual(sorted(chunk), list(range(rnd * c, (rnd + 1) * c)))
+        # Not the fixed cycle (which is what makes round robin accidentally sticky).
+        self.assertNotEqual([x % c for x in sends[:c]], list(range(c)))
+        self.assertNotEqual([x % c for x in sends[:c]], [x % c for x in sends[c:2 * c]])
+        self.assertEqual(sends, [conversations.shuffled_index(i, c, seed=42) for i in range(3 * c)])
+        self.assertNotEqual(sends, [conversations.shuffled_index(i, c, seed=43) for i in range(3 * c)])
+        with self.assertRaises(ValueError):
+            conversations.shuffled_index(0, 0, seed=1)
+
+    def test_behind_round_robin_a_conversation_changes_pod_about_as_often_as_chance(self):
+        # With the fixed cycle and 96 conversations on 8 pods, round robin puts every turn of
+        # a conversation on the same pod; shuffled, it stays with probability about 1/8.
+        c, pods = 96, 8
+        pod_of = {}
+        same = total = 0
+        for i in range(6 * c):
+            conv = conversations.shuffled_index(i, c, seed=42) % c
+            pod = i % pods
+            if conv in pod_of:
+                total += 1
+                same += pod == pod_of[conv]
+            pod_of[conv] = pod
+        self.assertLess(same / total, 0.25)
+        fixed_same = sum(1 for i in range(c, 6 * c) if i % pods == (i - c) % pods)
+        self.assertEqual(fixed_same, 5 * c)
+
+
 class ScenarioTest(unittest.TestCase):
     def test_build_workload_applies_the_kind_and_the_command_line(self):
         import compare
 
         w = compare.build_workload("default", "multi-turn", rates="3,6", stage_seconds=12)
-        self.assertEqual((w.kind, w.conversations, w.turns, w.shared_len, w.system_len), ("multi-turn", 96, 8, 200, 1000))
+        self.assertEqual((w.kind, w.conversations, w.turns, w.shared_len, w.system_len), ("multi-turn", 90, 8, 200, 1000))
         self.assertEqual((w.rates, w.stage_seconds), ([3.0, 6.0], 12))
         # At the default top rate (24 req/s × 30 s) no conversation runs past its 8 turns,
         # so none starts over and repeats its first question.
@@ -315,6 +349,7 @@ class InferencePerfPatchesTest(unittest.TestCase):
         import ipf_seeded
 
         ipf_seeded.install_session_fix()
+        ipf_seeded.install_conversation_shuffle()
         w = Workload(kind="multi-turn", conversations=2, turns=3, shared_len=16, system_len=24, question_len=8, output_len=4)
         data = inference_perf_config(w, "u", "m", "/t", "/o")["data"]
         gen = ConversationReplayDataGenerator(APIConfig(), DataConfig(**data), tok)
