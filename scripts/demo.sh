@@ -108,10 +108,10 @@ fi
 if [ "${KVPICK_DEMO_COMPARE:-1}" != 0 ]; then
   echo "demo: side-by-side: kvpick vs Envoy round robin, the same seeded load on a fresh 4-pod fleet each (~1 min)" >&2
   if scripts/setup-bench-venv.sh && nice -n 5 .venv-bench/bin/python bench/compare.py --mode demo \
-      --bin-dir "$BIN" --out target/compare/demo 2>"$RUN/compare.log"; then
+      --bin-dir "$BIN" --out target/compare/demo; then
     echo "demo: plots: $PWD/target/compare/demo/ttft_cdf.png (and ttft_p90_vs_rate.png, output_tps_vs_rate.png); the full comparison: scripts/compare.sh" >&2
   else
-    echo "demo: the comparison failed (log: $RUN/compare.log); the stack is still up" >&2
+    echo "demo: the comparison failed (above; per-system logs in target/compare/demo/*/logs); the stack is still up" >&2
   fi
 fi
 echo "demo: running; try: curl -s localhost:8081/v1/chat/completions -H 'content-type: application/json' -d '{\"model\":\"sim-model\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'" >&2
