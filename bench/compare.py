@@ -21,7 +21,7 @@ from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
 from kvbench.stats import counters_delta, fleet_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
 from kvbench.systems import SYSTEMS, Fleet  # noqa: E402
-from kvbench.workload import Workload, blocks_per_pod, inference_perf_config  # noqa: E402
+from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,11 +35,23 @@ MODES = {
                           output_len=64, rates=[6.0, 12.0, 18.0, 24.0], stage_seconds=30),
         systems=list(SYSTEMS),
     ),
+    # ≤ 3 minutes: every inference-perf run costs ~15 s of start-up whatever its length, so
+    # quick runs the four systems that answer the question (round robin, kvpick, the two
+    # approximate routers); kvpick-default and vllm-router kv_aware (which misses every
+    # lookup on the simulator, see docs/benchmarks.md) only in the default run.
     "quick": dict(
         pods=4, time_scale=4.0,
         workload=Workload(groups=14, prompts_per_group=4, system_len=1000, question_len=100,
                           output_len=32, rates=[4.0, 8.0], stage_seconds=5),
-        systems=list(SYSTEMS),
+        systems=["round-robin", "kvpick-recommended", "smg-cache-aware", "vllm-router-cache-aware"],
+    ),
+    # scripts/demo.sh's comparison: ~1 minute, kvpick against round robin only, one stage at
+    # a rate where round robin queues.
+    "demo": dict(
+        pods=4, time_scale=4.0,
+        workload=Workload(groups=14, prompts_per_group=4, system_len=1000, question_len=100,
+                          output_len=32, rates=[10.0], stage_seconds=8),
+        systems=["round-robin", "kvpick-recommended"],
     ),
     # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, three systems,
     # full caches (the two pods together hold 60% of the groups' prefixes, so prefixes are
@@ -53,6 +65,29 @@ MODES = {
 }
 
 
+# What each workload kind changes from the mode's shared-prefix shape (--workload).
+KIND_SETTINGS = {
+    "default": {
+        "multi-turn": dict(conversations=90, turns=8, shared_len=200, system_len=1000),
+        "shifting": dict(hot_fraction=0.25, hot_share=0.9),
+    },
+    "quick": {
+        "multi-turn": dict(conversations=16, turns=4, shared_len=100, system_len=500),
+    },
+    "smoke": {
+        "multi-turn": dict(conversations=8, turns=3, shared_len=64, system_len=256),
+    },
+}
+
+
+def heterogeneous_overrides(pods, blocks):
+    """`--heterogeneous`: pod 0 runs every step twice as slowly (an older GPU), pod 1 has half
+    the KV blocks of the others (a smaller one). kvpick-sim's --pod-override syntax."""
+    if pods < 2:
+        raise ValueError("--heterogeneous needs at least 2 pods")
+    return ["0:slowdown=2.0", f"1:blocks={max(2, blocks // 2)}"]
+
+
 class Ctx:
     """What a system's start function needs."""
 
@@ -64,6 +99,7 @@ class Ctx:
         self.kvpick = os.path.join(args.bin_dir, "kvpick")
         self.envoy = args.envoy
         self.venv_bin = os.path.dirname(sys.executable)
+        self.replicas = args.replicas
 
     def ports(self, n):
         return free_ports(n)
@@ -86,6 +122,11 @@ def start_fleet(args, procs, workload, run_dir):
         "--time-scale", str(args.time_scale), "--prefix-caching-hash-algo", "sha256_cbor",
         "--tokenizer", os.path.join(REPO, "assets/tokenizer"), "--model", args.model,
     ]
+    overrides = list(args.pod_override or [])
+    if args.heterogeneous:
+        overrides = heterogeneous_overrides(n, blocks) + overrides
+    for o in overrides:
+        argv += ["--pod-override", o]
     procs.start("kvpick-sim", argv, env={"RUST_LOG": "warn"})
     fleet = Fleet(n, base, events, replay, args.model)
     for u in fleet.urls():
@@ -146,9 +187,13 @@ def run_system(args, name, index, total, workload, out_dir):
     run_dir = os.path.join(out_dir, name)
     os.makedirs(run_dir, exist_ok=True)
     procs = Procs(os.path.join(run_dir, "logs"))
+    t0 = time.monotonic()
+    phases = {}
     try:
         fleet, blocks = start_fleet(args, procs, workload, run_dir)
+        phases["fleet_up"] = round(time.monotonic() - t0, 1)
         front = SYSTEMS[name]["start"](Ctx(args, fleet, run_dir, args.block_size), procs)
+        phases["system_up"] = round(time.monotonic() - t0, 1)
         before = scrape(fleet)
         ipf_out = os.path.join(run_dir, "inference-perf")
         cfg = inference_perf_config(workload, front, args.model, os.path.join(REPO, "assets/tokenizer"), ipf_out)
@@ -158,13 +203,13 @@ def run_system(args, name, index, total, workload, out_dir):
         with open(cfg_path, "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
         log_path = os.path.join(run_dir, "logs", "inference-perf.log")
-        expected = int(sum(workload.requests_per_stage()))
+        expected = int(sum(workload.stage_requests()))
         progress = Progress(f"[{index}/{total} {name}]", fleet, log_path, expected)
         progress.start()
         ipf = procs.start(
             "inference-perf",
             [sys.executable, os.path.join(REPO, "bench", "ipf_seeded.py"), "--config_file", cfg_path],
-            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "KVPICK_BENCH_SEED": str(workload.seed)},
+            env=ipf_env(workload),
         )
         limit = 120 + 3 * len(workload.rates) * (workload.stage_seconds + 5)
         try:
@@ -172,14 +217,37 @@ def run_system(args, name, index, total, workload, out_dir):
         finally:
             progress.stop.set()
             progress.join()
+        phases["load_done"] = round(time.monotonic() - t0, 1)
         if code != 0:
             raise RuntimeError(f"inference-perf exited with {code}; see {log_path}")
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
         rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
-        return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks, **whole}
+        return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks,
+                      "phase_seconds": phases, **whole}
     finally:
         procs.stop_all()
+
+
+def ipf_env(workload):
+    """inference-perf's environment: offline tokenizer, the arrival seed, the shift spec."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "KVPICK_BENCH_SEED": str(workload.seed)}
+    spec = shifting_spec(workload)
+    env["KVPICK_BENCH_SHIFTING"] = json.dumps(spec) if spec else ""
+    return env
+
+
+def build_workload(mode, kind, rates=None, stage_seconds=None):
+    """The mode's workload shaped for `kind` (KIND_SETTINGS), with the command line's rates."""
+    workload = Workload(**MODES[mode]["workload"].to_dict())
+    workload.kind = kind
+    for key, value in KIND_SETTINGS.get(mode, {}).get(kind, {}).items():
+        setattr(workload, key, value)
+    if rates:
+        workload.rates = [float(r) for r in rates.split(",")]
+    if stage_seconds:
+        workload.stage_seconds = stage_seconds
+    return workload.validate()
 
 
 def collect_rows(name, workload, ipf_out, marks, whole):
@@ -203,9 +271,29 @@ def collect_rows(name, workload, ipf_out, marks, whole):
     return rows
 
 
+def describe(workload):
+    """A short name of the workload for plot titles."""
+    if workload.kind == "multi-turn":
+        return f"multi-turn {workload.conversations} chats x {workload.turns} turns"
+    if workload.kind == "no-sharing":
+        return f"no sharing, {workload.system_len + workload.question_len}-token prompts"
+    shape = f"{workload.groups}x{workload.prompts_per_group} groups"
+    if workload.kind == "shifting":
+        shape += f", hot set ({workload.hot_share:.0%} of requests) shifts mid-stage"
+    return shape
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--mode", choices=list(MODES), default="default")
+    p.add_argument("--workload", choices=KINDS, default="shared-prefix",
+                   help="shared-prefix (GIE), multi-turn chat, no-sharing control, shifting popularity")
+    p.add_argument("--heterogeneous", action="store_true",
+                   help="pod 0 twice as slow, pod 1 with half the KV blocks")
+    p.add_argument("--pod-override", action="append",
+                   help="kvpick-sim --pod-override INDEX:blocks=N,slowdown=F,... (repeatable)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="router replicas: N kvpick behind one Envoy, N smg/vllm-router behind an Envoy round-robin front")
     p.add_argument("--systems", help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--pods", type=int)
     p.add_argument("--time-scale", type=float)
@@ -222,12 +310,12 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     mode = MODES[args.mode]
-    workload = Workload(**mode["workload"].to_dict())
-    if args.rates:
-        workload.rates = [float(r) for r in args.rates.split(",")]
-    if args.stage_seconds:
-        workload.stage_seconds = args.stage_seconds
-    workload.validate()
+    try:
+        workload = build_workload(args.mode, args.workload, args.rates, args.stage_seconds)
+    except ValueError as e:
+        p.error(str(e))
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
     args.pods = args.pods or mode["pods"]
     if args.cache_fraction is None:
         args.cache_fraction = mode.get("cache_fraction", 1 / 3)
@@ -238,6 +326,8 @@ def main(argv=None):
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+    if args.heterogeneous and args.pods < 2:
+        p.error("--heterogeneous needs at least 2 pods")
     out_dir = args.out or os.path.join(REPO, "target", "compare", args.mode)
     os.makedirs(out_dir, exist_ok=True)
 
@@ -260,6 +350,9 @@ def main(argv=None):
         "pods": args.pods,
         "block_size": args.block_size,
         "time_scale": args.time_scale,
+        "replicas": args.replicas,
+        "pod_overrides": (heterogeneous_overrides(args.pods, per_system[0]["blocks_per_pod"]) if args.heterogeneous and per_system else [])
+        + list(args.pod_override or []),
         "workload": workload.to_dict(),
         "systems": per_system,
         "errors": errors,
@@ -272,7 +365,11 @@ def main(argv=None):
         f.write(table)
     plot_paths = []
     if rows:
-        title = f"{args.pods} pods, {workload.groups}x{workload.prompts_per_group} groups, time scale {args.time_scale:g}"
+        title = f"{args.pods} pods, {describe(workload)}, time scale {args.time_scale:g}"
+        if args.heterogeneous:
+            title += ", heterogeneous"
+        if args.replicas > 1:
+            title += f", {args.replicas} router replicas"
         plot_paths = report.plots(out_dir, rows, title)
     print(table)
     print(f"results: {out_dir}/results.csv, {out_dir}/summary.json; plots: {', '.join(plot_paths)}")

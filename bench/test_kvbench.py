@@ -5,14 +5,18 @@ directly with `python -m unittest bench/test_kvbench.py`. Standard library only,
 seeded-arrivals test, which needs the benchmark venv's inference-perf (skipped without it
 here; the Rust test always runs them with the venv)."""
 
+import asyncio
+import json
 import os
 import sys
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvbench import stats  # noqa: E402
-from kvbench.workload import Workload, blocks_per_pod, inference_perf_config, max_concurrency  # noqa: E402
+from kvbench import conversations, shifting, stats  # noqa: E402
+from kvbench.workload import Workload, blocks_per_pod, inference_perf_config, max_concurrency, shifting_spec  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class WorkloadTest(unittest.TestCase):
@@ -48,6 +52,152 @@ class WorkloadTest(unittest.TestCase):
                 Workload(**bad).validate()
         with self.assertRaises(ValueError):
             blocks_per_pod(Workload(), 0)
+
+
+class WorkloadKindsTest(unittest.TestCase):
+    def test_multi_turn_is_conversation_replay_with_fixed_turn_shapes(self):
+        w = Workload(kind="multi-turn", conversations=10, turns=4, shared_len=50, system_len=300,
+                     question_len=20, output_len=8, rates=[2.0], stage_seconds=10, seed=5)
+        cfg = inference_perf_config(w, "http://h:1", "m", "/tok", "/out")
+        self.assertEqual(cfg["data"]["type"], "conversation_replay")
+        cr = cfg["data"]["conversation_replay"]
+        self.assertEqual((cr["seed"], cr["num_conversations"], cr["shared_system_prompt_len"]), (5, 10, 50))
+        for key, want in [("dynamic_system_prompt_len", 300), ("turns_per_conversation", 4),
+                          ("input_tokens_per_turn", 20), ("output_tokens_per_turn", 8)]:
+            d = cr[key]
+            self.assertEqual((d["type"], d["min"], d["max"], d["mean"], d["std_dev"]), ("fixed", want, want, want, 0.0), key)
+        # The longest conversation is 50 + 300 + 4 × (20 + 8) = 462 tokens; history is never cut.
+        self.assertEqual(cr["max_model_len"], 2 * 462 + 512)
+        # Working set: the shared prompt once, every conversation at its longest.
+        self.assertEqual(w.working_set_tokens(), 50 + 10 * (300 + 4 * 28))
+        # ceil(4170 / 16) = 261 blocks; a third is 87; one longest conversation
+        # ceil(462 / 16) = 29 of headroom; +1 null block.
+        self.assertEqual(blocks_per_pod(w, 16), 87 + 29 + 1)
+        with self.assertRaises(ValueError):
+            Workload(kind="multi-turn", api="chat").validate()
+
+    def test_no_sharing_is_random_prompts_of_the_full_length(self):
+        w = Workload(kind="no-sharing", system_len=100, question_len=20, output_len=7, rates=[2.0, 3.5], stage_seconds=10)
+        self.assertEqual(w.stage_requests(), [20, 35])
+        data = inference_perf_config(w, "http://h:1", "m", "/tok", "/out")["data"]
+        self.assertEqual(data["type"], "random")
+        self.assertEqual(data["input_distribution"]["min"], 120)
+        self.assertEqual(data["input_distribution"]["max"], 120)
+        self.assertEqual(data["output_distribution"]["mean"], 7.0)
+        # Each stage restarts inference-perf's index: the largest stage bounds the draws.
+        self.assertEqual(data["input_distribution"]["total_count"], 36)
+        self.assertIsNone(shifting_spec(w))
+
+    def test_shifting_moves_most_requests_to_a_new_disjoint_hot_set_halfway(self):
+        w = Workload(kind="shifting", groups=20, prompts_per_group=3, hot_fraction=0.25, hot_share=0.9,
+                     rates=[10.0, 20.0], stage_seconds=20, seed=3)
+        spec = shifting_spec(w)
+        self.assertEqual(spec["stage_requests"], [200, 400])
+        self.assertEqual(inference_perf_config(w, "u", "m", "/t", "/o")["data"]["type"], "shared_prefix")
+        sets = [set(shifting.hot_set(p, 20, 0.25)) for p in range(4)]
+        self.assertEqual(sets[0], {0, 1, 2, 3, 4})
+        self.assertEqual(sets[1], {5, 6, 7, 8, 9})
+        self.assertEqual(shifting.hot_set(4, 20, 0.25), shifting.hot_set(0, 20, 0.25))  # wraps
+        for stage, n in enumerate(spec["stage_requests"]):
+            first = [shifting.group_for(stage, i, spec) for i in range(n // 2)]
+            second = [shifting.group_for(stage, i, spec) for i in range(n // 2, n)]
+            hot_a, hot_b = sets[2 * stage], sets[2 * stage + 1]
+            share_a = sum(g in hot_a for g in first) / len(first)
+            share_b = sum(g in hot_b for g in second) / len(second)
+            # 90% expected; a binomial draw of 100..200 stays within ±8 points.
+            self.assertTrue(0.82 <= share_a <= 0.98, share_a)
+            self.assertTrue(0.82 <= share_b <= 0.98, share_b)
+            self.assertLess(sum(g in hot_a for g in second) / len(second), 0.1)
+        # Deterministic: the same request gets the same group in every system's run.
+        self.assertEqual([shifting.group_for(1, i, spec) for i in range(50)],
+                         [shifting.group_for(1, i, spec) for i in range(50)])
+        groups_of_prompts = [g for g in range(20) for _ in range(3)][::-1]
+        for i in range(30):
+            idx = shifting.prompt_index(0, i, spec, groups_of_prompts)
+            self.assertEqual(groups_of_prompts[idx], shifting.group_for(0, i, spec))
+        for bad in [dict(hot_fraction=0.6), dict(hot_share=1.5), dict(groups=1)]:
+            with self.assertRaises(ValueError, msg=str(bad)):
+                Workload(kind="shifting", **bad).validate()
+
+
+class ConversationOrderTest(unittest.TestCase):
+    def test_every_round_visits_each_conversation_once_in_a_seeded_order(self):
+        c = 8
+        sends = [conversations.shuffled_index(i, c, seed=42) for i in range(3 * c)]
+        for rnd in range(3):
+            chunk = sends[rnd * c:(rnd + 1) * c]
+            # Same round, every conversation once.
+            self.assertEqual(sorted(chunk), list(range(rnd * c, (rnd + 1) * c)))
+        # Not the fixed cycle (which is what makes round robin accidentally sticky).
+        self.assertNotEqual([x % c for x in sends[:c]], list(range(c)))
+        self.assertNotEqual([x % c for x in sends[:c]], [x % c for x in sends[c:2 * c]])
+        self.assertEqual(sends, [conversations.shuffled_index(i, c, seed=42) for i in range(3 * c)])
+        self.assertNotEqual(sends, [conversations.shuffled_index(i, c, seed=43) for i in range(3 * c)])
+        with self.assertRaises(ValueError):
+            conversations.shuffled_index(0, 0, seed=1)
+
+    def test_behind_round_robin_a_conversation_changes_pod_about_as_often_as_chance(self):
+        # With the fixed cycle and 96 conversations on 8 pods, round robin puts every turn of
+        # a conversation on the same pod; shuffled, it stays with probability about 1/8.
+        c, pods = 96, 8
+        pod_of = {}
+        same = total = 0
+        for i in range(6 * c):
+            conv = conversations.shuffled_index(i, c, seed=42) % c
+            pod = i % pods
+            if conv in pod_of:
+                total += 1
+                same += pod == pod_of[conv]
+            pod_of[conv] = pod
+        self.assertLess(same / total, 0.25)
+        fixed_same = sum(1 for i in range(c, 6 * c) if i % pods == (i - c) % pods)
+        self.assertEqual(fixed_same, 5 * c)
+
+
+class ScenarioTest(unittest.TestCase):
+    def test_build_workload_applies_the_kind_and_the_command_line(self):
+        import compare
+
+        w = compare.build_workload("default", "multi-turn", rates="3,6", stage_seconds=12)
+        self.assertEqual((w.kind, w.conversations, w.turns, w.shared_len, w.system_len), ("multi-turn", 90, 8, 200, 1000))
+        self.assertEqual((w.rates, w.stage_seconds), ([3.0, 6.0], 12))
+        # At the default top rate (24 req/s × 30 s) no conversation runs past its 8 turns,
+        # so none starts over and repeats its first question.
+        self.assertLessEqual(24 * 30 / w.conversations, w.turns)
+        self.assertEqual(compare.build_workload("quick", "shared-prefix").kind, "shared-prefix")
+        env = compare.ipf_env(compare.build_workload("default", "shifting"))
+        self.assertEqual(json.loads(env["KVPICK_BENCH_SHIFTING"])["groups"], 45)
+        self.assertEqual(compare.ipf_env(compare.build_workload("default", "no-sharing"))["KVPICK_BENCH_SHIFTING"], "")
+
+    def test_heterogeneous_pods_are_one_slow_and_one_small(self):
+        import compare
+
+        self.assertEqual(compare.heterogeneous_overrides(8, 2018), ["0:slowdown=2.0", "1:blocks=1009"])
+        with self.assertRaises(ValueError):
+            compare.heterogeneous_overrides(1, 100)
+
+    def test_envoy_config_with_replicas_and_a_router_front(self):
+        try:
+            import yaml  # noqa: F401
+        except ImportError:
+            self.skipTest("PyYAML is not installed in this interpreter")
+        from kvbench import systems
+
+        pods = ["127.0.0.1:7001", "127.0.0.1:7002"]
+        cfg = systems._envoy_config(REPO, 8000, 8001, pods, kvpick=[(9100, 9101), (9200, 9201), (9300, 9301)])
+        clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+        kv = clusters["kvpick"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        self.assertEqual([e["endpoint"]["address"]["socket_address"]["port_value"] for e in kv], [9100, 9200, 9300])
+        self.assertEqual([e["endpoint"]["health_check_config"]["port_value"] for e in kv], [9101, 9201, 9301])
+        self.assertEqual(clusters["kvpick"].get("lb_policy", "ROUND_ROBIN"), "ROUND_ROBIN")
+        pool = clusters["inference-pool-fallback"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        self.assertEqual([e["endpoint"]["address"]["socket_address"]["port_value"] for e in pool], [7001, 7002])
+        filters = lambda c: [f["name"] for f in c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]]  # noqa: E731
+        self.assertIn("envoy.filters.http.ext_proc", filters(cfg))
+        front = systems._envoy_config(REPO, 8000, 8001, ["127.0.0.1:7100", "127.0.0.1:7200"])
+        self.assertNotIn("envoy.filters.http.ext_proc", filters(front))
+        fb = {c["name"]: c for c in front["static_resources"]["clusters"]}["inference-pool-fallback"]
+        self.assertEqual(fb.get("lb_policy", "ROUND_ROBIN"), "ROUND_ROBIN")
 
 
 class StatsTest(unittest.TestCase):
@@ -153,6 +303,67 @@ class SeededArrivalsTest(unittest.TestCase):
             self.assertNotEqual(offsets(), a)
         finally:
             del os.environ["KVPICK_BENCH_SEED"]
+
+
+class InferencePerfPatchesTest(unittest.TestCase):
+    """bench/ipf_seeded.py's patches, on inference-perf's real data generators."""
+
+    def _tokenizer(self):
+        try:
+            from inference_perf.config import CustomTokenizerConfig
+            from inference_perf.utils.custom_tokenizer import CustomTokenizer
+        except ImportError:
+            self.skipTest("inference-perf is not installed in this interpreter")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return CustomTokenizer(CustomTokenizerConfig(pretrained_model_name_or_path=os.path.join(REPO, "assets/tokenizer")))
+
+    def test_shifted_shared_prefix_data_serves_the_chosen_groups(self):
+        tok = self._tokenizer()
+        from inference_perf.apis.base import LazyLoadInferenceAPIData
+        from inference_perf.config import APIConfig, DataConfig
+        from inference_perf.datagen.synthetic.shared_prefix_datagen import SharedPrefixDataGenerator
+        import ipf_seeded
+
+        w = Workload(kind="shifting", groups=8, prompts_per_group=2, system_len=32, question_len=8, output_len=4,
+                     hot_fraction=0.25, hot_share=1.0, rates=[10.0], stage_seconds=4)
+        data = inference_perf_config(w, "u", "m", "/t", "/o")["data"]
+        gen = SharedPrefixDataGenerator(APIConfig(), DataConfig(**data), tok)
+        ipf_seeded.install_shifting(shifting_spec(w))
+        ipf_seeded.install_shifting(shifting_spec(w))  # idempotent
+        prefix_group = {gen.prefix_texts[i]: gen.prompt_groups[i] for i in range(len(gen.prompts))}
+
+        def served_group(i):
+            prompt = gen.load_lazy_data(LazyLoadInferenceAPIData(data_index=i, stage_id=0)).prompt
+            return next(g for p, g in prefix_group.items() if prompt.startswith(p))
+
+        # hot_share 1: the first 20 requests ask groups {0, 1}, the last 20 groups {2, 3}.
+        self.assertEqual({served_group(i) for i in range(20)}, {0, 1})
+        self.assertEqual({served_group(i) for i in range(20, 40)}, {2, 3})
+
+    def test_re_primed_conversations_keep_their_system_prompt(self):
+        tok = self._tokenizer()
+        from inference_perf.apis.base import LazyLoadInferenceAPIData
+        from inference_perf.apis.user_session import LocalUserSession
+        from inference_perf.config import APIConfig, DataConfig
+        from inference_perf.datagen.replay.conversation_replay_datagen import ConversationReplayDataGenerator
+        import ipf_seeded
+
+        ipf_seeded.install_session_fix()
+        ipf_seeded.install_conversation_shuffle()
+        w = Workload(kind="multi-turn", conversations=2, turns=3, shared_len=16, system_len=24, question_len=8, output_len=4)
+        data = inference_perf_config(w, "u", "m", "/t", "/o")["data"]
+        gen = ConversationReplayDataGenerator(APIConfig(), DataConfig(**data), tok)
+        # What inference-perf does between stages; the next stage's first turn re-primes.
+        LocalUserSession.clear_instances()
+        item = gen.load_lazy_data(LazyLoadInferenceAPIData(data_index=0, stage_id=1))
+        session = LocalUserSession.get_instance(item.user_session_id)
+        self.assertTrue(session.system_prompt)
+        self.assertEqual(session.system_prompt, session.context)
+        body = asyncio.run(item.to_request_body("m", 4, True, False))
+        prompt = body.data["prompt"] if hasattr(body, "data") else item.prompt
+        # The turn carries the system prompt, not only the turn's own question.
+        self.assertTrue(prompt.startswith(session.system_prompt[:40]), prompt[:80])
+        self.assertGreater(tok.count_tokens(prompt), 16 + 24)
 
 
 if __name__ == "__main__":

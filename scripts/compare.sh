@@ -4,7 +4,10 @@
 # recommended profiles), smg cache_aware and vllm-router cache_aware / kv_aware, each in front
 # of a fresh kvpick-sim fleet. Writes target/compare/<mode>/{results.csv,summary.json,
 # table.md,*.png}.
-# Usage: scripts/compare.sh [--quick] [bench/compare.py options, e.g. --systems a,b --pods 4]
+# Usage: scripts/compare.sh [--quick] [bench/compare.py options, e.g. --systems a,b --pods 4,
+#   --workload shared-prefix|multi-turn|no-sharing|shifting, --heterogeneous, --replicas N,
+#   --cache-fraction F, --rates a,b,c, --stage-seconds S, --out DIR]
+# --quick (≤ 3 min): 4 pods, 2 rates × 5 s, round robin, kvpick, smg and vllm-router cache_aware.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=default

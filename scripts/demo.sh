@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Quickstart: Envoy + kvpick + two simulated vLLM pods on this machine, on kvpick's embedded
-# defaults, then one chat request through Envoy. Keeps running until Ctrl-C.
-#   scripts/demo.sh          build (release), start, send, keep running
-#   scripts/demo.sh --once   start, send, check, stop (what the quickstart test runs)
-# KVPICK_BIN_DIR=dir uses already-built binaries instead of building.
+# defaults, then one chat request through Envoy; then a short side-by-side run (kvpick against
+# Envoy round robin on a fresh 4-pod simulated fleet, bench/compare.py --mode demo, ~1 min),
+# printing its table and where its plots are. Keeps the stack running until Ctrl-C.
+#   scripts/demo.sh          build (release), start, send, compare, keep running
+#   scripts/demo.sh --once   start, send, check, stop (what the quickstart test runs; no comparison)
+# KVPICK_BIN_DIR=dir uses already-built binaries instead of building; KVPICK_DEMO_COMPARE=0
+# skips the comparison (it installs inference-perf into .venv-bench/ on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ONCE=0
@@ -101,6 +104,15 @@ esac
 if [ "$ONCE" = 1 ]; then
   echo "demo: ok" >&2
   exit 0
+fi
+if [ "${KVPICK_DEMO_COMPARE:-1}" != 0 ]; then
+  echo "demo: side-by-side: kvpick vs Envoy round robin, the same seeded load on a fresh 4-pod fleet each (~1 min)" >&2
+  if scripts/setup-bench-venv.sh && nice -n 5 .venv-bench/bin/python bench/compare.py --mode demo \
+      --bin-dir "$BIN" --out target/compare/demo; then
+    echo "demo: plots: $PWD/target/compare/demo/ttft_cdf.png (and ttft_p90_vs_rate.png, output_tps_vs_rate.png); the full comparison: scripts/compare.sh" >&2
+  else
+    echo "demo: the comparison failed (above; per-system logs in target/compare/demo/*/logs); the stack is still up" >&2
+  fi
 fi
 echo "demo: running; try: curl -s localhost:8081/v1/chat/completions -H 'content-type: application/json' -d '{\"model\":\"sim-model\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'" >&2
 echo "demo: logs in $RUN; Ctrl-C stops everything" >&2

@@ -9,6 +9,13 @@ Every system gets the same pods and the same workload; what differs is the route
 - `vllm-router-cache-aware` / `vllm-router-kv-aware`: PyPI vllm-router, the latter fed by
   the pods' KV events (block size 16, the model name via --kv-event-model).
 Peers run with their documented defaults for the policy (flags in `describe()`).
+
+Router replicas (`ctx.replicas` > 1): N kvpick processes behind the one Envoy (its `kvpick`
+ext_proc cluster gets N hosts, round robin, each health-checked); N smg / vllm-router
+processes behind an Envoy round-robin front (the same Envoy config as `round-robin`, its pool
+being the routers). Each replica sees its share of the traffic only: kvpick replicas share the
+pods' KV events (each subscribes to every pod), smg / vllm-router replicas each learn from
+their own share.
 """
 
 import copy
@@ -30,7 +37,10 @@ class Fleet:
         return [f"http://{h}" for h in self.http]
 
 
-def _envoy_config(repo, listen, admin, pods, kvpick_grpc=None, kvpick_health=None):
+def _envoy_config(repo, listen, admin, pods, kvpick=None):
+    """deploy/envoy/envoy.yaml listening on `listen`, its pool clusters being `pods`
+    (host:port), with ext_proc to the kvpick replicas `kvpick` ([(grpc, health) ports]) or,
+    when None, without ext_proc (plain round robin)."""
     import yaml  # the benchmark venv's PyYAML (an inference-perf dependency)
 
     with open(os.path.join(repo, "deploy/envoy/envoy.yaml")) as f:
@@ -39,7 +49,7 @@ def _envoy_config(repo, listen, admin, pods, kvpick_grpc=None, kvpick_health=Non
     listener = cfg["static_resources"]["listeners"][0]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    if kvpick_grpc is None:
+    if kvpick is None:
         hcm["http_filters"] = [
             f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
         ]
@@ -50,19 +60,24 @@ def _envoy_config(repo, listen, admin, pods, kvpick_grpc=None, kvpick_health=Non
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"] in ("inference-pool", "inference-pool-fallback"):
             cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": copy.deepcopy(endpoints)}]
-        elif cluster["name"] == "kvpick" and kvpick_grpc is not None:
-            ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-            ep["endpoint"]["address"]["socket_address"]["port_value"] = kvpick_grpc
-            ep["endpoint"]["health_check_config"]["port_value"] = kvpick_health
+        elif cluster["name"] == "kvpick" and kvpick is not None:
+            group = cluster["load_assignment"]["endpoints"][0]
+            template = group["lb_endpoints"][0]
+            group["lb_endpoints"] = []
+            for grpc, health in kvpick:
+                ep = copy.deepcopy(template)
+                ep["endpoint"]["address"]["socket_address"]["port_value"] = grpc
+                ep["endpoint"]["health_check_config"]["port_value"] = health
+                group["lb_endpoints"].append(ep)
     return cfg
 
 
-def _start_envoy(ctx, procs, kvpick_ports=None):
+def _start_envoy(ctx, procs, kvpick=None, upstreams=None):
+    """Envoy in front of `upstreams` (default: the pods), with ext_proc to `kvpick`."""
     import yaml
 
     listen, admin = ctx.ports(2)
-    grpc, health = kvpick_ports or (None, None)
-    cfg = _envoy_config(ctx.repo, listen, admin, ctx.fleet.http, grpc, health)
+    cfg = _envoy_config(ctx.repo, listen, admin, upstreams or ctx.fleet.http, kvpick)
     path = os.path.join(ctx.run_dir, "envoy.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -71,18 +86,32 @@ def _start_envoy(ctx, procs, kvpick_ports=None):
         [ctx.envoy, "-c", path, "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],
     )
     wait_until("envoy", lambda: http_get(f"http://127.0.0.1:{admin}/ready")[0] == 200, procs)
-    if grpc is not None:
-        # Envoy routes through kvpick once its health check has seen kvpick ready.
+    for grpc, _ in kvpick or []:
+        # Envoy routes through a kvpick once its health check has seen it ready.
         needle = f"kvpick::127.0.0.1:{grpc}::health_flags::healthy"
         wait_until(
             "kvpick healthy in envoy",
-            lambda: needle in http_get(f"http://127.0.0.1:{admin}/clusters")[1],
+            lambda needle=needle: needle in http_get(f"http://127.0.0.1:{admin}/clusters")[1],
             procs,
         )
     return f"http://127.0.0.1:{listen}"
 
 
+def _replicated(ctx, procs, start_one):
+    """One router, or `ctx.replicas` of them behind an Envoy round-robin front."""
+    n = getattr(ctx, "replicas", 1)
+    if n <= 1:
+        return start_one(0)
+    urls = [start_one(i) for i in range(n)]
+    return _start_envoy(ctx, procs, upstreams=[u.split("://", 1)[1] for u in urls])
+
+
 def _start_kvpick(ctx, procs, recommended):
+    replicas = [_start_kvpick_process(ctx, procs, recommended, i) for i in range(getattr(ctx, "replicas", 1))]
+    return _start_envoy(ctx, procs, replicas)
+
+
+def _start_kvpick_process(ctx, procs, recommended, index):
     grpc, health, metrics, debug = ctx.ports(4)
     pool = os.path.join(ctx.run_dir, "pool.yaml")
     with open(pool, "w") as f:
@@ -97,7 +126,7 @@ def _start_kvpick(ctx, procs, recommended):
     ]
     if recommended:
         argv.append("--recommended-profile")
-    procs.start("kvpick", argv, env={"RUST_LOG": "warn"})
+    procs.start("kvpick" if index == 0 else f"kvpick-{index}", argv, env={"RUST_LOG": "warn"})
 
     def subscribed():
         # Every pod's KV-event stream connected before traffic (a PUB drops what is sent
@@ -111,10 +140,14 @@ def _start_kvpick(ctx, procs, recommended):
         )
 
     wait_until("kvpick subscribed to every pod", subscribed, procs, timeout=30)
-    return _start_envoy(ctx, procs, (grpc, health))
+    return grpc, health
 
 
 def _start_smg(ctx, procs):
+    return _replicated(ctx, procs, lambda i: _start_smg_process(ctx, procs, i))
+
+
+def _start_smg_process(ctx, procs, index):
     (port, prom) = ctx.ports(2)
     argv = [
         os.path.join(ctx.venv_bin, "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
@@ -122,12 +155,16 @@ def _start_smg(ctx, procs):
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
         "--log-level", "warn",
     ]
-    procs.start("smg", argv)
+    procs.start("smg" if index == 0 else f"smg-{index}", argv)
     wait_until("smg", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, procs, timeout=60)
     return f"http://127.0.0.1:{port}"
 
 
 def _start_vllm_router(ctx, procs, policy):
+    return _replicated(ctx, procs, lambda i: _start_vllm_router_process(ctx, procs, policy, i))
+
+
+def _start_vllm_router_process(ctx, procs, policy, index):
     (port, prom) = ctx.ports(2)
     argv = [
         os.path.join(ctx.venv_bin, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
@@ -139,7 +176,7 @@ def _start_vllm_router(ctx, procs, policy):
         for url, ev, rp in zip(ctx.fleet.urls(), ctx.fleet.events, ctx.fleet.replay):
             argv += ["--kv-event-source", f"{url}={ev}", "--kv-event-replay-source", f"{url}={rp}"]
         argv += ["--kv-event-block-size", str(ctx.block_size), "--kv-event-model", ctx.fleet.model]
-    procs.start("vllm-router", argv)
+    procs.start("vllm-router" if index == 0 else f"vllm-router-{index}", argv)
     wait_until("vllm-router", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, procs, timeout=60)
     return f"http://127.0.0.1:{port}"
 
