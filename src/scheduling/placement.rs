@@ -14,6 +14,7 @@
 //! decode      = chunks × ms_per_decode × batch + batch × chunks / 2 × ms_per_decode
 //!   ms_per_decode: the fleet's fitted slope of chunk gaps against the decode batch
 //! cost        = (ttft + displacement) / (1 + (hold_bias − 1) × held share) + w_d × decode
+//!               + 1 ms × requests in flight there        (a tie-break: the least busy)
 //! score       = min cost / cost
 //! ```
 //!
@@ -107,7 +108,7 @@ pub struct PlacementCost {
     /// Predicted decoding cost: its own decode at the batch it joins plus the slowdown it
     /// adds to the requests decoding there, ms (0 before the pods' decode is measured).
     pub decode_ms: f64,
-    /// `(ttft + displacement) / hold bias + decode`: what the score ranks.
+    /// `(ttft + displacement) / hold bias + decode + tie-break`: what the score ranks.
     pub cost_ms: f64,
     /// Predicted time per output token at the batch the request joins, ms (`None` before
     /// any pod's decode is measured).
@@ -236,7 +237,9 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
                 .map_or(0.0, |ms| ms * params.decode_weight.max(0.0));
             // NOTE: the hold bias scales only what the prefix changes (its prefill and what
             // it evicts); decoding costs the same whoever holds the prefix.
-            let cost_ms = (ttft_ms + displacement_ms) / bias + decode_ms;
+            let cost_ms = (ttft_ms + displacement_ms) / bias
+                + decode_ms
+                + TIE_MS_PER_IN_FLIGHT * pod.in_flight as f64;
             let tpot_ms = pod
                 .prefill
                 .itl
@@ -334,6 +337,15 @@ pub fn slo_attainable(cycle: &Cycle<'_>, params: &PlacementParams) -> bool {
 
 /// Costs below this count as equal.
 const MIN_COST_MS: f64 = 1.0;
+
+/// What each request kvpick has in flight on a pod adds to its cost, ms: a tie-break.
+// NOTE: pods whose prefill queues and cache hits are the same (nothing shared, or all idle)
+// cost the same to the millisecond, and the picker then chose at random among them: on the
+// no-sharing control that spread 15–25 requests per pod where round robin sends 20 each, and
+// the fuller decode batches cost 10–22% ITL (docs/benchmarks.md). One ms per request in
+// flight sends such a request to the least busy pod, and is far below what a cache hit or a
+// queued prefill is worth (hundreds of ms), so it decides nothing else.
+const TIE_MS_PER_IN_FLIGHT: f64 = 1.0;
 
 #[cfg(test)]
 mod tests {
@@ -507,6 +519,21 @@ mod tests {
             2200.0,
         );
         assert!(!attainable);
+    }
+
+    #[test]
+    fn when_nothing_is_shared_the_least_busy_of_equal_pods_wins() {
+        // No backlog anywhere (the requests there are decoding), nothing cached, free blocks:
+        // equal predictions, so the pod with the fewest requests in flight.
+        let mut pods: Vec<PodView> = (0..4).map(|i| pod(i, 1000, 0, 0.0, 0.0)).collect();
+        for (p, in_flight) in pods.iter_mut().zip([3, 2, 4, 3]) {
+            p.in_flight = in_flight;
+        }
+        let (best, scores) = winner(pods.clone(), &[0.0; 4], 2200.0);
+        assert_eq!(best, 1, "{scores:?}");
+        // A cache hit still outweighs a busier decode batch by far.
+        let (best, _) = winner(pods, &[0.0, 0.0, 2000.0, 0.0], 2200.0);
+        assert_eq!(best, 2);
     }
 
     #[test]
