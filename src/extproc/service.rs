@@ -102,7 +102,9 @@ impl Driver {
             // yield), then write the pick's routing record on this task.
             if let Some(record) = self.stream.take_record() {
                 tokio::task::yield_now().await;
+                let started = std::time::Instant::now();
                 record.apply();
+                self.stream.record_applied(started.elapsed());
             }
             // Answered (immediate response) or passed through to the end: close our side so
             // neither end holds the stream open.

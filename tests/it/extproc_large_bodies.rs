@@ -126,3 +126,72 @@ async fn concurrent_220kb_and_400kb_chat_bodies_arrive_intact_at_the_picked_back
         "every prompt was tokenized exactly"
     );
 }
+
+/// A profile that reads no prompt: load scorers only.
+const PROMPT_FREE_PROFILE: &str = "\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: kv-cache-utilization-scorer
+  - pluginRef: max-score-picker
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_that_reads_no_prompt_routes_without_tokenizing() {
+    let a = Backend::start("127.0.0.1").await;
+    let tokenizer = support::repo_root().join("assets/tokenizer");
+    let tokenizer = tokenizer.to_string_lossy().into_owned();
+    let kvpick = Kvpick::start(
+        &pool_yaml(&[&a]),
+        &[
+            "--tokenizer",
+            &tokenizer,
+            "--config-text",
+            PROMPT_FREE_PROFILE,
+        ],
+    )
+    .await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let body = chat_body(400_000, 1);
+    let reply = post_json(&envoy.url("/v1/chat/completions"), &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // Still parsed: a body that is no request keeps its 400.
+    let bad = post_json(&envoy.url("/v1/chat/completions"), br#"{"model":"m"}"#).await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    let seen = a.seen();
+    assert_eq!(seen.len(), 1);
+    assert!(
+        seen[0].body.as_ref() == body.as_slice(),
+        "body changed in transit"
+    );
+    assert_eq!(
+        seen[0].headers.get("x-gateway-destination-endpoint"),
+        Some(&a.addr.to_string().parse().expect("header value"))
+    );
+    let metrics = support::http::send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    assert_eq!(metric(&metrics, "inference_objective_request_total{"), 1.0);
+    assert_eq!(
+        metric(&metrics, "kvpick_tokenize_exact_total"),
+        0.0,
+        "no prompt tokenized"
+    );
+    assert_eq!(metric(&metrics, "kvpick_tokenize_approximate_total"), 0.0);
+    assert_eq!(
+        metric(
+            &metrics,
+            "kvpick_request_stage_seconds_count{stage=\"parse\"}"
+        ),
+        1.0,
+        "parsed once (the 400 stops before its stage is counted)"
+    );
+}
