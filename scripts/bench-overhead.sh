@@ -31,7 +31,7 @@ BIN="${CARGO_TARGET_DIR:-target}/release"
 read -r -a KVPICKS <<<"${KVPICK_BINS:-$BIN/kvpick}"
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 for port in 8101 8102; do

@@ -5,7 +5,7 @@
 //! bundle (`shared` of the body's text), followed by a user turn of new text unique to the
 //! request. Cold bodies are new text throughout, starting with the request's number, so no
 //! two share a prefix beyond the JSON before the first message. The text is words made of
-//! syllables (it tokenizes like prose, many tokens per word list) from a per-request
+//! syllables (a vocabulary of a few thousand words that tokenizes like prose) from a per-request
 //! pseudo-random stream: the same `(seed, index)` always gives the same body.
 
 use bytes::Bytes;
@@ -46,7 +46,8 @@ fn prose(out: &mut String, seed: u64, bytes: usize) {
         state ^= state << 25;
         state ^= state >> 27;
         let r = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        for k in 0..(1 + (r >> 62)) {
+        // 1–3 syllables: a vocabulary of 4,368 words, so words repeat as in prose.
+        for k in 0..(1 + (r >> 62) % 3) {
             out.push_str(SYLLABLES[((r >> (4 * k + 8)) & 15) as usize]);
         }
         out.push_str(match (r >> 40) % 23 {
