@@ -170,6 +170,8 @@ pub struct RequestStream {
     record: Option<PendingRecord>,
     /// Time spent appending body chunks so far.
     buffering: Duration,
+    /// Whether the body was large enough to be prepared off this task.
+    large: bool,
 }
 
 struct Routed {
@@ -199,6 +201,7 @@ impl RequestStream {
             usage: UsageTail::default(),
             record: None,
             buffering: Duration::ZERO,
+            large: false,
         }
     }
 
@@ -208,9 +211,15 @@ impl RequestStream {
         self.record.take()
     }
 
-    /// The routing record took `took` to apply (counted as its stage).
-    pub fn record_applied(&self, took: Duration) {
-        self.stage(Stage::Record, took);
+    /// Whether the request's body was large (prepared on the blocking pool): its routing
+    /// record is then long too.
+    pub fn is_large(&self) -> bool {
+        self.large
+    }
+
+    /// The metrics, for work that outlives this stream's task.
+    pub fn metrics(&self) -> Arc<EppMetrics> {
+        Arc::clone(&self.ctx.metrics)
     }
 
     /// Whether the request was answered or passed through to its end.
@@ -434,6 +443,7 @@ impl RequestStream {
             self.stage(Stage::Keys, keying.elapsed());
             return Ok(Some(prepared));
         }
+        self.large = true;
         // Bounded: at most --max-preparing-bytes of bodies are prepared at once.
         let permit = self.ctx.tokenizers.gate().enter(self.body.len()).await;
         let body = std::mem::take(&mut self.body);
