@@ -1,74 +1,161 @@
 #!/usr/bin/env bash
 # What kvpick adds to a request: Envoy+kvpick vs Envoy alone, same two backends (instant
-# responders, so only the proxy path is timed), fixed concurrency, 8 KB JSON bodies.
-# Runs the two setups alternately (A B A B …) so machine drift hits both alike, and reads
-# kvpick's CPU time from /proc around the kvpick runs.
-# Usage: scripts/bench-overhead.sh [rounds] [requests-per-round] [concurrency]
+# responders, so only the proxy path is timed). Runs the setups alternately (A B A B …) so
+# machine drift hits all alike, and reads kvpick's CPU time from /proc around each kvpick run.
+#
+# Usage:
+#   scripts/bench-overhead.sh [rounds] [requests-per-round] [concurrency]
+#       8 KB completion bodies, closed loop at a fixed concurrency (issue 2's figures).
+#   scripts/bench-overhead.sh chat [rounds] [requests] [sizes] [variants] [paces]
+#       chat bodies (issue 16): sizes in bytes (default "8192 225280 409600"), variants
+#       "warm" (95% of the text shared with earlier requests) and/or "cold" (nothing shared),
+#       paces "rate:N" (open loop, N req/s) and/or "conc:N" (closed loop, N workers);
+#       default "rate:20 rate:100 conc:1". Prints added p50/p99 per row and, per kvpick run,
+#       the mean time of each request stage (kvpick_request_stage_seconds).
+# KVPICK_BINS="a b": A/B several kvpick binaries in one run (each behind its own Envoy; rows
+# are named kvpick0, kvpick1, … in that order). Default: this tree's release build.
+# SKIP_BUILD=1: use the release binaries as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROUNDS="${1:-3}"; REQUESTS="${2:-3000}"; CONCURRENCY="${3:-8}"
+MODE=overhead
+if [ "${1:-}" = chat ]; then MODE=chat; shift; fi
+ROUNDS="${1:-3}"; REQUESTS="${2:-3000}"
+if [ $MODE = chat ]; then
+  SIZES="${3:-8192 225280 409600}"; VARIANTS="${4:-warm cold}"; PACES="${5:-rate:20 rate:100 conc:1}"
+else
+  SIZES=8192; VARIANTS=fixed; PACES="conc:${3:-8}"
+fi
 scripts/setup-envoy.sh
-cargo build --release --quiet --bin kvpick --bin kvpick-bench
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release --quiet --bin kvpick --bin kvpick-bench
 BIN="${CARGO_TARGET_DIR:-target}/release"
+read -r -a KVPICKS <<<"${KVPICK_BINS:-$BIN/kvpick}"
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 for port in 8101 8102; do
   $BIN/kvpick-bench backend --listen 127.0.0.1:$port & PIDS+=($!)
 done
 printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' > "$WORK/pool.yaml"
-# The full request path: body parse, chat/completion tokenization with the shipped
-# tokenizer, prefix lookup, GIE's default profile over scraped metrics.
-RUST_LOG=warn $BIN/kvpick serve --bind-address 127.0.0.1 --endpoints-file "$WORK/pool.yaml" \
-  --tokenizer assets/tokenizer & KVPICK=$!; PIDS+=($KVPICK)
 
-# Envoy alone: the shipped config without the ext_proc filter, on other ports.
-python3 - "$WORK" <<'PY'
-import re, sys
-work = sys.argv[1]
+# Envoy configs: the shipped one per kvpick (kvpick i on ports 9002+100i…, Envoy listening
+# on 8081+100i) and the shipped one without the ext_proc filter (Envoy alone, 8080).
+python3 - "$WORK" "${#KVPICKS[@]}" <<'PY'
+import sys
+work, n = sys.argv[1], int(sys.argv[2])
 config = open("deploy/envoy/envoy.yaml").read()
+for i in range(n):
+    c = config
+    for port in (8081, 9901, 9002, 9003):
+        c = c.replace(f"port_value: {port}", f"port_value: {port + 100 * i}")
+    open(f"{work}/envoy-kvpick{i}.yaml", "w").write(c)
 start = config.index("                  - name: envoy.filters.http.ext_proc\n")
 end = config.index("                  - name: envoy.filters.http.router\n")
 plain = config[:start] + config[end:]
-plain = plain.replace("port_value: 8081", "port_value: 8082").replace("port_value: 9901", "port_value: 9902")
-open(f"{work}/envoy-plain.yaml", "w").write(plain)
+plain = plain.replace("port_value: 8081", "port_value: 8080").replace("port_value: 9901", "port_value: 9900")
+open(f"{work}/envoy-alone.yaml", "w").write(plain)
 PY
-.venv/bin/envoy -c deploy/envoy/envoy.yaml --disable-hot-restart --concurrency 1 -l error \
-  >"$WORK/envoy-kvpick.log" 2>&1 & PIDS+=($!)
-.venv/bin/envoy -c "$WORK/envoy-plain.yaml" --disable-hot-restart --concurrency 1 -l error \
-  >"$WORK/envoy-plain.log" 2>&1 & PIDS+=($!)
-for admin in 9901 9902; do
+KVPICK_PIDS=()
+for i in "${!KVPICKS[@]}"; do
+  o=$((100 * i))
+  # The full request path: body parse, chat/completion tokenization with the shipped
+  # tokenizer, prefix lookup, GIE's default profile over scraped metrics.
+  RUST_LOG=error "${KVPICKS[$i]}" serve --bind-address 127.0.0.1 --endpoints-file "$WORK/pool.yaml" \
+    --tokenizer assets/tokenizer --grpc-port $((9002 + o)) --grpc-health-port $((9003 + o)) \
+    --metrics-port $((9090 + o)) --debug-port $((9091 + o)) & KVPICK_PIDS+=($!); PIDS+=($!)
+  .venv/bin/envoy -c "$WORK/envoy-kvpick$i.yaml" --disable-hot-restart --concurrency 1 -l error \
+    --base-id $((10 + i)) >"$WORK/envoy-kvpick$i.log" 2>&1 & PIDS+=($!)
+done
+.venv/bin/envoy -c "$WORK/envoy-alone.yaml" --disable-hot-restart --concurrency 1 -l error \
+  --base-id 9 >"$WORK/envoy-alone.log" 2>&1 & PIDS+=($!)
+for i in "${!KVPICKS[@]}"; do
+  admin=$((9901 + 100 * i)); grpc=$((9002 + 100 * i))
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
+  # Envoy routes through kvpick once its health check has seen kvpick ready.
+  for _ in $(seq 100); do
+    curl -sf "localhost:$admin/clusters" | grep -q "^kvpick::127.0.0.1:$grpc::health_flags::healthy" && break
+    sleep 0.1
+  done
 done
-# Envoy routes through kvpick once its health check has seen kvpick ready.
-for _ in $(seq 100); do
-  curl -sf localhost:9901/clusters | grep -q "^kvpick::127.0.0.1:9002::health_flags::healthy" && break
-  sleep 0.1
-done
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:9900/ready" >/dev/null && break; sleep 0.1; done
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$KVPICK/stat"; }
-TICK=$(getconf CLK_TCK)
-run() { $BIN/kvpick-bench load --url "http://127.0.0.1:$1/v1/completions" --concurrency "$CONCURRENCY" --requests "$REQUESTS" --warmup 300 --body-bytes 8192; }
-echo "round,setup,p50_ms,p99_ms,rps,errors,kvpick_cpu_us_per_request"
-for r in $(seq "$ROUNDS"); do
-  before=$(cpu_ticks)
-  a=$(run 8081)
-  after=$(cpu_ticks)
-  b=$(run 8082)
-  python3 - "$r" "$a" "$b" "$before" "$after" "$TICK" "$REQUESTS" <<'PY'
-import json, sys
-r, a, b, before, after, tick, n = sys.argv[1:]
-a, b = json.loads(a), json.loads(b)
-# Warm-up requests also cost CPU: divide by everything sent in the window.
-cpu_us = (int(after) - int(before)) / int(tick) * 1e6 / (int(n) + 300)
-for name, rep, cpu in (("envoy+kvpick", a, f"{cpu_us:.1f}"), ("envoy-alone", b, "")):
-    l = rep["latency"]
-    print(f'{r},{name},{l["p50_ms"]:.3f},{l["p99_ms"]:.3f},{rep["requests_per_second"]:.0f},{rep["errors"]},{cpu}')
-PY
+# kvpick's own CPU when idle (scrapes, reloads), per second: subtracted from each run's CPU
+# (at 20 req/s it would otherwise add ~0.3 ms to every request).
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+IDLE=()
+for pid in "${KVPICK_PIDS[@]}"; do IDLE+=("$(ticks "$pid")"); done
+sleep 5
+for i in "${!KVPICK_PIDS[@]}"; do
+  IDLE[$i]=$(python3 -c "print(($(ticks "${KVPICK_PIDS[$i]}") - ${IDLE[$i]}) / 100 / 5)")
+  echo "# kvpick$i idle CPU: ${IDLE[$i]} s/s"
 done
-# Every request of the kvpick runs must have been picked by kvpick (not failed open).
-picked=$(grep -c ' picked=127.0.0.1:810' "$WORK/envoy-kvpick.log" || true)
-unpicked=$(grep -c ' picked=- ' "$WORK/envoy-kvpick.log" || true)
-echo "# kvpick-routed requests: $picked, not routed by kvpick: $unpicked"
+routed() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^inference_objective_request_total\{/ {n += $NF} END {print n + 0}'; }
+stages() { curl -sf "http://127.0.0.1:$1/metrics" | grep '^kvpick_request_stage_seconds_\(sum\|count\)' || true; }
+run() { # port path size variant pace seed [cpu-pid]
+  local args=(--url "http://127.0.0.1:$1$2" --requests "$REQUESTS" --body-bytes "$3" --seed "$6")
+  case $4 in
+    warm) args+=(--chat --shared 0.95 --warmup 50) ;;
+    cold) args+=(--chat --shared 0 --warmup 20) ;;
+    fixed) args+=(--warmup 300) ;;
+  esac
+  case $5 in
+    rate:*) args+=(--rate "${5#rate:}") ;;
+    conc:*) args+=(--concurrency "${5#conc:}") ;;
+  esac
+  [ -n "${7:-}" ] && args+=(--cpu-pid "$7")
+  $BIN/kvpick-bench load "${args[@]}"
+}
+echo "round,bytes,variant,pace,setup,p50_ms,p99_ms,added_p50_ms,added_p99_ms,rps,errors,kvpick_cpu_us_per_request"
+seed=1
+for r in $(seq "$ROUNDS"); do
+  for size in $SIZES; do for variant in $VARIANTS; do for pace in $PACES; do
+    path=/v1/chat/completions; [ "$variant" = fixed ] && path=/v1/completions
+    seed=$((seed + 1))
+    alone=$(run 8080 $path "$size" "$variant" "$pace" $seed)
+    for i in "${!KVPICKS[@]}"; do
+      metrics=$((9090 + 100 * i))
+      before=$(stages $metrics); routed_before=$(routed $metrics)
+      a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
+      after=$(stages $metrics); routed_after=$(routed $metrics)
+      python3 - "$r" "$size" "$variant" "$pace" "kvpick$i" "$a" "$alone" "$before" "$after" \
+        "${IDLE[$i]}" "$((routed_after - routed_before))" <<'PY'
+import json, sys
+r, size, variant, pace, name, a, b, before, after, idle, routed = sys.argv[1:]
+a, b = json.loads(a), json.loads(b)
+la, lb = a["latency"], b["latency"]
+def row(setup, rep, added, cpu):
+    l = rep["latency"]
+    print(f'{r},{size},{variant},{pace},{setup},{l["p50_ms"]:.3f},{l["p99_ms"]:.3f},{added},{rep["requests_per_second"]:.0f},{rep["errors"]},{cpu}')
+n = la["count"] + a["errors"]
+cpu = a["cpu_us_per_request"] - float(idle) * a["seconds"] * 1e6 / max(n, 1)
+row(f"envoy+{name}", a, f'{la["p50_ms"] - lb["p50_ms"]:.3f},{la["p99_ms"] - lb["p99_ms"]:.3f}', f'{cpu:.1f}')
+# Warm-up included: every request sent must have been picked by kvpick (none failed open).
+sent = n + {"warm": 50, "cold": 20, "fixed": 300}[variant]
+if int(routed) != sent:
+    print(f"# WARNING {name}: {routed} of {sent} requests were picked by kvpick")
+if name == "kvpick0":
+    row("envoy-alone", b, ",", "")
+def parse(text):
+    out = {}
+    for line in text.splitlines():
+        key, value = line.rsplit(" ", 1)
+        out[key] = float(value)
+    return out
+b0, a0 = parse(before), parse(after)
+parts = []
+for key, total in a0.items():
+    if "_sum{" not in key:
+        continue
+    count_key = key.replace("_sum{", "_count{")
+    n = a0.get(count_key, 0) - b0.get(count_key, 0)
+    if n > 0:
+        stage = key.split('stage="')[1].split('"')[0]
+        parts.append(f"{stage}={(total - b0.get(key, 0)) / n * 1e6:.0f}")
+if parts:
+    print(f"#   {name} stage µs/request: " + " ".join(parts))
+PY
+    done
+  done; done; done
+done
+echo "# every kvpick run's requests were all picked by kvpick unless a WARNING says otherwise"

@@ -123,7 +123,8 @@ async fn prepare_request(
     let permit = state.tokenizers.gate().enter(body.len()).await;
     let work = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        prepare(&tokenizers, &rules, &meta, &body)
+        // The debug views show the tokens whatever the profile reads.
+        prepare(&tokenizers, &rules, &meta, &body, true)
     });
     match work.await {
         Ok(Ok(prepared)) => Ok(prepared),

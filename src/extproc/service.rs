@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
@@ -18,12 +19,17 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{RequestStream, Step, StreamContext};
+use crate::telemetry::Stage;
 
 /// The ext-proc service.
 pub struct ExtProcService {
     ctx: Arc<StreamContext>,
     streams: Arc<Semaphore>,
+    records: Arc<Semaphore>,
 }
+
+/// Long prompts' routing records applied on the blocking pool at once, at most.
+const OFF_TASK_RECORDS: usize = 2;
 
 impl ExtProcService {
     /// A service over `ctx`, with no bound on open streams (see [`Self::with_max_streams`]).
@@ -31,6 +37,7 @@ impl ExtProcService {
         Self {
             ctx,
             streams: Arc::new(Semaphore::new(Semaphore::MAX_PERMITS)),
+            records: Arc::new(Semaphore::new(OFF_TASK_RECORDS)),
         }
     }
 
@@ -70,6 +77,7 @@ impl ExternalProcessor for ExtProcService {
         };
         let state = Driver {
             _slot: slot,
+            records: Arc::clone(&self.records),
             inbound: request.into_inner(),
             stream: RequestStream::new(Arc::clone(&self.ctx)),
             pending: VecDeque::new(),
@@ -86,6 +94,8 @@ impl ExternalProcessor for ExtProcService {
 struct Driver {
     /// This stream's place under `--max-extproc-streams`, returned on drop.
     _slot: OwnedSemaphorePermit,
+    /// Places for routing records applied off the stream's task (shared by all streams).
+    records: Arc<Semaphore>,
     inbound: Streaming<ProcessingRequest>,
     stream: RequestStream,
     pending: VecDeque<ProcessingResponse>,
@@ -102,7 +112,33 @@ impl Driver {
             // yield), then write the pick's routing record on this task.
             if let Some(record) = self.stream.take_record() {
                 tokio::task::yield_now().await;
-                record.apply();
+                let metrics = self.stream.metrics();
+                let apply = move || {
+                    let started = Instant::now();
+                    record.apply();
+                    let took = started.elapsed().as_secs_f64();
+                    metrics.stages.observe(Stage::Record, took);
+                };
+                // NOTE: a long prompt's record takes milliseconds (every block of the prompt
+                // becomes a speculative entry); applied here it would hold up this stream's
+                // response messages. It goes to the blocking pool instead, at most
+                // OFF_TASK_RECORDS at once: past that it is applied here (back-pressure, no
+                // record dropped). A later request may miss it for that long, as it may
+                // miss any record applied after the reply.
+                let slot = self
+                    .stream
+                    .is_large()
+                    .then(|| Arc::clone(&self.records).try_acquire_owned().ok())
+                    .flatten();
+                match slot {
+                    Some(slot) => {
+                        tokio::task::spawn_blocking(move || {
+                            let _slot = slot;
+                            apply();
+                        });
+                    }
+                    None => apply(),
+                }
             }
             // Answered (immediate response) or passed through to the end: close our side so
             // neither end holds the stream open.

@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::admission::Admission;
 use super::budget::{BodyBudget, Held};
@@ -38,7 +38,7 @@ use crate::kvcache::PromptKeys;
 use crate::live::Live;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
-use crate::telemetry::{EppMetrics, RequestLabels};
+use crate::telemetry::{EppMetrics, RequestLabels, Stage};
 use crate::tokenize::Tokenizers;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
@@ -177,6 +177,10 @@ pub struct RequestStream {
     /// The pick's routing record, applied once the decision's replies are sent
     /// ([`Self::take_record`]).
     record: Option<PendingRecord>,
+    /// Time spent appending body chunks so far.
+    buffering: Duration,
+    /// Whether the body was large enough to be prepared off this task.
+    large: bool,
 }
 
 struct Routed {
@@ -206,6 +210,8 @@ impl RequestStream {
             priority: 0,
             usage: UsageTail::default(),
             record: None,
+            buffering: Duration::ZERO,
+            large: false,
         }
     }
 
@@ -213,6 +219,17 @@ impl RequestStream {
     /// [`Self::decide`] returned (see `crate::scheduling::PendingRecord`).
     pub fn take_record(&mut self) -> Option<PendingRecord> {
         self.record.take()
+    }
+
+    /// Whether the request's body was large (prepared on the blocking pool): its routing
+    /// record is then long too.
+    pub fn is_large(&self) -> bool {
+        self.large
+    }
+
+    /// The metrics, for work that outlives this stream's task.
+    pub fn metrics(&self) -> Arc<EppMetrics> {
+        Arc::clone(&self.ctx.metrics)
     }
 
     /// Whether the request was answered or passed through to its end.
@@ -334,7 +351,10 @@ impl RequestStream {
     }
 
     fn on_request_body(&mut self, body: HttpBody) -> Step {
-        if let Err(rejection) = self.buffer(&body.body) {
+        let started = Instant::now();
+        let buffered = self.buffer(&body.body);
+        self.buffering += started.elapsed();
+        if let Err(rejection) = buffered {
             return Step::Reply(self.reject(rejection, None));
         }
         if body.end_of_stream {
@@ -373,10 +393,20 @@ impl RequestStream {
     /// headers response (with the destination metadata) and the body chunks.
     pub async fn decide(&mut self) -> Vec<ProcessingResponse> {
         let started = Instant::now();
+        self.stage(Stage::Buffer, self.buffering);
         let prepared = match self.prepare_body().await {
             Ok(prepared) => prepared,
             Err(rejection) => return self.reject(rejection, None),
         };
+        if let Some(times) = prepared.as_ref().map(|p| p.times) {
+            self.stage(Stage::Parse, times.parse);
+            if let Some(rewrite) = times.rewrite {
+                self.stage(Stage::Rewrite, rewrite);
+            }
+            self.stage(Stage::Render, times.render);
+            self.stage(Stage::Tokenize, times.tokenize);
+        }
+        let scheduling = Instant::now();
         let model = prepared.as_ref().map(|p| p.client_model.clone());
         let priority = self
             .meta
@@ -409,10 +439,14 @@ impl RequestStream {
             Ok(permit) => permit,
             Err(rejection) => return self.reject(rejection, model.as_deref()),
         };
-        match self.pick(prepared, priority, started) {
+        match self.pick(prepared, priority, started, scheduling) {
             Ok(replies) => replies,
             Err((rejection, model)) => self.reject(rejection, model.as_deref()),
         }
+    }
+
+    fn stage(&self, stage: Stage, took: Duration) {
+        self.ctx.metrics.stages.observe(stage, took.as_secs_f64());
     }
 
     /// Parses, rewrites and tokenizes the body (`None`: no body): inline when small, on the
@@ -433,10 +467,14 @@ impl RequestStream {
                 &self.ctx.model_rewrites.load(),
                 &self.meta,
                 &self.body,
+                self.ctx.scheduler.needs_prompt(),
             )?;
+            let keying = Instant::now();
             self.ctx.scheduler.warm_keys(&prepared.prompt);
+            self.stage(Stage::Keys, keying.elapsed());
             return Ok(Some(prepared));
         }
+        self.large = true;
         // Bounded: at most --max-preparing-bytes of bodies are prepared at once.
         let permit = self.ctx.tokenizers.gate().enter(self.body.len()).await;
         let body = std::mem::take(&mut self.body);
@@ -444,17 +482,23 @@ impl RequestStream {
         let rules = self.ctx.model_rewrites.load();
         let scheduler = Arc::clone(&self.ctx.scheduler);
         let meta = self.meta.clone();
+        let sent = Instant::now();
         let work = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            let prepared = prepare(&tokenizers, &rules, &meta, &body);
+            let started = Instant::now();
+            let tokenize = scheduler.needs_prompt();
+            let prepared = prepare(&tokenizers, &rules, &meta, &body, tokenize);
+            let keying = Instant::now();
             if let Ok(prepared) = &prepared {
                 scheduler.warm_keys(&prepared.prompt);
             }
-            (prepared, body)
+            (prepared, body, started.elapsed(), keying.elapsed())
         });
-        let (result, body) = work
+        let (result, body, work, keys) = work
             .await
             .map_err(|_| Rejection::Internal("request preparation failed"))?;
+        self.stage(Stage::PoolHop, sent.elapsed().saturating_sub(work));
+        self.stage(Stage::Keys, keys);
         self.body = body;
         Ok(Some(result?))
     }
@@ -476,6 +520,7 @@ impl RequestStream {
         mut prepared: Option<Prepared>,
         priority: i32,
         started: Instant,
+        scheduling: Instant,
     ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
         let model = prepared.as_ref().map(|p| p.client_model.clone());
         let target_model = prepared.as_ref().map(|p| p.target_model.clone());
@@ -483,7 +528,13 @@ impl RequestStream {
             .schedule(prepared.as_mut(), model.clone(), priority)
             .map_err(|rejection| (rejection, model.clone()))?;
         self.count_routed(&pick, model, target_model, started);
-        Ok(self.reply(&pick, prepared.as_ref()))
+        let replying = Instant::now();
+        self.stage(Stage::Schedule, replying.duration_since(scheduling));
+        let replies = self.reply(&pick, prepared.as_ref());
+        // The prepared request (a long prompt's tokens and keys) is freed here too.
+        drop(prepared);
+        self.stage(Stage::Reply, replying.elapsed());
+        Ok(replies)
     }
 
     /// Asks the scheduler for a pod among the live candidates; keeps the pick's routing

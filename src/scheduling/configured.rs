@@ -606,6 +606,11 @@ impl Scheduler for ConfiguredScheduler {
         }
     }
 
+    fn needs_prompt(&self) -> bool {
+        // Every prompt reader (prefix, no-hit, cost, placement scorers; P/D) sets `prefix`.
+        self.prefix.is_some() || self.disaggregation.is_some()
+    }
+
     fn pick_deferred(
         &self,
         request: &SchedulingRequest,

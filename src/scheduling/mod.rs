@@ -218,4 +218,10 @@ pub trait Scheduler: Send + Sync + 'static {
     /// Computes ahead what this scheduler will need of a request's block keys, on the thread
     /// that tokenized the prompt (so the decision finds them ready). The default needs none.
     fn warm_keys(&self, _keys: &PromptKeys) {}
+
+    /// Whether any decision reads the prompt (tokens, text or prefix matches); when not, the
+    /// request path skips rendering and tokenizing it. The default: it does.
+    fn needs_prompt(&self) -> bool {
+        true
+    }
 }

@@ -188,6 +188,8 @@ pub struct EppMetrics {
     pub admin_unauthorized: IntCounter,
     /// The placement model's predicted and observed times to first token.
     pub ttft: super::TtftMetrics,
+    /// Time per stage of the request path (`kvpick_request_stage_seconds`).
+    pub stages: super::StageMetrics,
 }
 
 impl EppMetrics {
@@ -392,6 +394,7 @@ impl EppMetrics {
                 "Requests to /metrics or /debug/* refused for a missing or wrong bearer token.",
             )?,
             ttft: super::TtftMetrics::new(registry)?,
+            stages: super::StageMetrics::new(registry)?,
         };
         registry.register(Box::new(metrics.requests.inner().clone()))?;
         registry.register(Box::new(metrics.request_errors.inner().clone()))?;

@@ -6,7 +6,9 @@ pub mod health;
 pub mod labels;
 pub mod llmd;
 mod metrics;
+mod stages;
 mod ttft;
 
 pub use metrics::{DEFAULT_FAIRNESS_ID, EppMetrics, RequestLabels};
+pub use stages::{Stage, StageMetrics};
 pub use ttft::TtftMetrics;

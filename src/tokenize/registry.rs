@@ -12,7 +12,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
@@ -289,8 +289,14 @@ impl Tokenizers {
 
     /// The prompt token ids the model server will compute for `req` (or an approximation).
     pub fn prompt_tokens(&self, req: &InferenceRequest) -> PromptTokens {
+        self.prompt_tokens_timed(req).0
+    }
+
+    /// [`Self::prompt_tokens`], and how long of it rendering a chat template took.
+    pub fn prompt_tokens_timed(&self, req: &InferenceRequest) -> (PromptTokens, Duration) {
         let started = Instant::now();
-        let out = self.compute(req);
+        let mut render = Duration::ZERO;
+        let out = self.compute(req, &mut render);
         match &out {
             PromptTokens::Exact(_) => self.metrics.exact.inc(),
             PromptTokens::Approximate(a) => self
@@ -303,10 +309,10 @@ impl Tokenizers {
         self.metrics
             .duration
             .observe(started.elapsed().as_secs_f64());
-        out
+        (out, render)
     }
 
-    fn compute(&self, req: &InferenceRequest) -> PromptTokens {
+    fn compute(&self, req: &InferenceRequest, render: &mut Duration) -> PromptTokens {
         let text = match &req.prompt {
             Prompt::None => return PromptTokens::Empty,
             Prompt::TokenIds(batches) => {
@@ -318,7 +324,7 @@ impl Tokenizers {
                 Some(t) => t,
                 None => return PromptTokens::Empty,
             },
-            Prompt::Chat(chat) => return self.chat_tokens(req, chat),
+            Prompt::Chat(chat) => return self.chat_tokens(req, chat, render),
         };
         let Some(tok) = self.tokenizer_for(&req.model) else {
             return self.approximate(&req.model, text.clone(), ApproximateReason::NoTokenizer);
@@ -326,7 +332,12 @@ impl Tokenizers {
         self.encode(tok, &req.model, text, req.add_special_tokens)
     }
 
-    fn chat_tokens(&self, req: &InferenceRequest, chat: &ChatPrompt) -> PromptTokens {
+    fn chat_tokens(
+        &self,
+        req: &InferenceRequest,
+        chat: &ChatPrompt,
+        render: &mut Duration,
+    ) -> PromptTokens {
         let Some(tok) = self.tokenizer_for(&req.model) else {
             return self.approximate(
                 &req.model,
@@ -334,7 +345,10 @@ impl Tokenizers {
                 ApproximateReason::NoTokenizer,
             );
         };
-        match tok.render(chat) {
+        let started = Instant::now();
+        let rendered = tok.render(chat);
+        *render = started.elapsed();
+        match rendered {
             Ok(text) => self.encode_owned(tok, &req.model, text, req.add_special_tokens),
             Err(TokenizeError::NoTemplate) => self.approximate(
                 &req.model,

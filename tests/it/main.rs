@@ -17,6 +17,7 @@ mod deploy_monitoring;
 mod deploy_rbac;
 mod deploy_schema;
 mod envoy_e2e;
+mod extproc_large_bodies;
 mod extproc_stream;
 mod faults_gateway;
 mod faults_kv_events;

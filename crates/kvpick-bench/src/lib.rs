@@ -3,3 +3,4 @@
 pub mod backend;
 pub mod load;
 pub mod stats;
+pub mod workload;

@@ -1,5 +1,6 @@
 //! kvpick-bench's load generator against its own backend, over real HTTP.
 
+use kvpick_bench::workload::{ChatWorkload, Workload};
 use kvpick_bench::{backend, load};
 
 #[tokio::test]
@@ -19,10 +20,11 @@ async fn load_run_counts_every_request_and_orders_percentiles() {
     assert_eq!(parsed["model"], "m");
     let report = load::run(load::LoadPlan {
         url: format!("http://{addr}/v1/completions"),
-        concurrency: 4,
+        pace: load::Pace::Closed(4),
         requests: 120,
         warmup: 10,
-        body,
+        workload: Workload::Fixed(body),
+        cpu_pid: None,
     })
     .await
     .expect("run");
@@ -42,13 +44,45 @@ async fn failures_are_counted_not_timed() {
         .port();
     let report = load::run(load::LoadPlan {
         url: format!("http://127.0.0.1:{port}/"),
-        concurrency: 2,
+        pace: load::Pace::Closed(2),
         requests: 10,
         warmup: 0,
-        body: load::completion_body("m", 100),
+        workload: Workload::Fixed(load::completion_body("m", 100)),
+        cpu_pid: None,
     })
     .await
     .expect("run");
     assert_eq!(report.errors, 10);
     assert_eq!(report.latency.count, 0);
+}
+
+#[tokio::test]
+async fn open_loop_chat_run_keeps_its_rate_and_reads_the_cpu_of_a_process() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(backend::serve(listener));
+    let started = std::time::Instant::now();
+    let report = load::run(load::LoadPlan {
+        url: format!("http://{addr}/v1/chat/completions"),
+        pace: load::Pace::Open(200.0),
+        requests: 40,
+        warmup: 4,
+        workload: Workload::Chat(ChatWorkload::new("m", 8192, 0.95, 3)),
+        cpu_pid: Some(std::process::id()),
+    })
+    .await
+    .expect("run");
+    assert_eq!(report.errors, 0);
+    assert_eq!(report.latency.count, 40);
+    // 40 requests at 200/s are spread over at least 195 ms.
+    assert!(started.elapsed() >= std::time::Duration::from_millis(195));
+    assert!(
+        report.requests_per_second < 260.0,
+        "{}",
+        report.requests_per_second
+    );
+    assert!(report.cpu_us_per_request.is_some_and(|us| us >= 0.0));
+    assert!((8000..8400).contains(&report.body_bytes));
 }

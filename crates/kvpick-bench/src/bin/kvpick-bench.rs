@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvpick_bench::workload::{ChatWorkload, Workload};
 use kvpick_bench::{backend, load};
 
 #[derive(Parser)]
@@ -16,21 +17,37 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Closed-loop load: prints a JSON report of latency percentiles and throughput.
+    /// Closed- or open-loop load: prints a JSON report of latency percentiles, throughput
+    /// and (with `--cpu-pid`) a process's CPU time per request.
     Load {
         /// Target URL.
         #[arg(long)]
         url: String,
-        /// Parallel workers.
+        /// Parallel workers (closed loop).
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
+        /// Open loop at this many requests per second instead of the closed loop.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Chat bodies (`/v1/chat/completions`) instead of the fixed completion body.
+        #[arg(long)]
+        chat: bool,
+        /// Share of a chat body's text every request has in common (0: cold).
+        #[arg(long, default_value_t = 0.95)]
+        shared: f64,
+        /// Seed of the chat text (vary it between runs against the same kvpick).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Read this process's CPU time around the counted requests.
+        #[arg(long)]
+        cpu_pid: Option<u32>,
         /// Counted requests.
         #[arg(long, default_value_t = 2000)]
         requests: usize,
         /// Uncounted warm-up requests.
         #[arg(long, default_value_t = 200)]
         warmup: usize,
-        /// Size of the JSON completion body.
+        /// Size of the JSON body.
         #[arg(long, default_value_t = 8192)]
         body_bytes: usize,
         /// Model named in the body.
@@ -59,17 +76,32 @@ fn main() -> ExitCode {
             Command::Load {
                 url,
                 concurrency,
+                rate,
+                chat,
+                shared,
+                seed,
+                cpu_pid,
                 requests,
                 warmup,
                 body_bytes,
                 model,
             } => {
+                let workload = if chat {
+                    Workload::Chat(ChatWorkload::new(&model, body_bytes, shared, seed))
+                } else {
+                    Workload::Fixed(load::completion_body(&model, body_bytes))
+                };
+                let pace = match rate {
+                    Some(rate) => load::Pace::Open(rate),
+                    None => load::Pace::Closed(concurrency),
+                };
                 let plan = load::LoadPlan {
                     url,
-                    concurrency,
+                    pace,
                     requests,
                     warmup,
-                    body: load::completion_body(&model, body_bytes),
+                    workload,
+                    cpu_pid,
                 };
                 let report = load::run(plan).await.map_err(|e| e.to_string())?;
                 let json = serde_json::to_string(&report).map_err(|e| e.to_string())?;
