@@ -113,11 +113,16 @@ impl Driver {
             if let Some(record) = self.stream.take_record() {
                 tokio::task::yield_now().await;
                 let metrics = self.stream.metrics();
+                let trim_later = self.stream.take_trim_later();
                 let apply = move || {
                     let started = Instant::now();
                     record.apply();
                     let took = started.elapsed().as_secs_f64();
                     metrics.stages.observe(Stage::Record, took);
+                    // NOTE: the record held the last reference to a very large prompt's tokens
+                    // and keys, freed just now (on a blocking-pool thread, whose arena glibc
+                    // keeps): the next memory trim returns them to the OS.
+                    drop(trim_later);
                 };
                 // NOTE: a long prompt's record takes milliseconds (every block of the prompt
                 // becomes a speculative entry); applied here it would hold up this stream's

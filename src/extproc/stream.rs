@@ -39,7 +39,7 @@ use crate::live::Live;
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::{EppMetrics, RequestLabels, Stage};
-use crate::tokenize::Tokenizers;
+use crate::tokenize::{Tokenizers, TrimLater};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
 };
@@ -181,6 +181,9 @@ pub struct RequestStream {
     buffering: Duration,
     /// Whether the body was large enough to be prepared off this task.
     large: bool,
+    /// For a very large request: marks a memory trim due once what it holds is freed
+    /// (moved into its routing record's application, [`Self::take_trim_later`]).
+    trim_later: Option<TrimLater>,
 }
 
 struct Routed {
@@ -212,6 +215,7 @@ impl RequestStream {
             record: None,
             buffering: Duration::ZERO,
             large: false,
+            trim_later: None,
         }
     }
 
@@ -225,6 +229,12 @@ impl RequestStream {
     /// record is then long too.
     pub fn is_large(&self) -> bool {
         self.large
+    }
+
+    /// The trim handle of a very large request, to drop once its routing record (and with
+    /// it the prompt's tokens and keys) is freed.
+    pub fn take_trim_later(&mut self) -> Option<TrimLater> {
+        self.trim_later.take()
     }
 
     /// The metrics, for work that outlives this stream's task.
@@ -475,6 +485,7 @@ impl RequestStream {
             return Ok(Some(prepared));
         }
         self.large = true;
+        self.trim_later = self.ctx.tokenizers.gate().trim_later(self.body.len());
         // Bounded: at most --max-preparing-bytes of bodies are prepared at once.
         let permit = self.ctx.tokenizers.gate().enter(self.body.len()).await;
         let body = std::mem::take(&mut self.body);

@@ -49,6 +49,19 @@ impl Drop for PreparePermit {
     }
 }
 
+/// Marks a trim due when dropped: for what a large request frees after its preparation (its
+/// prompt's tokens and keys, released with its routing record, often on another thread).
+#[derive(Debug)]
+pub struct TrimLater {
+    trim_due: Arc<AtomicBool>,
+}
+
+impl Drop for TrimLater {
+    fn drop(&mut self) {
+        self.trim_due.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Preparations of at least this many bytes return their freed memory to the OS.
 const TRIM_AFTER_BYTES: i64 = 1 << 20;
 
@@ -100,6 +113,14 @@ impl PrepareGate {
         }
         release_free_memory();
         true
+    }
+
+    /// For a request of `bytes`: a handle that marks a trim due when dropped, if the request
+    /// is large enough to be worth one.
+    pub fn trim_later(&self, bytes: usize) -> Option<TrimLater> {
+        (i64::try_from(bytes).unwrap_or(i64::MAX) >= TRIM_AFTER_BYTES).then(|| TrimLater {
+            trim_due: Arc::clone(&self.trim_due),
+        })
     }
 
     /// Waits until `bytes` more can be prepared. A body larger than the whole capacity takes

@@ -26,7 +26,9 @@ mod word_cache;
 pub use bounds::MAX_PRETOKEN_BYTES;
 pub use error::TokenizeError;
 pub use fast_bpe::{FastEncoder, QWEN2_PATTERN, WordEncoding};
-pub use gate::{DEFAULT_MAX_PREPARING_BYTES, PrepareGate, PreparePermit, release_free_memory};
+pub use gate::{
+    DEFAULT_MAX_PREPARING_BYTES, PrepareGate, PreparePermit, TrimLater, release_free_memory,
+};
 pub use model::ModelTokenizer;
 pub use prefix_cache::{ANCHOR_BYTES, CachedTokens, PrefixTokenCache, WordEncoder};
 pub use pyjson::{dumps as python_json_dumps, python_float_repr};
