@@ -206,18 +206,24 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(5500)).await;
         assert_eq!(metrics.peers.get(), 1);
         assert_eq!(dropped("batches"), 3);
-        // Three records within one interval leave as one batch.
+        // Three records queued at once leave within one interval.
         for i in 0..3 {
-            tx.send(OutRecord {
+            tx.try_send(OutRecord {
                 endpoint: "10.0.0.1:8000".into(),
                 block_size: 16,
                 keys: vec![i],
             })
-            .await
             .unwrap();
         }
         tokio::time::sleep(Duration::from_millis(15)).await;
-        assert_eq!((dropped("batches"), dropped("records")), (4, 3));
+        assert_eq!(dropped("records"), 3, "all three left within one interval");
+        // NOTE: one batch, or two when the exchange took the first record before the others
+        // were queued (seen once under a loaded CI run); never one per record.
+        assert!(
+            (4..=5).contains(&dropped("batches")),
+            "{} batches",
+            dropped("batches")
+        );
         cancel.cancel();
         task.await.unwrap();
     }
