@@ -449,7 +449,7 @@ impl RequestStream {
             Ok(permit) => permit,
             Err(rejection) => return self.reject(rejection, model.as_deref()),
         };
-        match self.pick(prepared, priority, started, scheduling) {
+        match self.pick(prepared, priority, labels, started, scheduling) {
             Ok(replies) => replies,
             Err((rejection, model)) => self.reject(rejection, model.as_deref()),
         }
@@ -530,15 +530,15 @@ impl RequestStream {
         &mut self,
         mut prepared: Option<Prepared>,
         priority: i32,
+        labels: RequestLabels,
         started: Instant,
         scheduling: Instant,
     ) -> Result<Vec<ProcessingResponse>, (Rejection, Option<String>)> {
         let model = prepared.as_ref().map(|p| p.client_model.clone());
-        let target_model = prepared.as_ref().map(|p| p.target_model.clone());
         let pick = self
             .schedule(prepared.as_mut(), model.clone(), priority)
             .map_err(|rejection| (rejection, model.clone()))?;
-        self.count_routed(&pick, model, target_model, started);
+        self.count_routed(&pick, labels, started);
         let replying = Instant::now();
         self.stage(Stage::Schedule, replying.duration_since(scheduling));
         let replies = self.reply(&pick, prepared.as_ref());
@@ -604,23 +604,11 @@ impl RequestStream {
     }
 
     /// The decision's metrics, and what the response phase needs to know of it.
-    fn count_routed(
-        &mut self,
-        pick: &Pick,
-        model: Option<String>,
-        target_model: Option<String>,
-        started: Instant,
-    ) {
+    fn count_routed(&mut self, pick: &Pick, labels: RequestLabels, started: Instant) {
         let metrics = &self.ctx.metrics;
         metrics
             .scheduler_e2e
             .observe(started.elapsed().as_secs_f64());
-        let labels = RequestLabels::new(
-            model.as_deref(),
-            target_model.as_deref(),
-            self.meta.fairness_id.as_deref(),
-            self.priority,
-        );
         metrics.requests.with_label_values(&labels.values()).inc();
         metrics
             .request_sizes

@@ -19,25 +19,6 @@ use support::kvpick::Kvpick;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
-/// GIE's default profile, and flow control.
-const DEFAULT_WITH_FLOW_CONTROL: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: kv-cache-utilization-scorer
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: max-score-picker
-featureGates:
-- flowControl
-";
-
 /// One kvpick-sim pod whose PUB drops half its KV-event batches (they stay replayable).
 struct LossySim {
     child: std::process::Child,
@@ -210,13 +191,17 @@ async fn every_metric_the_dashboard_and_alerts_query_is_exported_by_a_live_kvpic
     let tokenizer = support::repo_root().join("assets/tokenizer");
     // GIE's default profile with flow control on, so the dashboard's flow-control panels
     // have series (a labelled family has none until a request passed through it).
+    let default_with_flow_control = format!(
+        "{}featureGates:\n- flowControl\n",
+        kvpick::config::picker_config::GIE_DEFAULT_YAML
+    );
     let routing = Kvpick::start(
         &pool,
         &[
             "--tokenizer",
             tokenizer.to_str().expect("path"),
             "--config-text",
-            DEFAULT_WITH_FLOW_CONTROL,
+            &default_with_flow_control,
         ],
     )
     .await;
