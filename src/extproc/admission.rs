@@ -59,6 +59,8 @@ impl Admission {
 /// A request's stay in flow control, as the metrics see it: counted in the queue gauge
 /// from entry to drop, and timed by outcome when it leaves.
 struct Queued<'a> {
+    /// This stay's queue-gauge series (looked up once: entry and exit are the same series).
+    gauge: prometheus::IntGauge,
     metrics: &'a EppMetrics,
     labels: &'a RequestLabels,
     pool: &'a str,
@@ -70,11 +72,12 @@ struct Queued<'a> {
 
 impl<'a> Queued<'a> {
     fn enter(metrics: &'a EppMetrics, labels: &'a RequestLabels, pool: &'a str) -> Self {
-        metrics
+        let gauge = metrics
             .flow_queue_size
-            .with_label_values(&labels.in_queue(pool))
-            .inc();
+            .with_label_values(&labels.in_queue(pool));
+        gauge.inc();
         Self {
+            gauge,
             metrics,
             labels,
             pool,
@@ -86,10 +89,7 @@ impl<'a> Queued<'a> {
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
-        self.metrics
-            .flow_queue_size
-            .with_label_values(&self.labels.in_queue(self.pool))
-            .dec();
+        self.gauge.dec();
         self.metrics
             .flow_queue_seconds
             .with_label_values(&self.labels.queue_outcome(self.pool, self.outcome))
