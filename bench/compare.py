@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
 from kvbench.stats import counters_delta, fleet_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
-from kvbench.systems import SYSTEMS, Fleet  # noqa: E402
+from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,6 +143,9 @@ class Progress(threading.Thread):
         self.label, self.fleet, self.log_path, self.expected = label, fleet, log_path, expected
         self.stop = threading.Event()
         self.marks = {}
+        # (seconds since start, per-pod waiting, per-pod running, per-pod finished), each
+        # second: what per-stage totals hide (short-term imbalance, queues building on one pod).
+        self.series = []
         self.t0 = time.monotonic()
         self.tty = sys.stderr.isatty()
         self.last_print = 0.0
@@ -155,6 +158,10 @@ class Progress(threading.Thread):
             except Exception:  # noqa: BLE001 - the line just skips a beat
                 counters = None
             if counters is not None:
+                self.series.append((round(time.monotonic() - self.t0, 1),
+                                    [int(c["waiting"]) for c in counters],
+                                    [int(c["running"]) for c in counters],
+                                    [int(c["finished"]) for c in counters]))
                 try:
                     with open(self.log_path, errors="replace") as f:
                         text = f.read()
@@ -220,6 +227,7 @@ def run_system(args, name, index, total, workload, out_dir):
         phases["load_done"] = round(time.monotonic() - t0, 1)
         if code != 0:
             raise RuntimeError(f"inference-perf exited with {code}; see {log_path}")
+        write_pod_series(os.path.join(run_dir, "pods-timeseries.csv"), progress.series)
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
         rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
@@ -227,6 +235,17 @@ def run_system(args, name, index, total, workload, out_dir):
                       "phase_seconds": phases, **whole}
     finally:
         procs.stop_all()
+
+
+def write_pod_series(path, series):
+    """The pods' queues each second: `t,waiting_0..n,running_0..n,finished_0..n`."""
+    if not series:
+        return
+    n = len(series[0][1])
+    with open(path, "w") as f:
+        f.write(",".join(["t"] + [f"{k}_{i}" for k in ("waiting", "running", "finished") for i in range(n)]) + "\n")
+        for t, waiting, running, finished in series:
+            f.write(",".join(str(v) for v in [t, *waiting, *running, *finished]) + "\n")
 
 
 def ipf_env(workload):
@@ -295,6 +314,8 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="router replicas: N kvpick behind one Envoy, N smg/vllm-router behind an Envoy round-robin front")
     p.add_argument("--systems", help="comma-separated subset of: " + ", ".join(SYSTEMS))
+    p.add_argument("--kvpick-config", action="append", default=[], metavar="NAME=FILE",
+                   help="add system kvpick-NAME: kvpick with this EndpointPickerConfig (repeatable)")
     p.add_argument("--pods", type=int)
     p.add_argument("--time-scale", type=float)
     p.add_argument("--rates", help="comma-separated req/s ladder")
@@ -322,6 +343,14 @@ def main(argv=None):
     if not 0 < args.cache_fraction <= 1:
         p.error("--cache-fraction must be in (0, 1]")
     args.time_scale = args.time_scale if args.time_scale is not None else mode["time_scale"]
+    for spec in args.kvpick_config:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--kvpick-config wants NAME=FILE, got {spec!r}")
+        try:
+            add_kvpick_config(name, path)
+        except ValueError as e:
+            p.error(str(e))
     systems = args.systems.split(",") if args.systems else mode["systems"]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:

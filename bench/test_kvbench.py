@@ -169,6 +169,39 @@ class ScenarioTest(unittest.TestCase):
         self.assertEqual(json.loads(env["KVPICK_BENCH_SHIFTING"])["groups"], 45)
         self.assertEqual(compare.ipf_env(compare.build_workload("default", "no-sharing"))["KVPICK_BENCH_SHIFTING"], "")
 
+    def test_a_kvpick_config_becomes_a_system_and_a_missing_file_is_refused(self):
+        import tempfile
+
+        from kvbench import systems
+
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("kind: EndpointPickerConfig\n")
+        try:
+            name = systems.add_kvpick_config("variant", f.name)
+            self.assertEqual(name, "kvpick-variant")
+            self.assertIn(os.path.basename(f.name), systems.SYSTEMS[name]["flags"])
+        finally:
+            systems.SYSTEMS.pop("kvpick-variant", None)
+            os.unlink(f.name)
+        with self.assertRaises(ValueError):
+            systems.add_kvpick_config("gone", f.name)
+        self.assertNotIn("kvpick-gone", systems.SYSTEMS)
+
+    def test_the_pods_time_series_is_one_row_per_sample(self):
+        import tempfile
+
+        import compare
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "series.csv")
+            compare.write_pod_series(path, [(0.0, [1, 0], [2, 3], [0, 0]), (1.1, [0, 4], [5, 6], [1, 2])])
+            with open(path) as f:
+                lines = f.read().splitlines()
+            self.assertEqual(lines, ["t,waiting_0,waiting_1,running_0,running_1,finished_0,finished_1",
+                                     "0.0,1,0,2,3,0,0", "1.1,0,4,5,6,1,2"])
+            compare.write_pod_series(os.path.join(d, "none.csv"), [])
+            self.assertFalse(os.path.exists(os.path.join(d, "none.csv")))
+
     def test_heterogeneous_pods_are_one_slow_and_one_small(self):
         import compare
 
@@ -224,6 +257,8 @@ class StatsTest(unittest.TestCase):
             'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 400\n'
             'vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 6\n'
             'vllm:e2e_request_latency_seconds_bucket{engine="0",le="1.0"} 5\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 3\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 7\n'
             "garbage line without value\n"
         )
         pod_b = (
@@ -233,6 +268,7 @@ class StatsTest(unittest.TestCase):
         )
         a, b = stats.pod_counters(pod_a), stats.pod_counters(pod_b)
         self.assertEqual((a["prefix_hits"], a["prefix_queries"], a["finished"]), (300, 400, 6))
+        self.assertEqual((a["waiting"], a["running"], b["waiting"]), (3, 7, 0))
         s = stats.fleet_summary([a, b])
         self.assertEqual(s["engine_hit_rate"], 400 / 1000)  # Σ hits / Σ queries, not a mean of rates
         self.assertEqual(s["requests_per_pod"], [6, 2])

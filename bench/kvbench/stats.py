@@ -72,6 +72,9 @@ def pod_counters(metrics_text):
         # vLLM observes e2e latency once per finished request.
         "finished": metric_sum(parsed, "vllm:e2e_request_latency_seconds_count"),
         "preemptions": metric_sum(parsed, "vllm:num_preemptions_total"),
+        # Gauges (meaningless in a delta; the pods' time series reads them).
+        "waiting": metric_sum(parsed, "vllm:num_requests_waiting"),
+        "running": metric_sum(parsed, "vllm:num_requests_running"),
     }
 
 

@@ -106,12 +106,25 @@ def _replicated(ctx, procs, start_one):
     return _start_envoy(ctx, procs, upstreams=[u.split("://", 1)[1] for u in urls])
 
 
-def _start_kvpick(ctx, procs, recommended):
-    replicas = [_start_kvpick_process(ctx, procs, recommended, i) for i in range(getattr(ctx, "replicas", 1))]
+def _start_kvpick(ctx, procs, recommended, config_file=None):
+    replicas = [_start_kvpick_process(ctx, procs, recommended, i, config_file) for i in range(getattr(ctx, "replicas", 1))]
     return _start_envoy(ctx, procs, replicas)
 
 
-def _start_kvpick_process(ctx, procs, recommended, index):
+def add_kvpick_config(name, path):
+    """Registers `kvpick-NAME`: kvpick with the EndpointPickerConfig at `path` (`--config-file`),
+    for A/B runs of scorer parameters against the shipped profiles in one comparison."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--kvpick-config {name}={path}: no such file")
+    SYSTEMS[f"kvpick-{name}"] = {
+        "start": lambda ctx, procs: _start_kvpick(ctx, procs, recommended=False, config_file=path),
+        "flags": f"Envoy + kvpick serve --config-file {os.path.basename(path)} --tokenizer assets/tokenizer, KV events + replay",
+    }
+    return f"kvpick-{name}"
+
+
+def _start_kvpick_process(ctx, procs, recommended, index, config_file=None):
     grpc, health, metrics, debug = ctx.ports(4)
     pool = os.path.join(ctx.run_dir, "pool.yaml")
     with open(pool, "w") as f:
@@ -126,6 +139,8 @@ def _start_kvpick_process(ctx, procs, recommended, index):
     ]
     if recommended:
         argv.append("--recommended-profile")
+    if config_file:
+        argv += ["--config-file", config_file]
     procs.start("kvpick" if index == 0 else f"kvpick-{index}", argv, env={"RUST_LOG": "warn"})
 
     def subscribed():
