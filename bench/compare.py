@@ -204,6 +204,9 @@ def run_system(args, name, index, total, workload, out_dir):
         before = scrape(fleet)
         ipf_out = os.path.join(run_dir, "inference-perf")
         cfg = inference_perf_config(workload, front, args.model, os.path.join(REPO, "assets/tokenizer"), ipf_out)
+        headers = system_headers(args.system_header).get(name)
+        if headers:
+            cfg["api"]["headers"] = headers
         import yaml
 
         cfg_path = os.path.join(run_dir, "inference-perf.yaml")
@@ -235,6 +238,20 @@ def run_system(args, name, index, total, workload, out_dir):
                       "phase_seconds": phases, **whole}
     finally:
         procs.stop_all()
+
+
+def system_headers(specs):
+    """`--system-header SYSTEM:NAME=VALUE` (repeatable) → {system: {name: value}}: request
+    headers inference-perf sends to that system only (e.g. latency objectives for one kvpick
+    variant, so a run A/Bs them against the same profile without)."""
+    out = {}
+    for spec in specs or []:
+        system, sep1, header = spec.partition(":")
+        key, sep2, value = header.partition("=")
+        if not (sep1 and sep2 and system and key):
+            raise ValueError(f"--system-header wants SYSTEM:NAME=VALUE, got {spec!r}")
+        out.setdefault(system, {})[key.strip()] = value.strip()
+    return out
 
 
 def write_pod_series(path, series):
@@ -316,6 +333,8 @@ def main(argv=None):
     p.add_argument("--systems", help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--kvpick-config", action="append", default=[], metavar="NAME=FILE",
                    help="add system kvpick-NAME: kvpick with this EndpointPickerConfig (repeatable)")
+    p.add_argument("--system-header", action="append", default=[], metavar="SYSTEM:NAME=VALUE",
+                   help="a request header inference-perf sends to one system only (repeatable)")
     p.add_argument("--pods", type=int)
     p.add_argument("--time-scale", type=float)
     p.add_argument("--rates", help="comma-separated req/s ladder")
@@ -351,6 +370,12 @@ def main(argv=None):
             add_kvpick_config(name, path)
         except ValueError as e:
             p.error(str(e))
+    try:
+        unknown_headers = set(system_headers(args.system_header)) - set(SYSTEMS)
+    except ValueError as e:
+        p.error(str(e))
+    if unknown_headers:
+        p.error(f"--system-header names unknown systems {sorted(unknown_headers)}")
     systems = args.systems.split(",") if args.systems else mode["systems"]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:

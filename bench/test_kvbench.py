@@ -187,6 +187,18 @@ class ScenarioTest(unittest.TestCase):
             systems.add_kvpick_config("gone", f.name)
         self.assertNotIn("kvpick-gone", systems.SYSTEMS)
 
+    def test_system_headers_go_to_their_system_only(self):
+        import compare
+
+        self.assertEqual(
+            compare.system_headers(["kvpick-slo:x-llm-d-slo-ttft-ms=300", "kvpick-slo:x-b = 2", "smg-cache-aware:x-c=3"]),
+            {"kvpick-slo": {"x-llm-d-slo-ttft-ms": "300", "x-b": "2"}, "smg-cache-aware": {"x-c": "3"}},
+        )
+        self.assertEqual(compare.system_headers([]), {})
+        for bad in ["no-colon=1", "sys:no-equals", ":x=1", "sys:=1"]:
+            with self.assertRaises(ValueError, msg=bad):
+                compare.system_headers([bad])
+
     def test_the_pods_time_series_is_one_row_per_sample(self):
         import tempfile
 
