@@ -200,6 +200,55 @@ class ScenarioTest(unittest.TestCase):
         self.assertEqual(fb.get("lb_policy", "ROUND_ROBIN"), "ROUND_ROBIN")
 
 
+class VllmRouterKvAwareTest(unittest.TestCase):
+    """vllm-router 0.1.17's static --kv-event-source subscribes with topic "" and drops every
+    message whose topic frame is not exactly "" (src/kv_index/subscriber.rs, spawn_inner), so
+    its fleet must publish on vLLM's default, the empty topic: on the simulator's default
+    llm-d topic every KV-index lookup missed (docs/benchmarks.md, "Side-by-side")."""
+
+    def _args(self, **kw):
+        import argparse
+
+        base = dict(bin_dir="/bin", pods=2, block_size=16, time_scale=4.0, model="sim-model",
+                    pod_override=None, heterogeneous=False)
+        return argparse.Namespace(**{**base, **kw})
+
+    def test_kv_aware_fleet_publishes_on_the_empty_topic_and_the_others_on_the_default(self):
+        import compare
+        from kvbench import systems
+
+        self.assertEqual(systems.fleet_topic("vllm-router-kv-aware"), "")
+        for name in systems.SYSTEMS:
+            if name != "vllm-router-kv-aware":
+                self.assertIsNone(systems.fleet_topic(name), name)
+        argv = compare.sim_argv(self._args(), 100, 200, 300, 50, topic="")
+        i = argv.index("--kv-events-topic")
+        self.assertEqual(argv[i + 1], "")
+        self.assertNotIn("--kv-events-topic", compare.sim_argv(self._args(), 100, 200, 300, 50))
+        het = compare.sim_argv(self._args(heterogeneous=True, pod_override=["1:refuse=true"]), 100, 200, 300, 50)
+        self.assertEqual(het[het.index("--pod-override"):],
+                         ["--pod-override", "0:slowdown=2.0", "--pod-override", "1:blocks=25",
+                          "--pod-override", "1:refuse=true"])
+
+    def test_kv_aware_command_line_names_every_pod_its_block_size_and_model(self):
+        from kvbench import systems
+
+        fleet = systems.Fleet(2, 8100, 5557, 6557, "sim-model")
+        argv = systems.vllm_router_argv("/venv/bin", fleet, "kv_aware", 9000, 9001, 16)
+        pairs = [(argv[i], argv[i + 1]) for i in range(len(argv) - 1) if argv[i].startswith("--kv-event")]
+        self.assertEqual(pairs, [
+            ("--kv-event-source", "http://127.0.0.1:8100=tcp://127.0.0.1:5557"),
+            ("--kv-event-replay-source", "http://127.0.0.1:8100=tcp://127.0.0.1:6557"),
+            ("--kv-event-source", "http://127.0.0.1:8101=tcp://127.0.0.1:5558"),
+            ("--kv-event-replay-source", "http://127.0.0.1:8101=tcp://127.0.0.1:6558"),
+            ("--kv-event-block-size", "16"),
+            ("--kv-event-model", "sim-model"),
+        ])
+        self.assertEqual(argv[argv.index("--policy") + 1], "kv_aware")
+        cache_aware = systems.vllm_router_argv("/venv/bin", fleet, "cache_aware", 9000, 9001, 16)
+        self.assertFalse([a for a in cache_aware if a.startswith("--kv-event")])
+
+
 class StatsTest(unittest.TestCase):
     def test_percentiles_interpolate_like_numpy(self):
         xs = [10, 1, 4, 7, 2]
