@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
-from kvbench.stats import counters_delta, fleet_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
+from kvbench.stats import counters_delta, fleet_summary, kv_lookups, pod_counters, split_by_stage, stage_row  # noqa: E402
 from kvbench.systems import SYSTEMS, Fleet, fleet_topic  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
@@ -99,6 +99,8 @@ class Ctx:
         self.envoy = args.envoy
         self.venv_bin = os.path.dirname(sys.executable)
         self.replicas = args.replicas
+        # /metrics of routers whose own counters the summary reports (vllm-router).
+        self.router_metrics = []
 
     def ports(self, n):
         return free_ports(n)
@@ -200,7 +202,8 @@ def run_system(args, name, index, total, workload, out_dir):
     try:
         fleet, blocks = start_fleet(args, procs, workload, run_dir, fleet_topic(name))
         phases["fleet_up"] = round(time.monotonic() - t0, 1)
-        front = SYSTEMS[name]["start"](Ctx(args, fleet, run_dir, args.block_size), procs)
+        ctx = Ctx(args, fleet, run_dir, args.block_size)
+        front = SYSTEMS[name]["start"](ctx, procs)
         phases["system_up"] = round(time.monotonic() - t0, 1)
         before = scrape(fleet)
         ipf_out = os.path.join(run_dir, "inference-perf")
@@ -231,10 +234,29 @@ def run_system(args, name, index, total, workload, out_dir):
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
         rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
+        extra = {}
+        lookups = router_kv_lookups(ctx.router_metrics)
+        if lookups:
+            extra["router_kv_lookups"] = lookups
         return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks,
-                      "phase_seconds": phases, **whole}
+                      "phase_seconds": phases, **whole, **extra}
     finally:
         procs.stop_all()
+
+
+def router_kv_lookups(urls):
+    """vllm-router kv_aware's KV-index lookups by result, summed over its replicas."""
+    total = {}
+    for url in urls:
+        try:
+            status, text = http_get(url)
+        except OSError:  # a router that died is reported by its run, not here
+            continue
+        if status != 200:
+            continue
+        for result, n in kv_lookups(text).items():
+            total[result] = total.get(result, 0) + n
+    return total
 
 
 def ipf_env(workload):

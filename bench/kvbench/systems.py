@@ -190,6 +190,8 @@ def vllm_router_argv(venv_bin, fleet, policy, port, prom, block_size):
 def _start_vllm_router_process(ctx, procs, policy, index):
     (port, prom) = ctx.ports(2)
     argv = vllm_router_argv(ctx.venv_bin, ctx.fleet, policy, port, prom, ctx.block_size)
+    # Read after the load (compare.py): kv_aware's index lookups, hit or miss.
+    ctx.router_metrics.append(f"http://127.0.0.1:{prom}/metrics")
     procs.start("vllm-router" if index == 0 else f"vllm-router-{index}", argv)
     wait_until("vllm-router", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, procs, timeout=60)
     return f"http://127.0.0.1:{port}"
