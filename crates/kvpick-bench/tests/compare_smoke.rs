@@ -25,7 +25,10 @@ fn harness_unit_tests_pass_on_known_inputs() {
     let sim = paths::workspace_bin("kvpick-sim");
     let out = Command::new(bench_python())
         .args(["-m", "unittest", "-v", "bench/test_kvbench.py"])
-        .env("KVPICK_BENCH_BIN_DIR", sim.parent().expect("target/<profile>"))
+        .env(
+            "KVPICK_BENCH_BIN_DIR",
+            sim.parent().expect("target/<profile>"),
+        )
         .current_dir(paths::repo_root())
         .output()
         .expect("run the harness's unit tests");
