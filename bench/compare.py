@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
-from kvbench.stats import counters_delta, fleet_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
-from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config  # noqa: E402
+from kvbench.stats import counters_delta, fleet_summary, kv_lookups, pod_counters, split_by_stage, stage_row  # noqa: E402
+from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config, fleet_topic  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,8 +37,7 @@ MODES = {
     ),
     # ≤ 3 minutes: every inference-perf run costs ~15 s of start-up whatever its length, so
     # quick runs the four systems that answer the question (round robin, kvpick, the two
-    # approximate routers); kvpick-default and vllm-router kv_aware (which misses every
-    # lookup on the simulator, see docs/benchmarks.md) only in the default run.
+    # approximate routers); kvpick-default and vllm-router kv_aware only in the default run.
     "quick": dict(
         pods=4, time_scale=4.0,
         workload=Workload(groups=14, prompts_per_group=4, system_len=1000, question_len=100,
@@ -100,6 +99,8 @@ class Ctx:
         self.envoy = args.envoy
         self.venv_bin = os.path.dirname(sys.executable)
         self.replicas = args.replicas
+        # /metrics of routers whose own counters the summary reports (vllm-router).
+        self.router_metrics = []
 
     def ports(self, n):
         return free_ports(n)
@@ -109,24 +110,33 @@ def scrape(fleet):
     return [pod_counters(http_get(f"{u}/metrics")[1]) for u in fleet.urls()]
 
 
-def start_fleet(args, procs, workload, run_dir):
-    n = args.pods
-    base = free_port_run(n, start=21000)
-    events = free_port_run(n, start=base + n + 10)
-    replay = free_port_run(n, start=events + n + 10)
-    blocks = args.num_gpu_blocks or blocks_per_pod(workload, args.block_size, fraction=args.cache_fraction)
+def sim_argv(args, base, events, replay, blocks, topic=None):
+    """kvpick-sim's command line: args.pods pods from these base ports, `blocks` KV blocks
+    each, publishing on `topic` (a --kv-events-topic template; None: the simulator's default)."""
     argv = [
-        os.path.join(args.bin_dir, "kvpick-sim"), "--pods", str(n), "--base-port", str(base),
+        os.path.join(args.bin_dir, "kvpick-sim"), "--pods", str(args.pods), "--base-port", str(base),
         "--events-base-port", str(events), "--replay-base-port", str(replay),
         "--block-size", str(args.block_size), "--num-gpu-blocks", str(blocks),
         "--time-scale", str(args.time_scale), "--prefix-caching-hash-algo", "sha256_cbor",
         "--tokenizer", os.path.join(REPO, "assets/tokenizer"), "--model", args.model,
     ]
+    if topic is not None:
+        argv += ["--kv-events-topic", topic]
     overrides = list(args.pod_override or [])
     if args.heterogeneous:
-        overrides = heterogeneous_overrides(n, blocks) + overrides
+        overrides = heterogeneous_overrides(args.pods, blocks) + overrides
     for o in overrides:
         argv += ["--pod-override", o]
+    return argv
+
+
+def start_fleet(args, procs, workload, run_dir, topic=None):
+    n = args.pods
+    base = free_port_run(n, start=21000)
+    events = free_port_run(n, start=base + n + 10)
+    replay = free_port_run(n, start=events + n + 10)
+    blocks = args.num_gpu_blocks or blocks_per_pod(workload, args.block_size, fraction=args.cache_fraction)
+    argv = sim_argv(args, base, events, replay, blocks, topic)
     procs.start("kvpick-sim", argv, env={"RUST_LOG": "warn"})
     fleet = Fleet(n, base, events, replay, args.model)
     for u in fleet.urls():
@@ -197,9 +207,10 @@ def run_system(args, name, index, total, workload, out_dir):
     t0 = time.monotonic()
     phases = {}
     try:
-        fleet, blocks = start_fleet(args, procs, workload, run_dir)
+        fleet, blocks = start_fleet(args, procs, workload, run_dir, fleet_topic(name))
         phases["fleet_up"] = round(time.monotonic() - t0, 1)
-        front = SYSTEMS[name]["start"](Ctx(args, fleet, run_dir, args.block_size), procs)
+        ctx = Ctx(args, fleet, run_dir, args.block_size)
+        front = SYSTEMS[name]["start"](ctx, procs)
         phases["system_up"] = round(time.monotonic() - t0, 1)
         before = scrape(fleet)
         ipf_out = os.path.join(run_dir, "inference-perf")
@@ -234,8 +245,12 @@ def run_system(args, name, index, total, workload, out_dir):
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
         rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
+        extra = {}
+        lookups = router_kv_lookups(ctx.router_metrics)
+        if lookups:
+            extra["router_kv_lookups"] = lookups
         return rows, {"system": name, "flags": SYSTEMS[name]["flags"], "blocks_per_pod": blocks,
-                      "phase_seconds": phases, **whole}
+                      "phase_seconds": phases, **whole, **extra}
     finally:
         procs.stop_all()
 
@@ -263,6 +278,21 @@ def write_pod_series(path, series):
         f.write(",".join(["t"] + [f"{k}_{i}" for k in ("waiting", "running", "finished") for i in range(n)]) + "\n")
         for t, waiting, running, finished in series:
             f.write(",".join(str(v) for v in [t, *waiting, *running, *finished]) + "\n")
+
+
+def router_kv_lookups(urls):
+    """vllm-router kv_aware's KV-index lookups by result, summed over its replicas."""
+    total = {}
+    for url in urls:
+        try:
+            status, text = http_get(url)
+        except OSError:  # a router that died is reported by its run, not here
+            continue
+        if status != 200:
+            continue
+        for result, n in kv_lookups(text).items():
+            total[result] = total.get(result, 0) + n
+    return total
 
 
 def ipf_env(workload):

@@ -245,6 +245,125 @@ class ScenarioTest(unittest.TestCase):
         self.assertEqual(fb.get("lb_policy", "ROUND_ROBIN"), "ROUND_ROBIN")
 
 
+class VllmRouterKvAwareTest(unittest.TestCase):
+    """vllm-router 0.1.17's static --kv-event-source subscribes with topic "" and drops every
+    message whose topic frame is not exactly "" (src/kv_index/subscriber.rs, spawn_inner), so
+    its fleet must publish on vLLM's default, the empty topic: on the simulator's default
+    llm-d topic every KV-index lookup missed (docs/benchmarks.md, "Side-by-side")."""
+
+    def _args(self, **kw):
+        import argparse
+
+        base = dict(bin_dir="/bin", pods=2, block_size=16, time_scale=4.0, model="sim-model",
+                    pod_override=None, heterogeneous=False)
+        return argparse.Namespace(**{**base, **kw})
+
+    def test_kv_aware_fleet_publishes_on_the_empty_topic_and_the_others_on_the_default(self):
+        import compare
+        from kvbench import systems
+
+        self.assertEqual(systems.fleet_topic("vllm-router-kv-aware"), "")
+        for name in systems.SYSTEMS:
+            if name != "vllm-router-kv-aware":
+                self.assertIsNone(systems.fleet_topic(name), name)
+        argv = compare.sim_argv(self._args(), 100, 200, 300, 50, topic="")
+        i = argv.index("--kv-events-topic")
+        self.assertEqual(argv[i + 1], "")
+        self.assertNotIn("--kv-events-topic", compare.sim_argv(self._args(), 100, 200, 300, 50))
+        het = compare.sim_argv(self._args(heterogeneous=True, pod_override=["1:refuse=true"]), 100, 200, 300, 50)
+        self.assertEqual(het[het.index("--pod-override"):],
+                         ["--pod-override", "0:slowdown=2.0", "--pod-override", "1:blocks=25",
+                          "--pod-override", "1:refuse=true"])
+
+    def test_kv_aware_command_line_names_every_pod_its_block_size_and_model(self):
+        from kvbench import systems
+
+        fleet = systems.Fleet(2, 8100, 5557, 6557, "sim-model")
+        argv = systems.vllm_router_argv("/venv/bin", fleet, "kv_aware", 9000, 9001, 16)
+        pairs = [(argv[i], argv[i + 1]) for i in range(len(argv) - 1) if argv[i].startswith("--kv-event")]
+        self.assertEqual(pairs, [
+            ("--kv-event-source", "http://127.0.0.1:8100=tcp://127.0.0.1:5557"),
+            ("--kv-event-replay-source", "http://127.0.0.1:8100=tcp://127.0.0.1:6557"),
+            ("--kv-event-source", "http://127.0.0.1:8101=tcp://127.0.0.1:5558"),
+            ("--kv-event-replay-source", "http://127.0.0.1:8101=tcp://127.0.0.1:6558"),
+            ("--kv-event-block-size", "16"),
+            ("--kv-event-model", "sim-model"),
+        ])
+        self.assertEqual(argv[argv.index("--policy") + 1], "kv_aware")
+        cache_aware = systems.vllm_router_argv("/venv/bin", fleet, "cache_aware", 9000, 9001, 16)
+        self.assertFalse([a for a in cache_aware if a.startswith("--kv-event")])
+
+    def test_kv_lookups_are_read_from_the_router_metrics_by_result(self):
+        text = "\n".join([
+            "# TYPE vllm_router_kv_placement_lookups_total counter",
+            'vllm_router_kv_placement_lookups_total{result="miss"} 3',
+            'vllm_router_kv_placement_lookups_total{result="hit"} 6',
+            'vllm_router_kv_routing_inputs_total{transport="http",result="render"} 9',
+        ])
+        self.assertEqual(stats.kv_lookups(text), {"miss": 3, "hit": 6})
+        self.assertEqual(stats.kv_lookups("vllm_router_requests_total 4"), {})
+
+
+class VllmRouterKvAwareLiveTest(unittest.TestCase):
+    """The real vllm-router (the venv's, pinned) with kv_aware in front of one real kvpick-sim
+    pod, both started as compare.py starts them: a shared prefix is a KV-index hit. Needs the
+    simulator binary: KVPICK_BENCH_BIN_DIR (crates/kvpick-bench/tests/compare_smoke.rs sets
+    it to the workspace's target/<profile>); skipped without it when run by hand."""
+
+    def test_a_shared_prefix_hits_the_kv_index(self):
+        import argparse
+        import shutil
+        import tempfile
+        import urllib.request
+
+        import compare
+        from kvbench import systems
+        from kvbench.procs import Procs, free_ports, http_get, wait_until
+
+        bin_dir = os.environ.get("KVPICK_BENCH_BIN_DIR")
+        router = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+        if not bin_dir or not os.path.isfile(router):
+            self.skipTest("needs KVPICK_BENCH_BIN_DIR and the benchmark venv's vllm-router")
+        args = argparse.Namespace(bin_dir=bin_dir, pods=1, block_size=16, time_scale=0.01,
+                                  model="sim-model", pod_override=None, heterogeneous=False)
+        http, events, replay, port, prom = free_ports(5)
+        fleet = systems.Fleet(1, http, events, replay, args.model)
+        log_dir = tempfile.mkdtemp(prefix="kvbench-live-")
+        procs = Procs(log_dir)
+        passed = False
+        try:
+            procs.start("kvpick-sim", compare.sim_argv(args, http, events, replay, 256,
+                                                       systems.fleet_topic("vllm-router-kv-aware")))
+            wait_until("pod", lambda: http_get(f"{fleet.urls()[0]}/health")[0] == 200, procs, timeout=30)
+            procs.start("vllm-router", systems.vllm_router_argv(
+                os.path.dirname(sys.executable), fleet, "kv_aware", port, prom, args.block_size))
+            wait_until("vllm-router", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200,
+                       procs, timeout=30)
+            doc = " ".join(f"Sentence {i} of the shared document." for i in range(40))
+            lookups = {}
+            # Each request is the shared document plus a question of its own, so each one
+            # fills new blocks and publishes: the first BlockStored may go out before the
+            # router's SUB has joined (a PUB drops it), the next one's seq gap makes the router
+            # replay it. Bounded.
+            for i in range(20):
+                prompt = f"{doc} Question {i}: " + " ".join(f"word{i}x{j}" for j in range(24))
+                body = json.dumps({"model": args.model, "max_tokens": 1, "prompt": prompt}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    self.assertEqual(r.status, 200)
+                lookups = stats.kv_lookups(http_get(f"http://127.0.0.1:{prom}/metrics")[1])
+                if lookups.get("hit"):
+                    break
+            self.assertGreater(lookups.get("hit", 0), 0,
+                               f"vllm-router KV-index lookups: {lookups}; logs in {log_dir}")
+            passed = True
+        finally:
+            procs.stop_all()
+            if passed:  # a failure keeps the two processes' logs
+                shutil.rmtree(log_dir, ignore_errors=True)
+
+
 class StatsTest(unittest.TestCase):
     def test_percentiles_interpolate_like_numpy(self):
         xs = [10, 1, 4, 7, 2]

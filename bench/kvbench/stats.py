@@ -78,6 +78,17 @@ def pod_counters(metrics_text):
     }
 
 
+def kv_lookups(metrics_text):
+    """vllm-router's KV-index lookups by result ({"hit": n, "miss": n, ...}) from its /metrics
+    (`vllm_router_kv_placement_lookups_total`); empty when it made none."""
+    out = {}
+    for (name, labels), value in parse_prometheus(metrics_text).items():
+        if name == "vllm_router_kv_placement_lookups_total":
+            result = dict(labels).get("result", "")
+            out[result] = out.get(result, 0) + int(value)
+    return out
+
+
 def fleet_summary(per_pod):
     """Hit rate over the fleet (Σ hits / Σ queries) and the load balance of finished requests."""
     hits = sum(p["prefix_hits"] for p in per_pod)

@@ -7,8 +7,14 @@ Every system gets the same pods and the same workload; what differs is the route
   (GIE's default profile, and `--recommended-profile`), fed by the pods' KV events;
 - `smg-cache-aware`: PyPI sglang-router's `smg launch --policy cache_aware`;
 - `vllm-router-cache-aware` / `vllm-router-kv-aware`: PyPI vllm-router, the latter fed by
-  the pods' KV events (block size 16, the model name via --kv-event-model).
-Peers run with their documented defaults for the policy (flags in `describe()`).
+  the pods' KV events (block size 16, the model name via --kv-event-model). Its pods publish
+  on the empty topic, vLLM's own default (`kv_events_topic` below): vllm-router 0.1.17's
+  static `--kv-event-source` subscribes with topic "" and drops every message whose topic
+  frame is not exactly "", so on the simulator's default llm-d topic `kv@<ip:port>@<model>`
+  its index stayed empty (docs/benchmarks.md, "Side-by-side").
+Peers run with their documented defaults for the policy (flags in `SYSTEMS`). A system's
+optional `kv_events_topic` is the topic its fleet publishes on (kvpick-sim
+--kv-events-topic); without one the simulator's default is used.
 
 Router replicas (`ctx.replicas` > 1): N kvpick processes behind the one Envoy (its `kvpick`
 ext_proc cluster gets N hosts, round robin, each health-checked); N smg / vllm-router
@@ -179,18 +185,28 @@ def _start_vllm_router(ctx, procs, policy):
     return _replicated(ctx, procs, lambda i: _start_vllm_router_process(ctx, procs, policy, i))
 
 
-def _start_vllm_router_process(ctx, procs, policy, index):
-    (port, prom) = ctx.ports(2)
+def vllm_router_argv(venv_bin, fleet, policy, port, prom, block_size):
+    """vllm-router's command line for `policy` in front of `fleet`."""
     argv = [
-        os.path.join(ctx.venv_bin, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *ctx.fleet.urls(), "--policy", policy,
+        os.path.join(venv_bin, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *fleet.urls(), "--policy", policy,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
         "--log-level", "warning",
     ]
     if policy == "kv_aware":
-        for url, ev, rp in zip(ctx.fleet.urls(), ctx.fleet.events, ctx.fleet.replay):
+        # One static source per worker (0.1.17 has no topic flag: these subscribe to the
+        # empty topic, which the fleet publishes on for this system, see fleet_topic()).
+        for url, ev, rp in zip(fleet.urls(), fleet.events, fleet.replay):
             argv += ["--kv-event-source", f"{url}={ev}", "--kv-event-replay-source", f"{url}={rp}"]
-        argv += ["--kv-event-block-size", str(ctx.block_size), "--kv-event-model", ctx.fleet.model]
+        argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", fleet.model]
+    return argv
+
+
+def _start_vllm_router_process(ctx, procs, policy, index):
+    (port, prom) = ctx.ports(2)
+    argv = vllm_router_argv(ctx.venv_bin, ctx.fleet, policy, port, prom, ctx.block_size)
+    # Read after the load (compare.py): kv_aware's index lookups, hit or miss.
+    ctx.router_metrics.append(f"http://127.0.0.1:{prom}/metrics")
     procs.start("vllm-router" if index == 0 else f"vllm-router-{index}", argv)
     wait_until("vllm-router", lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, procs, timeout=60)
     return f"http://127.0.0.1:{port}"
@@ -220,6 +236,15 @@ SYSTEMS = {
     "vllm-router-kv-aware": {
         "start": lambda ctx, procs: _start_vllm_router(ctx, procs, "kv_aware"),
         "flags": "vllm-router --policy kv_aware --kv-event-source/--kv-event-replay-source per pod "
-        "--kv-event-block-size 16 --kv-event-model sim-model",
+        "--kv-event-block-size 16 --kv-event-model sim-model; pods publish on the empty topic "
+        "(vLLM's default; kvpick-sim --kv-events-topic '')",
+        # vllm-router 0.1.17's static sources only accept the empty topic (vLLM's default).
+        "kv_events_topic": "",
     },
 }
+
+
+def fleet_topic(name):
+    """The KV-event topic template system `name`'s pods publish on, or None for the
+    simulator's default (`kv@<ip:port>@<model>`)."""
+    return SYSTEMS[name].get("kv_events_topic")

@@ -21,14 +21,20 @@ fn bench_python() -> PathBuf {
 
 #[test]
 fn harness_unit_tests_pass_on_known_inputs() {
+    // The live vllm-router kv_aware test starts this build's kvpick-sim.
+    let sim = paths::workspace_bin("kvpick-sim");
     let out = Command::new(bench_python())
         .args(["-m", "unittest", "-v", "bench/test_kvbench.py"])
+        .env(
+            "KVPICK_BENCH_BIN_DIR",
+            sim.parent().expect("target/<profile>"),
+        )
         .current_dir(paths::repo_root())
         .output()
         .expect("run the harness's unit tests");
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench/test_kvbench.py failed:\n{log}");
-    assert!(log.contains("Ran 19 tests"), "{log}");
+    assert!(log.contains("Ran 23 tests"), "{log}");
     // The venv has inference-perf, so the seeded-arrivals test must have run, not skipped.
     assert!(!log.contains("skipped"), "{log}");
 }

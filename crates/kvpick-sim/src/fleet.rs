@@ -1,7 +1,8 @@
 //! Many simulated pods in one process: pod `i` serves HTTP on `base_port + i`, publishes KV
 //! events on `events_base_port + i` and replays on `replay_base_port + i`, with topic
-//! `kv@127.0.0.1:<base_port + i>@<model>` (DESIGN §2.1). Per-pod overrides make heterogeneous
-//! fleets (capacity, speed, faults at start).
+//! `kv@127.0.0.1:<base_port + i>@<model>` (DESIGN §2.1) unless a topic template says otherwise
+//! ([`start_fleet_with_topic`]). Per-pod overrides make heterogeneous fleets (capacity, speed,
+//! faults at start).
 //!
 //! Each pod is independent (own engine task, publisher task, registry, HTTP server); the
 //! tokenizer is shared read-only.
@@ -107,10 +108,38 @@ fn port(base: u16, i: usize) -> Option<u16> {
     u16::try_from(usize::from(base) + i).ok()
 }
 
-/// Starts every pod; returns when all are listening.
+/// The default KV-event topic template: llm-d's `kv@<ip:port>@<model>` convention (DESIGN §2.1).
+pub const DEFAULT_TOPIC_TEMPLATE: &str = "kv@{addr}@{model}";
+
+/// A pod's KV-event topic from `template`: `{addr}` becomes its HTTP `ip:port`, `{model}` the
+/// served model name; anything else is literal.
+///
+/// Why a template: vLLM's topic is deployment config (`--kv-events-config '{"topic": …}'`) whose
+/// own default is the empty string; llm-d sets `kv@<ip:port>@<model>`, and consumers differ in
+/// what they accept (vllm-router 0.1.17's static `--kv-event-source` only takes the empty topic).
+pub fn render_topic(template: &str, http: SocketAddr, model: &str) -> String {
+    template
+        .replace("{addr}", &http.to_string())
+        .replace("{model}", model)
+}
+
+/// Starts every pod with the default topic ([`DEFAULT_TOPIC_TEMPLATE`]); returns when all
+/// are listening.
 pub async fn start_fleet(
     cfg: FleetConfig,
     tokenizer: Arc<SimTokenizer>,
+) -> Result<Vec<FleetPod>, FleetError> {
+    start_fleet_with_topic(cfg, tokenizer, DEFAULT_TOPIC_TEMPLATE).await
+}
+
+/// Starts every pod, each publishing on [`render_topic`]`(topic_template, …)`; returns when all
+/// are listening.
+// NOTE: a parameter rather than a `FleetConfig` field so the struct literals in other crates'
+// tests keep compiling.
+pub async fn start_fleet_with_topic(
+    cfg: FleetConfig,
+    tokenizer: Arc<SimTokenizer>,
+    topic_template: &str,
 ) -> Result<Vec<FleetPod>, FleetError> {
     let mut out = Vec::with_capacity(cfg.pods);
     for index in 0..cfg.pods {
@@ -152,7 +181,7 @@ pub async fn start_fleet(
                 Some(PublisherConfig {
                     endpoint: format!("tcp://{}:{p}", cfg.host),
                     replay_endpoint: replay.map(|r| format!("tcp://{}:{r}", cfg.host)),
-                    topic: format!("kv@{http}@{}", cfg.model),
+                    topic: render_topic(topic_template, http, &cfg.model),
                     buffer_steps: cfg.buffer_steps,
                     layout: cfg.layout,
                     queue_capacity: 10_000,
@@ -253,6 +282,18 @@ pub fn parse_override(spec: &str) -> Result<(usize, PodOverride), OverrideError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn topic_template_renders_llm_d_default_and_vllm_empty_topic() {
+        let http: SocketAddr = "127.0.0.1:8105".parse().expect("addr");
+        assert_eq!(
+            render_topic(DEFAULT_TOPIC_TEMPLATE, http, "sim-model"),
+            "kv@127.0.0.1:8105@sim-model"
+        );
+        // vLLM's KVEventsConfig default: the empty topic.
+        assert_eq!(render_topic("", http, "sim-model"), "");
+        assert_eq!(render_topic("pods/{model}", http, "m"), "pods/m");
+    }
 
     #[test]
     fn overrides_parse_and_reject_garbage() {

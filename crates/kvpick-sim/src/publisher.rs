@@ -34,7 +34,7 @@ pub struct PublisherConfig {
     pub endpoint: String,
     /// ROUTER bind endpoint for replay, if any.
     pub replay_endpoint: Option<String>,
-    /// Topic frame, `kv@<ip:port>@<model>`.
+    /// Topic frame, e.g. `kv@<ip:port>@<model>` (llm-d) or `""` (vLLM's default).
     pub topic: String,
     /// Batches kept for replay (vLLM `buffer_steps`, default 10000).
     pub buffer_steps: usize,

@@ -16,7 +16,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvpick_sim::engine::EngineConfig;
 use kvpick_sim::events::{EventBatch, EventLayout};
-use kvpick_sim::fleet::{FleetConfig, FleetPod, start_fleet};
+use kvpick_sim::fleet::{
+    DEFAULT_TOPIC_TEMPLATE, FleetConfig, FleetPod, render_topic, start_fleet_with_topic,
+};
 use kvpick_sim::hashing::HashAlgo;
 use kvpick_sim::tokenizer::SimTokenizer;
 use serde_json::{Value, json};
@@ -35,8 +37,12 @@ fn fixture_requests() -> Vec<Value> {
 }
 
 async fn fleet(pods: usize, max_loras: usize) -> Vec<FleetPod> {
+    fleet_with_topic(pods, max_loras, DEFAULT_TOPIC_TEMPLATE).await
+}
+
+async fn fleet_with_topic(pods: usize, max_loras: usize, topic: &str) -> Vec<FleetPod> {
     let tok = SimTokenizer::load(&paths::repo_root().join("assets/tokenizer")).expect("tokenizer");
-    start_fleet(
+    start_fleet_with_topic(
         FleetConfig {
             pods,
             host: [127, 0, 0, 1].into(),
@@ -59,9 +65,85 @@ async fn fleet(pods: usize, max_loras: usize) -> Vec<FleetPod> {
             overrides: Vec::new(),
         },
         Arc::new(tok),
+        topic,
     )
     .await
     .expect("fleet")
+}
+
+/// The topic frame is deployment config in vLLM (`--kv-events-config '{"topic": …}'`): the
+/// default template gives the fixture's llm-d-style topic, and `""` gives vLLM's own default,
+/// the only topic vllm-router 0.1.17's static `--kv-event-source` accepts (it drops every
+/// message whose topic frame is not exactly "", docs/benchmarks.md). Live and replayed frames
+/// carry it; the payload stays the real engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_event_topic_is_the_configured_one_live_and_replayed() {
+    let real_topic = std::fs::read(fixtures().join("0000.topic")).expect("fixture topic");
+    let real_addr = "127.0.0.1:8101".parse().expect("addr");
+    assert_eq!(
+        render_topic(DEFAULT_TOPIC_TEMPLATE, real_addr, "tiny").as_bytes(),
+        real_topic.as_slice(),
+        "the default template is the captured engine's topic"
+    );
+    let real = std::fs::read(fixtures().join("0000.msgpack")).expect("fixture");
+    let requests = fixture_requests();
+
+    // vLLM's default, the empty topic (every other test here runs the default template).
+    let pods = fleet_with_topic(1, 0, "").await;
+    let pod = &pods[0];
+    let publisher = pod.pod.publisher.as_ref().expect("events");
+    let mut sub = SubSocket::new();
+    sub.connect(publisher.endpoint.as_str())
+        .await
+        .expect("connect");
+    sub.subscribe("").await.expect("subscribe");
+    let mut live = None;
+    for probe in 0..100 {
+        let body = json!({"prompt": format!("probe {probe} ").repeat(20), "max_tokens": 1});
+        post(pod, "/v1/completions", &body).await;
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            live = Some(m.into_vec());
+            break;
+        }
+    }
+    let live = live.expect("SUB connected");
+    assert_eq!(live.len(), 3, "[topic, seq, payload]");
+    assert!(live[0].is_empty(), "live topic frame {:?}", live[0]);
+
+    let (status, body) = post(pod, "/v1/completions", &requests[0]["body"]).await;
+    assert_eq!(status, 200, "{body}");
+    // The fixture request's batch is the last one: replayed, its topic frame is empty too
+    // and its payload the real engine's.
+    let last = publisher.next_seq().await.expect("running") - 1;
+    let ours = replay_one(pod, last).await;
+    assert!(ours[0].is_empty(), "replay topic frame {:?}", ours[0]);
+    let ours = EventBatch::decode(&ours[2]).expect("decodes");
+    let mut theirs = EventBatch::decode(&real).expect("decodes");
+    theirs.ts = ours.ts;
+    assert_eq!(ours, theirs, "the real engine's event, ts aside");
+}
+
+/// Replays exactly `seq` from `pod`; returns its `[topic, seq, payload]`.
+async fn replay_one(pod: &FleetPod, seq: u64) -> Vec<Bytes> {
+    use zeromq::{DealerSocket, SocketSend, ZmqMessage};
+    let publisher = pod.pod.publisher.as_ref().expect("events");
+    let mut dealer = DealerSocket::new();
+    dealer
+        .connect(publisher.replay_endpoint.as_deref().expect("replay"))
+        .await
+        .expect("dealer");
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+    ])
+    .expect("frames");
+    dealer.send(req).await.expect("send");
+    let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+        .await
+        .expect("replay in time")
+        .expect("recv")
+        .into_vec();
+    reply[1..].to_vec()
 }
 
 async fn call(pod: &FleetPod, method: &str, path: &str, body: Option<String>) -> (u16, String) {

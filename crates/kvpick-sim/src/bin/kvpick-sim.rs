@@ -7,7 +7,9 @@ use std::time::Duration;
 use clap::Parser;
 use kvpick_sim::engine::{EngineConfig, StepCost};
 use kvpick_sim::events::EventLayout;
-use kvpick_sim::fleet::{FleetConfig, parse_override, start_fleet};
+use kvpick_sim::fleet::{
+    DEFAULT_TOPIC_TEMPLATE, FleetConfig, parse_override, start_fleet_with_topic,
+};
 use kvpick_sim::hashing::HashAlgo;
 use kvpick_sim::tokenizer::SimTokenizer;
 
@@ -56,6 +58,10 @@ struct Args {
     /// Publish 32-byte digests instead of 64-bit ints.
     #[arg(long)]
     bytes_block_hashes: bool,
+    /// KV-event topic: `{addr}` = the pod's HTTP ip:port, `{model}` = --model; "" is vLLM's
+    /// own default (what vllm-router's static --kv-event-source expects).
+    #[arg(long, default_value = DEFAULT_TOPIC_TEMPLATE)]
+    kv_events_topic: String,
     /// Encode events as pre-0.24 tagged arrays.
     #[arg(long)]
     legacy_array_events: bool,
@@ -133,7 +139,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         overrides,
     };
-    let pods = start_fleet(cfg, tokenizer).await?;
+    let pods = start_fleet_with_topic(cfg, tokenizer, &args.kv_events_topic).await?;
     for (i, p) in pods.iter().enumerate() {
         let events = p.pod.publisher.as_ref();
         tracing::info!(
