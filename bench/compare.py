@@ -227,6 +227,7 @@ def run_system(args, name, index, total, workload, out_dir):
         expected = int(sum(workload.stage_requests()))
         progress = Progress(f"[{index}/{total} {name}]", fleet, log_path, expected)
         progress.start()
+        cpu_before = procs.cpu_seconds()
         ipf = procs.start(
             "inference-perf",
             [sys.executable, os.path.join(REPO, "bench", "ipf_seeded.py"), "--config_file", cfg_path],
@@ -238,6 +239,7 @@ def run_system(args, name, index, total, workload, out_dir):
         finally:
             progress.stop.set()
             progress.join()
+        cpu_after = procs.cpu_seconds()
         phases["load_done"] = round(time.monotonic() - t0, 1)
         if code != 0:
             raise RuntimeError(f"inference-perf exited with {code}; see {log_path}")
@@ -245,7 +247,9 @@ def run_system(args, name, index, total, workload, out_dir):
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
         rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
-        extra = {}
+        # What each process of the system spent while the load ran: on two shared cores the
+        # harness's own CPU limits the rates it can offer, so a router's cost shows here.
+        extra = {"cpu_seconds_under_load": {k: round(cpu_after[k] - v, 2) for k, v in cpu_before.items() if k in cpu_after}}
         lookups = router_kv_lookups(ctx.router_metrics)
         if lookups:
             extra["router_kv_lookups"] = lookups
@@ -444,7 +448,7 @@ def main(argv=None):
     }
     report.write_json(os.path.join(out_dir, "summary.json"), summary)
     report.write_csv(os.path.join(out_dir, "results.csv"), rows)
-    table = report.markdown_table(rows, args.time_scale)
+    table = report.markdown_table(rows, args.time_scale) + report.cpu_table(per_system)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(table)
     plot_paths = []

@@ -199,6 +199,35 @@ class ScenarioTest(unittest.TestCase):
             with self.assertRaises(ValueError, msg=bad):
                 compare.system_headers([bad])
 
+    def test_cpu_is_summed_over_a_session_from_proc_stat(self):
+        import tempfile
+
+        from kvbench import procs, report
+
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def stat(pid, comm, session, utime, stime, cutime=0, cstime=0):
+            # Fields 3.. of /proc/<pid>/stat: state ppid pgrp session tty tpgid flags minflt
+            # cminflt majflt cmajflt utime stime cutime cstime ...
+            rest = ["S", "1", str(session), str(session), "0", "-1", "0", "0", "0", "0", "0",
+                    str(utime), str(stime), str(cutime), str(cstime), "20", "0"]
+            return f"{pid} ({comm}) " + " ".join(rest) + "\n"
+
+        with tempfile.TemporaryDirectory() as d:
+            for pid, text in [(100, stat(100, "smg", 100, 3 * tick, tick)),
+                              (101, stat(101, "smg worker) x", 100, tick, 0, tick, 0)),
+                              (200, stat(200, "other", 200, 50 * tick, 0))]:
+                os.makedirs(os.path.join(d, str(pid)))
+                with open(os.path.join(d, str(pid), "stat"), "w") as f:
+                    f.write(text)
+            os.makedirs(os.path.join(d, "self"))
+            self.assertEqual(procs.session_cpu_seconds(100, proc=d), 6.0)
+            self.assertEqual(procs.session_cpu_seconds(300, proc=d), 0.0)
+        table = report.cpu_table([{"system": "kvpick-recommended", "requests_per_pod": [60, 40],
+                                   "cpu_seconds_under_load": {"kvpick": 0.5, "envoy": 1.0}}])
+        self.assertIn("- kvpick-recommended: envoy 1.0 s (10.00 ms/request), kvpick 0.5 s (5.00 ms/request)", table)
+        self.assertEqual(report.cpu_table([{"system": "x"}]), "")
+
     def test_the_pods_time_series_is_one_row_per_sample(self):
         import tempfile
 

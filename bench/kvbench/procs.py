@@ -9,6 +9,27 @@ import time
 import urllib.request
 
 
+def session_cpu_seconds(sid, proc="/proc"):
+    """CPU time (user + system, with reaped children's) of every live process in session
+    `sid`, in seconds: a launcher's workers count with it (each child starts its own session)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "stat")) as f:
+                stat = f.read()
+        except OSError:  # gone since the listing
+            continue
+        # The command name may hold spaces and parentheses; the fields follow its last ')'.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) < 15 or fields[3] != str(sid):
+            continue
+        total += sum(int(v) for v in fields[11:15])
+    return total / tick
+
+
 class Procs:
     """The processes of one system's run; `stop_all` ends exactly those."""
 
@@ -29,6 +50,10 @@ class Procs:
         )
         self.children.append((name, child, log))
         return child
+
+    def cpu_seconds(self):
+        """{name: CPU seconds so far} of each running child's session."""
+        return {name: session_cpu_seconds(child.pid) for name, child, _ in self.children if child.poll() is None}
 
     def forget(self, child):
         """Stops watching a child that was ended on purpose (a killed engine), so

@@ -35,6 +35,24 @@ def write_json(path, summary):
         json.dump(summary, f, indent=1)
 
 
+def cpu_table(per_system):
+    """CPU seconds each system's processes used while the load ran, and per request."""
+    lines = []
+    for s in per_system:
+        cpu = s.get("cpu_seconds_under_load") or {}
+        done = sum(s.get("requests_per_pod") or [])
+        if not cpu:
+            continue
+        parts = ", ".join(
+            f"{name} {sec:.1f} s" + (f" ({1000 * sec / done:.2f} ms/request)" if done else "")
+            for name, sec in sorted(cpu.items(), key=lambda kv: -kv[1])
+        )
+        lines.append(f"- {s['system']}: {parts}")
+    if not lines:
+        return ""
+    return "\nCPU while the load ran (utime+stime of each process's session):\n\n" + "\n".join(lines) + "\n"
+
+
 def markdown_table(rows, time_scale):
     """Rows per system and rate; times in ms of wall clock (divide by the time scale for
     the A100-cost equivalent)."""
