@@ -3,7 +3,7 @@
 //! one replica what the other routed), requests sent straight to each replica's ext-proc
 //! port. Also: in-flight counts cross over, and a hostile peer is bounded and counted.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -257,16 +257,22 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     assert!(!after.endpoint.is_empty());
 }
 
-/// Sends `body` to `url` in a loop until `stop`, returning each answer's status and whether
-/// kvpick picked its destination (else Envoy failed open to the fallback cluster).
-async fn load(
-    url: String,
-    body: Vec<u8>,
-    stop: tokio_util::sync::CancellationToken,
-) -> Vec<(u16, bool)> {
+/// One answer seen by a load client: when the request started and ended, its status, and
+/// whether kvpick picked its destination (else Envoy failed open to the fallback cluster).
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    start: Instant,
+    end: Instant,
+    status: u16,
+    picked: bool,
+}
+
+/// Sends `body` to `url` in a loop until `stop`, returning every answer.
+async fn load(url: String, body: Vec<u8>, stop: tokio_util::sync::CancellationToken) -> Vec<Answer> {
     let mut seen = Vec::new();
     while !stop.is_cancelled() {
-        let reply = send(
+        let start = Instant::now();
+        let (status, picked) = send(
             "POST",
             &url,
             &[("content-type", "application/json")],
@@ -280,18 +286,24 @@ async fn load(
             (r.status, picked)
         })
         .unwrap_or((0, false));
-        seen.push(reply);
+        seen.push(Answer {
+            start,
+            end: Instant::now(),
+            status,
+            picked,
+        });
     }
     seen
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_leaving_behind_envoy_loses_no_request() {
+/// Two replicas (A with `extra_a`) exchanging with each other behind one real Envoy whose
+/// ext_proc cluster holds both, the FailOpen fallback listing the two backends; returns once
+/// both replicas have taken streams.
+async fn two_replicas_behind_envoy(
+    backends: &[Backend; 2],
+    extra_a: &[&str],
+) -> (Kvpick, Kvpick, support::envoy::Envoy) {
     use support::envoy::{Envoy, EnvoyOptions};
-    let backends = [
-        Backend::start("127.0.0.1").await,
-        Backend::start("127.0.0.1").await,
-    ];
     let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
     let (port_a, port_b) = (support::free_port(), support::free_port());
     let replica = |own: u16, peer: u16| {
@@ -303,11 +315,10 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         ]
     };
     let (mut args_a, args_b) = (replica(port_a, port_b).to_vec(), replica(port_b, port_a));
-    // Past Envoy's next health check (every 1 s) before A stops taking streams.
-    args_a.extend(["--shutdown-grace-period", "1200ms", "--drain-timeout", "2s"].map(String::from));
+    args_a.extend(extra_a.iter().map(|s| (*s).to_owned()));
     let args_a: Vec<&str> = args_a.iter().map(String::as_str).collect();
     let args_b: Vec<&str> = args_b.iter().map(String::as_str).collect();
-    let (mut a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
+    let (a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
     let envoy = Envoy::start(
         &a,
         EnvoyOptions {
@@ -319,9 +330,7 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
     )
     .await;
     let url = envoy.url("/v1/completions");
-    let body = serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4})
-        .to_string()
-        .into_bytes();
+    let body = completion_body();
     // Both replicas take streams before the fault.
     let streams = "inference_objective_request_total{";
     support::wait_until("both replicas to route", Duration::from_secs(10), || {
@@ -339,27 +348,69 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         }
     })
     .await;
+    (a, b, envoy)
+}
+
+fn completion_body() -> Vec<u8> {
+    serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4})
+        .to_string()
+        .into_bytes()
+}
+
+/// Runs `clients` load clients against `url`, applies `fault` after 300 ms, keeps the load
+/// up for `after` more, and returns every answer with the instant of the fault.
+async fn under_load(
+    url: &str,
+    clients: usize,
+    after: Duration,
+    fault: impl FnOnce(),
+) -> (Vec<Answer>, Instant) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| tokio::spawn(load(url.to_owned(), completion_body(), stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let at = Instant::now();
+    fault();
+    tokio::time::sleep(after).await;
+    stop.cancel();
+    let mut seen = Vec::new();
+    for task in tasks {
+        seen.extend(task.await.expect("client"));
+    }
+    (seen, at)
+}
+
+/// After a fault B serves every request itself (no fail-open).
+async fn only_b_routes(url: &str) {
+    for _ in 0..5 {
+        let reply = post_json(url, &completion_body()).await;
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply
+                .header(support::envoy::METADATA_ECHO_HEADER)
+                .is_some_and(|h| !h.is_empty() && h != "-")
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaving_behind_envoy_loses_no_request() {
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    // Past Envoy's next health check (every 1 s) before A stops taking streams.
+    let grace = ["--shutdown-grace-period", "1200ms", "--drain-timeout", "2s"];
+    let (mut a, _b, envoy) = two_replicas_behind_envoy(&backends, &grace).await;
+    let url = envoy.url("/v1/completions");
 
     // Two clients keep requests coming while replica A leaves (SIGTERM, as in a scale-down
     // or a rolling update): readiness off, Envoy's health check moves new streams to B, A
     // drains its open ones.
-    // NOTE: a replica that crashes (SIGKILL) costs the requests Envoy sends it until its
-    // next health check: Envoy cannot fail open once a FULL_DUPLEX_STREAMED body has gone
-    // into the stream (see deploy/envoy/envoy.yaml and README).
-    let stop = tokio_util::sync::CancellationToken::new();
-    let clients: Vec<_> = (0..2)
-        .map(|_| tokio::spawn(load(url.clone(), body.clone(), stop.clone())))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    a.terminate();
-    tokio::time::sleep(Duration::from_millis(1600)).await;
-    stop.cancel();
-    let mut seen = Vec::new();
-    for client in clients {
-        seen.extend(client.await.expect("client"));
-    }
-    let lost: Vec<_> = seen.iter().filter(|(status, _)| *status != 200).collect();
-    let picked = seen.iter().filter(|(_, picked)| *picked).count();
+    let (seen, _) = under_load(&url, 2, Duration::from_millis(1600), || a.terminate()).await;
+    let lost: Vec<_> = seen.iter().filter(|r| r.status != 200).collect();
+    let picked = seen.iter().filter(|r| r.picked).count();
     eprintln!(
         "replica left under load: {} requests, {} lost, {} picked by kvpick",
         seen.len(),
@@ -378,16 +429,56 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         Some(0),
         "A drained and exited"
     );
-    // After the fault B serves every request itself (no fail-open).
-    for _ in 0..5 {
-        let reply = post_json(&url, &body).await;
-        assert_eq!(reply.status, 200);
-        assert!(
-            reply
-                .header(support::envoy::METADATA_ECHO_HEADER)
-                .is_some_and(|h| !h.is_empty() && h != "-")
-        );
-    }
+    only_b_routes(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_behind_envoy_loses_only_its_requests_in_flight() {
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let (mut a, _b, envoy) = two_replicas_behind_envoy(&backends, &[]).await;
+    let url = envoy.url("/v1/completions");
+
+    // A crashes (SIGKILL: no drain, its sockets reset) while four clients keep requests
+    // coming. A request whose ext_proc stream is open on A when it dies cannot be saved:
+    // Envoy has handed its body to A (FULL_DUPLEX_STREAMED keeps no copy) and A has already
+    // answered the stream's headers, so neither FailOpen nor a gRPC retry can replay it.
+    // Every later request must reach a backend: the ext_proc stream's retry policy moves a
+    // stream refused by the dead A to B, and outlier detection ejects A at its first
+    // refused connect, long before the next health check (deploy/envoy/envoy.yaml).
+    let clients = 4;
+    let (seen, killed) = under_load(&url, clients, Duration::from_millis(1500), || {
+        a.child.kill().expect("SIGKILL A")
+    })
+    .await;
+    let in_flight = seen
+        .iter()
+        .filter(|r| r.start <= killed && r.end >= killed)
+        .count();
+    let lost: Vec<_> = seen.iter().filter(|r| r.status != 200).collect();
+    let lost_later: Vec<_> = lost.iter().filter(|r| r.start > killed).collect();
+    let picked = seen.iter().filter(|r| r.picked).count();
+    let failed_open = seen.iter().filter(|r| r.status == 200 && !r.picked).count();
+    eprintln!(
+        "replica killed under load: {} requests, {} in flight at the kill, {} lost {lost:?} ({} sent \
+         after the kill), {} picked by kvpick, {} failed open",
+        seen.len(),
+        in_flight,
+        lost.len(),
+        lost_later.len(),
+        picked,
+        failed_open
+    );
+    assert!(seen.len() > 40, "the load ran ({} requests)", seen.len());
+    assert!(lost_later.is_empty(), "requests sent after the kill lost: {lost_later:?}");
+    assert!(
+        lost.len() <= in_flight && in_flight <= clients,
+        "only requests in flight at the kill may be lost: {lost:?}"
+    );
+    assert!(a.child.try_wait().expect("wait").is_some(), "A is dead");
+    only_b_routes(&url).await;
 }
 
 #[test]
