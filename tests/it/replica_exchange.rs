@@ -257,6 +257,146 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     assert!(!after.endpoint.is_empty());
 }
 
+/// A pod of kvpick's own Deployment in the fake API: its IP and its exchange port declared
+/// as the chart does (a container port named `replica`).
+fn replica_pod(name: &str, port: u16, ready: bool) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}"),
+                     "labels": {"app": "kvpick-epp"}},
+        "spec": {"containers": [{"name": "epp", "image": "kvpick",
+                                 "ports": [{"name": "replica", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}
+    })
+}
+
+/// Waits until `kvpick` has received more routing records than `before`.
+async fn arrived(kvpick: &Kvpick, before: f64) {
+    let received = "kvpick_replica_records_total{direction=\"received\"}";
+    support::wait_until("the record to arrive", Duration::from_secs(5), || async {
+        metric(kvpick, received).await > before
+    })
+    .await;
+}
+
+/// Routes a new prefix by `from` and checks that `to`, which has no KV event and did not
+/// route it, picks the same pod once `from`'s record has arrived; then waits for `to`'s own
+/// record of it to reach `from`, so that the next call counts only its own records.
+async fn steers(
+    from: (&Kvpick, &mut ExternalProcessorClient<Channel>),
+    to: (&Kvpick, &mut ExternalProcessorClient<Channel>),
+    i: usize,
+) {
+    let received = "kvpick_replica_records_total{direction=\"received\"}";
+    let (before_from, before_to) = (metric(from.0, received).await, metric(to.0, received).await);
+    let first = route(from.1, &prompt(i)).await.endpoint;
+    arrived(to.0, before_to).await;
+    let second = route(to.1, &prompt(i)).await.endpoint;
+    assert_eq!(second, first, "prefix {i}: the peer follows the route");
+    arrived(from.0, before_from).await;
+}
+
+/// Waits until `kvpick` knows `want` peers and has an open stream to each.
+async fn peers(kvpick: &Kvpick, want: f64) {
+    for series in ["kvpick_replica_peers", "kvpick_replica_peers_connected"] {
+        let what = format!("{series} = {want}");
+        support::wait_until(&what, Duration::from_secs(10), || async {
+            metric(kvpick, series).await == want
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
+    use crate::fake_kube::FakeKube;
+    let fake = FakeKube::start().await;
+    let kubeconfig = fake.kubeconfig("default");
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool_file = dir.path().join("pool.yaml");
+    std::fs::write(&pool_file, pool_yaml(&backends.iter().collect::<Vec<_>>())).expect("pool");
+    let pool_file = pool_file.display().to_string();
+    let tokenizer = support::repo_root().join("assets/tokenizer");
+    let tokenizer = tokenizer.to_str().expect("path");
+    // Every replica on 127.0.0.1 (kvpick's servers all bind --bind-address), each on its own
+    // exchange port, which its pod declares: the peers' addresses come from the pods only.
+    let ports = [
+        support::free_port(),
+        support::free_port(),
+        support::free_port(),
+    ];
+    let start = |name: &'static str, port: u16| {
+        let (kubeconfig, pool_file) = (kubeconfig.clone(), pool_file.clone());
+        async move {
+            let port = port.to_string();
+            Kvpick::start_kube_env(
+                &kubeconfig,
+                &["--endpoints-file", &pool_file],
+                &[
+                    "--tokenizer",
+                    tokenizer,
+                    "--replica-exchange-port",
+                    &port,
+                    "--peer-selector",
+                    "app=kvpick-epp",
+                ],
+                &[("POD_NAME", name)],
+            )
+            .await
+        }
+    };
+    let pods = "pods";
+    fake.apply(pods, replica_pod("kvpick-a", ports[0], true));
+    fake.apply(pods, replica_pod("kvpick-b", ports[1], true));
+    // C, the replica of a later scale-up, starts now to save time; its pod comes later.
+    let (a, b, c) = tokio::join!(
+        start("kvpick-a", ports[0]),
+        start("kvpick-b", ports[1]),
+        start("kvpick-c", ports[2])
+    );
+    // Each finds the other (and not itself) through the API.
+    peers(&a, 1.0).await;
+    peers(&b, 1.0).await;
+    let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
+    for i in 0..2 {
+        steers((&a, &mut client_a), (&b, &mut client_b), i).await;
+        steers((&b, &mut client_b), (&a, &mut client_a), 100 + i).await;
+    }
+
+    // B's pod turns unready: A drops it at once; ready again, A takes it back; deleted, A
+    // drops it for good.
+    fake.apply(pods, replica_pod("kvpick-b", ports[1], false));
+    peers(&a, 0.0).await;
+    fake.apply(pods, replica_pod("kvpick-b", ports[1], true));
+    peers(&a, 1.0).await;
+    fake.delete(pods, "default", "kvpick-b");
+    peers(&a, 0.0).await;
+    let sent = "kvpick_replica_records_total{direction=\"sent\"}";
+    let sent_before = metric(&a, sent).await;
+    route(&mut client_a, &prompt(200)).await;
+    drop(b);
+
+    // A new replica (a scale-up) is picked up by its pod and steered by A's routes.
+    fake.apply(pods, replica_pod("kvpick-c", ports[2], true));
+    peers(&a, 1.0).await;
+    peers(&c, 1.0).await;
+    let mut client_c = ext_proc(c.grpc_port).await;
+    for i in 300..302 {
+        steers((&a, &mut client_a), (&c, &mut client_c), i).await;
+    }
+    assert_eq!(
+        metric(&a, sent).await,
+        sent_before + 2.0,
+        "the record made while A had no peer went nowhere; the 2 later ones went to C"
+    );
+}
+
 /// One answer seen by a load client: when the request started and ended, its status, and
 /// whether kvpick picked its destination (else Envoy failed open to the fallback cluster).
 #[derive(Debug, Clone, Copy)]
@@ -268,7 +408,11 @@ struct Answer {
 }
 
 /// Sends `body` to `url` in a loop until `stop`, returning every answer.
-async fn load(url: String, body: Vec<u8>, stop: tokio_util::sync::CancellationToken) -> Vec<Answer> {
+async fn load(
+    url: String,
+    body: Vec<u8>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Vec<Answer> {
     let mut seen = Vec::new();
     while !stop.is_cancelled() {
         let start = Instant::now();
@@ -472,7 +616,10 @@ async fn a_replica_killed_behind_envoy_loses_only_its_requests_in_flight() {
         failed_open
     );
     assert!(seen.len() > 40, "the load ran ({} requests)", seen.len());
-    assert!(lost_later.is_empty(), "requests sent after the kill lost: {lost_later:?}");
+    assert!(
+        lost_later.is_empty(),
+        "requests sent after the kill lost: {lost_later:?}"
+    );
     assert!(
         lost.len() <= in_flight && in_flight <= clients,
         "only requests in flight at the kill may be lost: {lost:?}"
