@@ -171,12 +171,14 @@ async fn stream(
             batch = queue.recv() => {
                 let Some(batch) = batch else { return delivered };
                 let records = batch.records.len() as u64;
+                let bytes = prost::Message::encoded_len(&*batch) as u64;
                 if tx.send(Batch::clone(&batch)).await.is_err() {
                     return delivered;
                 }
                 delivered += 1;
                 metrics.batches.with_label_values(&["sent"]).inc();
                 metrics.records.with_label_values(&["sent"]).inc_by(records);
+                metrics.bytes.with_label_values(&["sent"]).inc_by(bytes);
             }
         }
     }

@@ -202,6 +202,18 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     })
     .await;
 
+    // What A sent is what B received, counted in encoded bytes (B hears from A only).
+    support::wait_until(
+        "bytes sent = bytes received",
+        Duration::from_secs(5),
+        || async {
+            let sent = metric(&a, "kvpick_replica_bytes_total{direction=\"sent\"}").await;
+            let got = metric(&b, "kvpick_replica_bytes_total{direction=\"received\"}").await;
+            sent > 6.0 * 16.0 && sent == got
+        },
+    )
+    .await;
+
     // A hostile peer: more records than a batch may carry, bad and unknown endpoints, a
     // wrong block size, counts for endpoints not in the pool. All bounded and counted.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port_b}"))
