@@ -152,7 +152,11 @@ mod tests {
             RequestMeta::from_headers(Some(&map)).endpoint_selection
         };
         assert_eq!(read("10.0.0.7").as_deref(), Some("10.0.0.7"));
-        assert_eq!(read(&"10.0.0.7,".repeat(300)), None, "over 2 KiB: no restriction");
+        assert_eq!(
+            read(&"10.0.0.7,".repeat(300)),
+            None,
+            "over 2 KiB: no restriction"
+        );
     }
 
     #[test]
