@@ -100,6 +100,7 @@ pub async fn run_peer(
     mut queue: mpsc::Receiver<Arc<Batch>>,
     metrics: ReplicaMetrics,
     cancel: CancellationToken,
+    tls: Option<Arc<rustls::ClientConfig>>,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let endpoint = match tonic::transport::Endpoint::from_shared(format!("http://{peer}")) {
@@ -116,7 +117,15 @@ pub async fn run_peer(
     loop {
         let connected = tokio::select! {
             () = cancel.cancelled() => return,
-            connected = endpoint.connect() => connected,
+            connected = async {
+                match &tls {
+                    Some(config) => {
+                        let connector = super::tls::TlsConnect(Arc::clone(config));
+                        endpoint.connect_with_connector(connector).await
+                    }
+                    None => endpoint.connect().await,
+                }
+            } => connected,
         };
         match connected {
             Err(error) => {

@@ -45,6 +45,24 @@ async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A port for a replica's exchange, outside the OS's ephemeral range that `free_port` (and so
+/// every other port of the tests' processes) comes from. NOTE: kvpick is told this port up
+/// front and `Kvpick::start` retries with fresh ports but not this one: a port from the
+/// ephemeral range could be handed to another replica's gRPC or metrics port meanwhile (seen:
+/// "kvpick did not start in 4 attempts").
+pub(crate) fn exchange_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(7919);
+    loop {
+        let n = seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % 8000;
+        let port = 12000 + u16::try_from(n).expect("below 8000");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
 async fn ext_proc(port: u16) -> ExternalProcessorClient<Channel> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
         .expect("endpoint")
@@ -138,7 +156,7 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
     let tokenizer = support::repo_root().join("assets/tokenizer");
     let tokenizer = tokenizer.to_str().expect("path");
-    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let (port_a, port_b) = (exchange_port(), exchange_port());
     let replica = |own: u16, peer: u16| {
         [
             "--tokenizer".to_owned(),
@@ -338,11 +356,7 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
     let tokenizer = tokenizer.to_str().expect("path");
     // Every replica on 127.0.0.1 (kvpick's servers all bind --bind-address), each on its own
     // exchange port, which its pod declares: the peers' addresses come from the pods only.
-    let ports = [
-        support::free_port(),
-        support::free_port(),
-        support::free_port(),
-    ];
+    let ports = [exchange_port(), exchange_port(), exchange_port()];
     let start = |name: &'static str, port: u16| {
         let (kubeconfig, pool_file) = (kubeconfig.clone(), pool_file.clone());
         async move {
@@ -461,7 +475,7 @@ async fn two_replicas_behind_envoy(
 ) -> (Kvpick, Kvpick, support::envoy::Envoy) {
     use support::envoy::{Envoy, EnvoyOptions};
     let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
-    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let (port_a, port_b) = (exchange_port(), exchange_port());
     let replica = |own: u16, peer: u16| {
         [
             "--replica-exchange-port".to_owned(),
