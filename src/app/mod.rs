@@ -147,11 +147,16 @@ pub async fn serve(
         let bound = kv_events.bind_central(endpoint).await?;
         tracing::info!(%bound, "accepting KV events from pods that dial in");
     }
+    // Before the exchange, which reuses the ext-proc port's certificate.
+    let ext_tls = ext_proc_tls(&config, &registry, &background)?;
     if let Some(replica) = &config.replica {
         let parts = crate::replica::ReplicaParts {
             index: Arc::clone(&index),
             datastore: Arc::clone(&datastore),
             registry: registry.clone(),
+            tls: ext_tls
+                .as_ref()
+                .map(|(_, metrics, resolver)| (Arc::clone(resolver), metrics.clone())),
         };
         let started = crate::replica::start(replica, parts, &background).await?;
         for (name, task) in started.tasks {
@@ -219,7 +224,7 @@ pub async fn serve(
     subsystems::supervise_kv_events(&mut supervisor, &kv_events, &background);
     tokio::spawn(trim_memory(Arc::clone(&tokenizers), background.clone()));
 
-    let tls = ext_proc_tls(&config, &registry, &background)?;
+    let tls = ext_tls.map(|(server, metrics, _)| (server, metrics));
     let grpc_listener = bind(config.grpc_addr).await?;
     let health_listener = bind(config.health_addr).await?;
     let metrics_listener = bind(config.metrics_addr).await?;
@@ -463,11 +468,18 @@ fn local(listener: &TcpListener) -> String {
 /// latency-critical path, and Nagle plus delayed ACKs would hold some of them for 40 ms.
 /// The ext-proc port's TLS (`--secure-serving`): the first certificate, and with
 /// `--enable-cert-reload` the task that swaps in changed files.
+/// The ext-proc port's TLS: its server config, handshake metrics and certificate.
+type ExtProcTls = (
+    Arc<rustls::ServerConfig>,
+    crate::tls::TlsMetrics,
+    Arc<crate::tls::CertResolver>,
+);
+
 fn ext_proc_tls(
     config: &ServeConfig,
     registry: &prometheus::Registry,
     background: &CancellationToken,
-) -> Result<Option<(Arc<rustls::ServerConfig>, crate::tls::TlsMetrics)>, ServeError> {
+) -> Result<Option<ExtProcTls>, ServeError> {
     let Some(tls) = &config.tls else {
         return Ok(None);
     };
@@ -488,7 +500,11 @@ fn ext_proc_tls(
         (Some(dir), false) => tracing::info!(dir = %dir.display(), "ext-proc serves TLS"),
         (None, _) => tracing::info!("ext-proc serves TLS with a self-signed certificate"),
     }
-    Ok(Some((crate::tls::server_config(resolver)?, metrics)))
+    Ok(Some((
+        crate::tls::server_config(Arc::clone(&resolver))?,
+        metrics,
+        resolver,
+    )))
 }
 
 fn incoming(

@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// namespace, this pod excluded, on the exchange port.
     #[arg(long)]
     pub peer_selector: Option<String>,
+    /// Mutual TLS on the replica exchange, pinned to the `--cert-path` certificate every
+    /// replica shares (needs `--secure-serving --cert-path`).
+    #[arg(long)]
+    pub replica_exchange_tls: bool,
     /// How often the replica exchange sends a batch (at most 1s).
     #[arg(long, default_value = "10ms", value_parser = parse_duration)]
     pub replica_batch_interval: Duration,
@@ -404,6 +408,8 @@ impl ServeArgs {
                 .pool_namespace
                 .clone()
                 .unwrap_or_else(crate::discovery::kube::default_namespace),
+            tls: self.replica_exchange_tls,
+            shared_cert: self.secure_serving && self.cert_path.is_some(),
         })?;
         let tls = self.tls_config()?;
         let ports = [

@@ -144,6 +144,22 @@ mod tests {
     }
 
     #[test]
+    fn an_oversized_endpoint_selection_is_ignored() {
+        let read = |value: &str| {
+            let map = HeaderMap {
+                headers: vec![header(super::super::conformance::SELECTION_HEADER, value)],
+            };
+            RequestMeta::from_headers(Some(&map)).endpoint_selection
+        };
+        assert_eq!(read("10.0.0.7").as_deref(), Some("10.0.0.7"));
+        assert_eq!(
+            read(&"10.0.0.7,".repeat(300)),
+            None,
+            "over 2 KiB: no restriction"
+        );
+    }
+
+    #[test]
     fn reads_path_and_control_headers() {
         let map = HeaderMap {
             headers: vec![

@@ -41,6 +41,10 @@ pub struct ReplicaFlags<'a> {
     pub batch_interval: Duration,
     /// The namespace peers are looked for in.
     pub namespace: String,
+    /// `--replica-exchange-tls`.
+    pub tls: bool,
+    /// Whether the ext-proc port serves a certificate from `--cert-path` (`--secure-serving`).
+    pub shared_cert: bool,
 }
 
 fn fail(flag: &'static str, reason: impl Into<String>) -> ReplicaFlagError {
@@ -59,8 +63,21 @@ pub fn validate(flags: ReplicaFlags<'_>) -> Result<Option<ReplicaConfig>, Replic
         if flags.peer_selector.is_some() {
             return Err(fail("peer-selector", "needs --replica-exchange-port"));
         }
+        if flags.tls {
+            return Err(fail(
+                "replica-exchange-tls",
+                "needs --replica-exchange-port",
+            ));
+        }
         return Ok(None);
     };
+    if flags.tls && !flags.shared_cert {
+        return Err(fail(
+            "replica-exchange-tls",
+            "needs --secure-serving with --cert-path: a certificate every replica shares (a \
+             self-signed one differs per replica)",
+        ));
+    }
     if flags.batch_interval.is_zero() || flags.batch_interval > MAX_BATCH_INTERVAL {
         return Err(fail(
             "replica-batch-interval",
@@ -108,6 +125,7 @@ pub fn validate(flags: ReplicaFlags<'_>) -> Result<Option<ReplicaConfig>, Replic
         batch_interval: flags.batch_interval,
         queue_batches: QUEUE_BATCHES,
         namespace: flags.namespace,
+        tls: flags.tls,
     }))
 }
 
@@ -146,6 +164,8 @@ mod tests {
             peer_selector: selector,
             batch_interval: Duration::from_millis(10),
             namespace: "default".into(),
+            tls: false,
+            shared_cert: false,
         }
     }
 
@@ -170,5 +190,15 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(matches!(config.peers, Some(PeerSource::Selector(_))));
+        let mut tls = flags(Some(9100), &[], None);
+        tls.tls = true;
+        assert_eq!(
+            validate(tls.clone()).unwrap_err().flag,
+            "replica-exchange-tls"
+        );
+        tls.shared_cert = true;
+        assert!(validate(tls.clone()).unwrap().unwrap().tls);
+        tls.port = None;
+        assert_eq!(validate(tls).unwrap_err().flag, "replica-exchange-tls");
     }
 }

@@ -43,6 +43,8 @@ pub struct ExchangeParts {
     pub queue_batches: usize,
     /// Counters.
     pub metrics: ReplicaMetrics,
+    /// The peer clients' TLS (`--replica-exchange-tls`), when on.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 /// Runs the exchange until `cancel`.
@@ -144,6 +146,7 @@ fn reconcile(
             rx,
             parts.metrics.clone(),
             token.clone(),
+            parts.tls.clone(),
         ));
         running.insert(peer.clone(), token);
     }
@@ -182,6 +185,7 @@ mod tests {
             batch_interval: Duration::from_millis(10),
             queue_batches: 2,
             metrics: metrics.clone(),
+            tls: None,
         })
     }
 

@@ -112,6 +112,10 @@ impl Inbox {
         };
         self.metrics.batches.with_label_values(&["received"]).inc();
         self.metrics
+            .bytes
+            .with_label_values(&["received"])
+            .inc_by(prost::Message::encoded_len(&batch) as u64);
+        self.metrics
             .records
             .with_label_values(&["received"])
             .inc_by(batch.records.len() as u64);

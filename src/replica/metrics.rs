@@ -10,6 +10,9 @@ pub struct ReplicaMetrics {
     pub batches: IntCounterVec,
     /// Routing records sent / received (`direction`).
     pub records: IntCounterVec,
+    /// Encoded bytes of the batches sent / received (`direction`; protobuf payload, without
+    /// gRPC and HTTP/2 framing).
+    pub bytes: IntCounterVec,
     /// Batches dropped, by reason: `queue_full` (a peer's queue), `oversized` (a received
     /// batch over the bound; the excess records), `self` (a batch from this replica).
     pub dropped_batches: IntCounterVec,
@@ -51,6 +54,11 @@ impl ReplicaMetrics {
             records: counter(
                 "kvpick_replica_records_total",
                 "Routing records in replica-exchange batches, by direction (sent, received)",
+                "direction",
+            )?,
+            bytes: counter(
+                "kvpick_replica_bytes_total",
+                "Encoded bytes of replica-exchange batches, by direction (sent, received)",
                 "direction",
             )?,
             dropped_batches: counter(

@@ -21,6 +21,7 @@ pub mod inbox;
 pub mod metrics;
 pub mod outbox;
 pub mod peer;
+pub mod tls;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -66,6 +67,8 @@ pub struct ReplicaConfig {
     pub queue_batches: usize,
     /// The namespace peer pods are looked for in (`--peer-selector`).
     pub namespace: String,
+    /// Mutual TLS pinned to the `--cert-path` certificate (`--replica-exchange-tls`).
+    pub tls: bool,
 }
 
 /// Why the exchange could not start.
@@ -85,6 +88,9 @@ pub enum ReplicaError {
     /// `--peer-selector` needs a Kubernetes client.
     #[error("--peer-selector: {0}")]
     Kube(#[from] crate::discovery::kube::KubeError),
+    /// `--replica-exchange-tls` without the ext-proc port's certificate, or rustls refused it.
+    #[error("--replica-exchange-tls: {0}")]
+    Tls(String),
 }
 
 /// What the exchange works on.
@@ -95,6 +101,9 @@ pub struct ReplicaParts {
     pub datastore: Arc<Datastore>,
     /// Where the metrics go.
     pub registry: prometheus::Registry,
+    /// The ext-proc port's certificate and TLS metrics (`--secure-serving`), when on: the
+    /// exchange's TLS uses them.
+    pub tls: Option<(Arc<crate::tls::CertResolver>, crate::tls::TlsMetrics)>,
 }
 
 /// This replica's id in batches: the pod name (or host name) and the exchange port, so two
@@ -138,6 +147,14 @@ pub async fn start(
         source,
     })?;
     let own_id = own_id(bound.port());
+    let tls = match (config.tls, &parts.tls) {
+        (false, _) => None,
+        (true, None) => return Err(ReplicaError::Tls("needs --secure-serving".into())),
+        (true, Some((resolver, metrics))) => Some((
+            tls::ExchangeTls::new(resolver).map_err(|e| ReplicaError::Tls(e.to_string()))?,
+            metrics.clone(),
+        )),
+    };
     let foreign = Arc::new(inbox::ForeignLoads::default());
     let inbox = Arc::new(inbox::Inbox {
         own_id: own_id.clone(),
@@ -148,9 +165,14 @@ pub async fn start(
     });
     let service = proto::replica_exchange_server::ReplicaExchangeServer::new(inbox)
         .max_decoding_message_size(inbox::MAX_MESSAGE_BYTES);
+    let server_tls = tls
+        .as_ref()
+        .map(|(tls, metrics)| (Arc::clone(&tls.server), metrics.clone()));
     let cancel = background.clone();
     tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Plain, or TLS with every handshake on its own task (bounded, timed out, counted
+        // with the ext-proc port's handshakes).
+        let incoming = crate::tls::incoming(listener, server_tls);
         let served = tonic::transport::Server::builder()
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
@@ -192,6 +214,7 @@ pub async fn start(
         batch_interval: config.batch_interval,
         queue_batches: config.queue_batches,
         metrics,
+        tls: tls.map(|(tls, _)| tls.client),
     });
     let cancel = background.clone();
     tasks.push((

@@ -100,6 +100,7 @@ pub async fn run_peer(
     mut queue: mpsc::Receiver<Arc<Batch>>,
     metrics: ReplicaMetrics,
     cancel: CancellationToken,
+    tls: Option<Arc<rustls::ClientConfig>>,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let endpoint = match tonic::transport::Endpoint::from_shared(format!("http://{peer}")) {
@@ -116,7 +117,15 @@ pub async fn run_peer(
     loop {
         let connected = tokio::select! {
             () = cancel.cancelled() => return,
-            connected = endpoint.connect() => connected,
+            connected = async {
+                match &tls {
+                    Some(config) => {
+                        let connector = super::tls::TlsConnect(Arc::clone(config));
+                        endpoint.connect_with_connector(connector).await
+                    }
+                    None => endpoint.connect().await,
+                }
+            } => connected,
         };
         match connected {
             Err(error) => {
@@ -171,12 +180,14 @@ async fn stream(
             batch = queue.recv() => {
                 let Some(batch) = batch else { return delivered };
                 let records = batch.records.len() as u64;
+                let bytes = prost::Message::encoded_len(&*batch) as u64;
                 if tx.send(Batch::clone(&batch)).await.is_err() {
                     return delivered;
                 }
                 delivered += 1;
                 metrics.batches.with_label_values(&["sent"]).inc();
                 metrics.records.with_label_values(&["sent"]).inc_by(records);
+                metrics.bytes.with_label_values(&["sent"]).inc_by(bytes);
             }
         }
     }

@@ -31,6 +31,11 @@ impl CertResolver {
         }
     }
 
+    /// The pair served now.
+    pub fn current(&self) -> Arc<CertifiedKey> {
+        Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
     /// Serves `pair` from the next handshake on.
     pub fn set(&self, pair: CertifiedKey) {
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(pair);

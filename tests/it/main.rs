@@ -35,6 +35,7 @@ mod kv_subscriber;
 mod layering;
 mod quickstart;
 mod replica_exchange;
+mod replica_tls;
 mod req_long_strings;
 mod sched_config;
 mod sched_extproc;

@@ -3,7 +3,7 @@
 //! one replica what the other routed), requests sent straight to each replica's ext-proc
 //! port. Also: in-flight counts cross over, and a hostile peer is bounded and counted.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -43,6 +43,24 @@ async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
     text.lines()
         .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// A port for a replica's exchange, outside the OS's ephemeral range that `free_port` (and so
+/// every other port of the tests' processes) comes from. NOTE: kvpick is told this port up
+/// front and `Kvpick::start` retries with fresh ports but not this one: a port from the
+/// ephemeral range could be handed to another replica's gRPC or metrics port meanwhile (seen:
+/// "kvpick did not start in 4 attempts").
+pub(crate) fn exchange_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(7919);
+    loop {
+        let n = seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % 8000;
+        let port = 12000 + u16::try_from(n).expect("below 8000");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 async fn ext_proc(port: u16) -> ExternalProcessorClient<Channel> {
@@ -138,7 +156,7 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
     let tokenizer = support::repo_root().join("assets/tokenizer");
     let tokenizer = tokenizer.to_str().expect("path");
-    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let (port_a, port_b) = (exchange_port(), exchange_port());
     let replica = |own: u16, peer: u16| {
         [
             "--tokenizer".to_owned(),
@@ -202,6 +220,18 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     })
     .await;
 
+    // What A sent is what B received, counted in encoded bytes (B hears from A only).
+    support::wait_until(
+        "bytes sent = bytes received",
+        Duration::from_secs(5),
+        || async {
+            let sent = metric(&a, "kvpick_replica_bytes_total{direction=\"sent\"}").await;
+            let got = metric(&b, "kvpick_replica_bytes_total{direction=\"received\"}").await;
+            sent > 6.0 * 16.0 && sent == got
+        },
+    )
+    .await;
+
     // A hostile peer: more records than a batch may carry, bad and unknown endpoints, a
     // wrong block size, counts for endpoints not in the pool. All bounded and counted.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port_b}"))
@@ -257,16 +287,162 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     assert!(!after.endpoint.is_empty());
 }
 
-/// Sends `body` to `url` in a loop until `stop`, returning each answer's status and whether
-/// kvpick picked its destination (else Envoy failed open to the fallback cluster).
+/// A pod of kvpick's own Deployment in the fake API: its IP and its exchange port declared
+/// as the chart does (a container port named `replica`).
+fn replica_pod(name: &str, port: u16, ready: bool) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}"),
+                     "labels": {"app": "kvpick-epp"}},
+        "spec": {"containers": [{"name": "epp", "image": "kvpick",
+                                 "ports": [{"name": "replica", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}
+    })
+}
+
+/// Waits until `kvpick` has received more routing records than `before`.
+async fn arrived(kvpick: &Kvpick, before: f64) {
+    let received = "kvpick_replica_records_total{direction=\"received\"}";
+    support::wait_until("the record to arrive", Duration::from_secs(5), || async {
+        metric(kvpick, received).await > before
+    })
+    .await;
+}
+
+/// Routes a new prefix by `from` and checks that `to`, which has no KV event and did not
+/// route it, picks the same pod once `from`'s record has arrived; then waits for `to`'s own
+/// record of it to reach `from`, so that the next call counts only its own records.
+async fn steers(
+    from: (&Kvpick, &mut ExternalProcessorClient<Channel>),
+    to: (&Kvpick, &mut ExternalProcessorClient<Channel>),
+    i: usize,
+) {
+    let received = "kvpick_replica_records_total{direction=\"received\"}";
+    let (before_from, before_to) = (metric(from.0, received).await, metric(to.0, received).await);
+    let first = route(from.1, &prompt(i)).await.endpoint;
+    arrived(to.0, before_to).await;
+    let second = route(to.1, &prompt(i)).await.endpoint;
+    assert_eq!(second, first, "prefix {i}: the peer follows the route");
+    arrived(from.0, before_from).await;
+}
+
+/// Waits until `kvpick` knows `want` peers and has an open stream to each.
+async fn peers(kvpick: &Kvpick, want: f64) {
+    for series in ["kvpick_replica_peers", "kvpick_replica_peers_connected"] {
+        let what = format!("{series} = {want}");
+        support::wait_until(&what, Duration::from_secs(10), || async {
+            metric(kvpick, series).await == want
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
+    use crate::fake_kube::FakeKube;
+    let fake = FakeKube::start().await;
+    let kubeconfig = fake.kubeconfig("default");
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool_file = dir.path().join("pool.yaml");
+    std::fs::write(&pool_file, pool_yaml(&backends.iter().collect::<Vec<_>>())).expect("pool");
+    let pool_file = pool_file.display().to_string();
+    let tokenizer = support::repo_root().join("assets/tokenizer");
+    let tokenizer = tokenizer.to_str().expect("path");
+    // Every replica on 127.0.0.1 (kvpick's servers all bind --bind-address), each on its own
+    // exchange port, which its pod declares: the peers' addresses come from the pods only.
+    let ports = [exchange_port(), exchange_port(), exchange_port()];
+    let start = |name: &'static str, port: u16| {
+        let (kubeconfig, pool_file) = (kubeconfig.clone(), pool_file.clone());
+        async move {
+            let port = port.to_string();
+            Kvpick::start_kube_env(
+                &kubeconfig,
+                &["--endpoints-file", &pool_file],
+                &[
+                    "--tokenizer",
+                    tokenizer,
+                    "--replica-exchange-port",
+                    &port,
+                    "--peer-selector",
+                    "app=kvpick-epp",
+                ],
+                &[("POD_NAME", name)],
+            )
+            .await
+        }
+    };
+    let pods = "pods";
+    fake.apply(pods, replica_pod("kvpick-a", ports[0], true));
+    fake.apply(pods, replica_pod("kvpick-b", ports[1], true));
+    // C, the replica of a later scale-up, starts now to save time; its pod comes later.
+    let (a, b, c) = tokio::join!(
+        start("kvpick-a", ports[0]),
+        start("kvpick-b", ports[1]),
+        start("kvpick-c", ports[2])
+    );
+    // Each finds the other (and not itself) through the API.
+    peers(&a, 1.0).await;
+    peers(&b, 1.0).await;
+    let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
+    for i in 0..2 {
+        steers((&a, &mut client_a), (&b, &mut client_b), i).await;
+        steers((&b, &mut client_b), (&a, &mut client_a), 100 + i).await;
+    }
+
+    // B's pod turns unready: A drops it at once; ready again, A takes it back; deleted, A
+    // drops it for good.
+    fake.apply(pods, replica_pod("kvpick-b", ports[1], false));
+    peers(&a, 0.0).await;
+    fake.apply(pods, replica_pod("kvpick-b", ports[1], true));
+    peers(&a, 1.0).await;
+    fake.delete(pods, "default", "kvpick-b");
+    peers(&a, 0.0).await;
+    let sent = "kvpick_replica_records_total{direction=\"sent\"}";
+    let sent_before = metric(&a, sent).await;
+    route(&mut client_a, &prompt(200)).await;
+    drop(b);
+
+    // A new replica (a scale-up) is picked up by its pod and steered by A's routes.
+    fake.apply(pods, replica_pod("kvpick-c", ports[2], true));
+    peers(&a, 1.0).await;
+    peers(&c, 1.0).await;
+    let mut client_c = ext_proc(c.grpc_port).await;
+    for i in 300..302 {
+        steers((&a, &mut client_a), (&c, &mut client_c), i).await;
+    }
+    assert_eq!(
+        metric(&a, sent).await,
+        sent_before + 2.0,
+        "the record made while A had no peer went nowhere; the 2 later ones went to C"
+    );
+}
+
+/// One answer seen by a load client: when the request started and ended, its status, and
+/// whether kvpick picked its destination (else Envoy failed open to the fallback cluster).
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    start: Instant,
+    end: Instant,
+    status: u16,
+    picked: bool,
+}
+
+/// Sends `body` to `url` in a loop until `stop`, returning every answer.
 async fn load(
     url: String,
     body: Vec<u8>,
     stop: tokio_util::sync::CancellationToken,
-) -> Vec<(u16, bool)> {
+) -> Vec<Answer> {
     let mut seen = Vec::new();
     while !stop.is_cancelled() {
-        let reply = send(
+        let start = Instant::now();
+        let (status, picked) = send(
             "POST",
             &url,
             &[("content-type", "application/json")],
@@ -280,20 +456,26 @@ async fn load(
             (r.status, picked)
         })
         .unwrap_or((0, false));
-        seen.push(reply);
+        seen.push(Answer {
+            start,
+            end: Instant::now(),
+            status,
+            picked,
+        });
     }
     seen
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_leaving_behind_envoy_loses_no_request() {
+/// Two replicas (A with `extra_a`) exchanging with each other behind one real Envoy whose
+/// ext_proc cluster holds both, the FailOpen fallback listing the two backends; returns once
+/// both replicas have taken streams.
+async fn two_replicas_behind_envoy(
+    backends: &[Backend; 2],
+    extra_a: &[&str],
+) -> (Kvpick, Kvpick, support::envoy::Envoy) {
     use support::envoy::{Envoy, EnvoyOptions};
-    let backends = [
-        Backend::start("127.0.0.1").await,
-        Backend::start("127.0.0.1").await,
-    ];
     let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
-    let (port_a, port_b) = (support::free_port(), support::free_port());
+    let (port_a, port_b) = (exchange_port(), exchange_port());
     let replica = |own: u16, peer: u16| {
         [
             "--replica-exchange-port".to_owned(),
@@ -303,11 +485,10 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         ]
     };
     let (mut args_a, args_b) = (replica(port_a, port_b).to_vec(), replica(port_b, port_a));
-    // Past Envoy's next health check (every 1 s) before A stops taking streams.
-    args_a.extend(["--shutdown-grace-period", "1200ms", "--drain-timeout", "2s"].map(String::from));
+    args_a.extend(extra_a.iter().map(|s| (*s).to_owned()));
     let args_a: Vec<&str> = args_a.iter().map(String::as_str).collect();
     let args_b: Vec<&str> = args_b.iter().map(String::as_str).collect();
-    let (mut a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
+    let (a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
     let envoy = Envoy::start(
         &a,
         EnvoyOptions {
@@ -319,9 +500,7 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
     )
     .await;
     let url = envoy.url("/v1/completions");
-    let body = serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4})
-        .to_string()
-        .into_bytes();
+    let body = completion_body();
     // Both replicas take streams before the fault.
     let streams = "inference_objective_request_total{";
     support::wait_until("both replicas to route", Duration::from_secs(10), || {
@@ -339,27 +518,70 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         }
     })
     .await;
+    (a, b, envoy)
+}
+
+fn completion_body() -> Vec<u8> {
+    serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4})
+        .to_string()
+        .into_bytes()
+}
+
+/// Runs `clients` load clients against `url`, applies `fault` after 300 ms, keeps the load
+/// up for `after` more, and returns every answer with the instants before and after `fault`.
+async fn under_load(
+    url: &str,
+    clients: usize,
+    after: Duration,
+    fault: impl FnOnce(),
+) -> (Vec<Answer>, std::ops::RangeInclusive<Instant>) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| tokio::spawn(load(url.to_owned(), completion_body(), stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = Instant::now();
+    fault();
+    let done = Instant::now();
+    tokio::time::sleep(after).await;
+    stop.cancel();
+    let mut seen = Vec::new();
+    for task in tasks {
+        seen.extend(task.await.expect("client"));
+    }
+    (seen, before..=done)
+}
+
+/// After a fault B serves every request itself (no fail-open).
+async fn only_b_routes(url: &str) {
+    for _ in 0..5 {
+        let reply = post_json(url, &completion_body()).await;
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply
+                .header(support::envoy::METADATA_ECHO_HEADER)
+                .is_some_and(|h| !h.is_empty() && h != "-")
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaving_behind_envoy_loses_no_request() {
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    // Past Envoy's next health check (every 1 s) before A stops taking streams.
+    let grace = ["--shutdown-grace-period", "1200ms", "--drain-timeout", "2s"];
+    let (mut a, _b, envoy) = two_replicas_behind_envoy(&backends, &grace).await;
+    let url = envoy.url("/v1/completions");
 
     // Two clients keep requests coming while replica A leaves (SIGTERM, as in a scale-down
     // or a rolling update): readiness off, Envoy's health check moves new streams to B, A
     // drains its open ones.
-    // NOTE: a replica that crashes (SIGKILL) costs the requests Envoy sends it until its
-    // next health check: Envoy cannot fail open once a FULL_DUPLEX_STREAMED body has gone
-    // into the stream (see deploy/envoy/envoy.yaml and README).
-    let stop = tokio_util::sync::CancellationToken::new();
-    let clients: Vec<_> = (0..2)
-        .map(|_| tokio::spawn(load(url.clone(), body.clone(), stop.clone())))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    a.terminate();
-    tokio::time::sleep(Duration::from_millis(1600)).await;
-    stop.cancel();
-    let mut seen = Vec::new();
-    for client in clients {
-        seen.extend(client.await.expect("client"));
-    }
-    let lost: Vec<_> = seen.iter().filter(|(status, _)| *status != 200).collect();
-    let picked = seen.iter().filter(|(_, picked)| *picked).count();
+    let (seen, _) = under_load(&url, 2, Duration::from_millis(1600), || a.terminate()).await;
+    let lost: Vec<_> = seen.iter().filter(|r| r.status != 200).collect();
+    let picked = seen.iter().filter(|r| r.picked).count();
     eprintln!(
         "replica left under load: {} requests, {} lost, {} picked by kvpick",
         seen.len(),
@@ -378,16 +600,67 @@ async fn a_replica_leaving_behind_envoy_loses_no_request() {
         Some(0),
         "A drained and exited"
     );
-    // After the fault B serves every request itself (no fail-open).
-    for _ in 0..5 {
-        let reply = post_json(&url, &body).await;
-        assert_eq!(reply.status, 200);
-        assert!(
-            reply
-                .header(support::envoy::METADATA_ECHO_HEADER)
-                .is_some_and(|h| !h.is_empty() && h != "-")
-        );
-    }
+    only_b_routes(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_behind_envoy_loses_only_its_requests_in_flight() {
+    let backends = [
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    ];
+    let (mut a, _b, envoy) = two_replicas_behind_envoy(&backends, &[]).await;
+    let url = envoy.url("/v1/completions");
+
+    // A crashes (SIGKILL: no drain, its sockets reset) while four clients keep requests
+    // coming. A request whose ext_proc stream is open on A when it dies cannot be saved:
+    // Envoy has handed its body to A (FULL_DUPLEX_STREAMED keeps no copy) and A has already
+    // answered the stream's headers, so neither FailOpen nor a gRPC retry can replay it.
+    // Every later request must reach a backend: the ext_proc stream's retry policy moves a
+    // stream refused by the dead A to B, and outlier detection ejects A at its first
+    // refused connect, long before the next health check (deploy/envoy/envoy.yaml).
+    let clients = 4;
+    // The kill spans from the signal to the reaped process (a request started in between
+    // may still have reached A alive).
+    let (seen, killed) = under_load(&url, clients, Duration::from_millis(1500), || {
+        a.child.kill().expect("SIGKILL A");
+        a.child.wait().expect("reap A");
+    })
+    .await;
+    let in_flight = seen
+        .iter()
+        .filter(|r| r.start <= *killed.end() && r.end >= *killed.start())
+        .count();
+    let lost: Vec<_> = seen.iter().filter(|r| r.status != 200).collect();
+    let lost_later: Vec<_> = lost.iter().filter(|r| r.start > *killed.end()).collect();
+    let picked = seen.iter().filter(|r| r.picked).count();
+    let failed_open = seen.iter().filter(|r| r.status == 200 && !r.picked).count();
+    eprintln!(
+        "replica killed under load: {} requests, {} in flight at the kill, {} lost {lost:?} ({} sent \
+         after the kill), {} picked by kvpick, {} failed open",
+        seen.len(),
+        in_flight,
+        lost.len(),
+        lost_later.len(),
+        picked,
+        failed_open
+    );
+    assert!(seen.len() > 40, "the load ran ({} requests)", seen.len());
+    assert!(
+        lost_later.is_empty(),
+        "requests sent after the kill lost: {lost_later:?}"
+    );
+    assert!(
+        seen.iter()
+            .filter(|r| r.start > *killed.end())
+            .all(|r| r.picked),
+        "B picked every request sent after the kill (none failed open)"
+    );
+    assert!(
+        lost.len() <= in_flight,
+        "only requests in flight at the kill may be lost: {lost:?}"
+    );
+    only_b_routes(&url).await;
 }
 
 #[test]

@@ -20,9 +20,9 @@ use support::kvpick::Kvpick;
 /// Accepts any certificate (as gateways do for the EPP's self-signed one) but records it,
 /// and still checks the handshake signature against it (which parses the certificate).
 #[derive(Debug)]
-struct Recorder {
-    seen: Mutex<Option<Vec<u8>>>,
-    provider: rustls::crypto::CryptoProvider,
+pub(crate) struct Recorder {
+    pub(crate) seen: Mutex<Option<Vec<u8>>>,
+    pub(crate) provider: rustls::crypto::CryptoProvider,
 }
 
 impl ServerCertVerifier for Recorder {
@@ -135,7 +135,7 @@ fn pem(label: &str, der: &[u8]) -> String {
 }
 
 /// Writes a fresh pair into `dir` and returns its certificate's DER.
-fn write_pair(dir: &Path) -> Vec<u8> {
+pub(crate) fn write_pair(dir: &Path) -> Vec<u8> {
     let (cert, key) = kvpick::tls::self_signed::generate().expect("certificate");
     let PrivateKeyDer::Pkcs8(key) = key else {
         panic!("a PKCS#8 key")

@@ -56,11 +56,22 @@ impl Kvpick {
         source_args: &[&str],
         extra_args: &[&str],
     ) -> Kvpick {
+        Self::start_kube_env(kubeconfig, source_args, extra_args, &[]).await
+    }
+
+    /// [`Kvpick::start_kube`] with more environment variables (e.g. `POD_NAME`).
+    pub async fn start_kube_env(
+        kubeconfig: &std::path::Path,
+        source_args: &[&str],
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Kvpick {
         let dir = tempfile::tempdir().expect("tempdir");
         let pool_file = dir.path().join("unused-pool.yaml");
         let source: Vec<String> = source_args.iter().map(|s| (*s).to_owned()).collect();
-        let env = [("KUBECONFIG", kubeconfig.display().to_string())];
-        Self::launch(dir, pool_file, &source, extra_args, &env, "liveness").await
+        let mut all = vec![("KUBECONFIG", kubeconfig.display().to_string())];
+        all.extend(env.iter().map(|(k, v)| (*k, (*v).to_owned())));
+        Self::launch(dir, pool_file, &source, extra_args, &all, "liveness").await
     }
 
     async fn launch(

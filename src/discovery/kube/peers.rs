@@ -1,5 +1,8 @@
 //! Replica peers from the API (`--peer-selector`): the ready pods of kvpick's own
 //! Deployment, by label, in its namespace, this pod excluded, each as `podIP:exchange-port`.
+//! A peer's exchange port is its container port named `replica` (the chart declares it, and
+//! the headless Service's `grpc-replica` targets it), else this replica's own: a rolling
+//! update that moves the port keeps old and new replicas talking.
 //! The set is published into a `watch` channel the replica exchange follows
 //! (`crate::replica`).
 
@@ -62,6 +65,22 @@ pub async fn watch_peers(
     Ok((rx, task))
 }
 
+/// The container port name of the exchange in kvpick's chart.
+const EXCHANGE_PORT_NAME: &str = "replica";
+
+/// The exchange port a peer pod declares (a container port named [`EXCHANGE_PORT_NAME`] in
+/// 1–65535), else `default` (this replica's own).
+fn exchange_port(pod: &Pod, default: u16) -> u16 {
+    pod.spec
+        .iter()
+        .flat_map(|spec| &spec.containers)
+        .flat_map(|container| container.ports.iter().flatten())
+        .find(|port| port.name.as_deref() == Some(EXCHANGE_PORT_NAME))
+        .and_then(|port| u16::try_from(port.container_port).ok())
+        .filter(|port| *port != 0)
+        .unwrap_or(default)
+}
+
 /// The exchange address of a peer pod, when it is one.
 fn peer_addr(pod: &Pod, own: Option<&str>, port: u16) -> Option<String> {
     if own.is_some() && pod.metadata.name.as_deref() == own {
@@ -71,7 +90,7 @@ fn peer_addr(pod: &Pod, own: Option<&str>, port: u16) -> Option<String> {
         return None;
     }
     let ip: IpAddr = pod.status.as_ref()?.pod_ip.as_deref()?.parse().ok()?;
-    Some(SocketAddr::new(ip, port).to_string())
+    Some(SocketAddr::new(ip, exchange_port(pod, port)).to_string())
 }
 
 async fn run(
@@ -171,5 +190,36 @@ mod tests {
             peer_addr(&pod("kvpick-f", Some("not-an-ip"), true), own, 9010),
             None
         );
+    }
+
+    #[test]
+    fn a_peer_declaring_its_exchange_port_is_reached_there() {
+        let with_ports = |ports: serde_json::Value| -> Pod {
+            let mut pod = serde_json::to_value(pod("kvpick-b", Some("10.0.0.2"), true))
+                .unwrap_or_else(|e| panic!("pod: {e}"));
+            pod["spec"] = serde_json::json!({"containers": [{"name": "kvpick", "ports": ports}]});
+            serde_json::from_value(pod).unwrap_or_else(|e| panic!("pod: {e}"))
+        };
+        let declared = with_ports(serde_json::json!([
+            {"name": "grpc", "containerPort": 9002},
+            {"name": "replica", "containerPort": 9011}
+        ]));
+        assert_eq!(
+            peer_addr(&declared, None, 9010).as_deref(),
+            Some("10.0.0.2:9011")
+        );
+        // No such port, or one out of range: this replica's own port.
+        for ports in [
+            serde_json::json!([{"name": "grpc", "containerPort": 9002}]),
+            serde_json::json!([{"name": "replica", "containerPort": 70000}]),
+            serde_json::json!([{"name": "replica", "containerPort": -1}]),
+            serde_json::json!([{"name": "replica", "containerPort": 0}]),
+        ] {
+            assert_eq!(
+                peer_addr(&with_ports(ports.clone()), None, 9010).as_deref(),
+                Some("10.0.0.2:9010"),
+                "{ports}"
+            );
+        }
     }
 }
