@@ -129,9 +129,11 @@ for r in $(seq "$ROUNDS"); do
       after=$(stages $metrics); routed_after=$(routed $metrics)
       hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
       read -r vol_after invol_after < <(switches "$pid")
-      sent=$(( REQUESTS + $(case $variant in warm) echo 50 ;; cold) echo 20 ;; *) echo 300 ;; esac) ))
+      case $variant in warm) warmup=50 ;; cold) warmup=20 ;; *) warmup=300 ;; esac
+      sent=$((REQUESTS + warmup))
       echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"
-      echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it"
+      cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
+      echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it; prefix token cache after it ${cached} MiB"
       python3 - "$r" "$size" "$variant" "$pace" "kvpick$i" "$a" "$alone" "$before" "$after" \
         "${IDLE[$i]}" "$((routed_after - routed_before))" <<'PY'
 import json, sys
