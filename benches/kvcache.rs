@@ -1,5 +1,6 @@
 //! Prefix index figures: ingest rate (blocks/s, one core), match latency for a 2,048-block
-//! prompt over 100 pods, and memory per (block, pod) entry (printed).
+//! prompt over 100 pods, the routing record of a warm 6,250-block prompt, and memory per
+//! (block, pod) entry (printed).
 //!
 //! Run: `cargo bench --bench kvcache`.
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvpick::endpoints::PodId;
-use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, block_keys};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys, block_keys};
 use kvpick::kvevents::{
     BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
 };
@@ -212,6 +213,79 @@ fn matching(c: &mut Criterion) {
     group.finish();
 }
 
+/// Blocks of a 400 KB chat prompt (~100k tokens at 16 tokens a block) and how many of them a
+/// warm request shares with the previous one (95%).
+const WARM_BLOCKS: usize = 6_250;
+const WARM_SHARED: usize = 5_937;
+
+/// A warm prompt: the shared bundle, then a tail of its own (`tail` picks it).
+fn warm_prompt(tail: u32) -> Vec<u32> {
+    let mut tokens: Vec<u32> = (0..(WARM_SHARED * BLOCK) as u32)
+        .map(|t| t.wrapping_mul(2_654_435_761))
+        .collect();
+    tokens.extend(
+        (0..((WARM_BLOCKS - WARM_SHARED) * BLOCK) as u32)
+            .map(|t| (tail << 16 | t).wrapping_mul(40_503)),
+    );
+    tokens
+}
+
+/// The routing record of a warm 6,250-block prompt (`PrefixIndex::record_routed` after the
+/// request's lookup, its keys already computed, as on the request path): on a pod without
+/// events (approximate LRU set, at its default 16,384-block capacity, so it evicts) and on
+/// a pod with events (speculative runs). Each iteration is a new request: the same bundle
+/// and a new tail.
+fn record(c: &mut Criterion) {
+    let context = KeyContext::model("m");
+    let mut group = c.benchmark_group("record_warm_6250_blocks");
+    group.throughput(Throughput::Elements(WARM_BLOCKS as u64));
+    for precise in [false, true] {
+        let fresh = || {
+            let index = PrefixIndex::new(IndexConfig::default());
+            index.set_pod_block_size(pod(0), BLOCK as u32);
+            if precise {
+                // An (empty) event batch: the pod publishes events.
+                let batch = EventBatch {
+                    ts: 0.0,
+                    events: vec![],
+                    dp_rank: None,
+                };
+                index.apply_batch(pod(0), "m", &batch);
+            }
+            index.record_routed_tokens(pod(0), &context, &warm_prompt(0));
+            index
+        };
+        let state = std::cell::RefCell::new((fresh(), 1u32));
+        let name = if precise {
+            "speculative"
+        } else {
+            "approximate"
+        };
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || {
+                    let mut state = state.borrow_mut();
+                    // Speculative entries live 2 s: start over before the bound is near.
+                    if state.0.speculative_entries() > 400_000 {
+                        *state = (fresh(), 1);
+                    }
+                    state.1 += 1;
+                    let keys = PromptKeys::exact(context.clone(), warm_prompt(state.1));
+                    keys.warm(BLOCK as u32);
+                    let lookup = state.0.lookup(&keys, &[pod(0)]);
+                    (keys, lookup)
+                },
+                |(keys, lookup)| {
+                    state.borrow().0.record_routed(pod(0), &keys, Some(&lookup));
+                    (keys, lookup)
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+}
+
 /// Prints bytes per (block, pod) entry, measured by the counting allocator, for 100 pods at
 /// several fill levels (hash tables double, so the figure moves with the fill level): every
 /// block held by one pod, and every block held by 10 pods.
@@ -256,6 +330,6 @@ criterion_group! {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))
         .sample_size(30);
-    targets = memory, ingest, matching
+    targets = memory, ingest, matching, record
 }
 criterion_main!(benches);

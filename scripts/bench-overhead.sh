@@ -11,7 +11,9 @@
 #       "warm" (95% of the text shared with earlier requests) and/or "cold" (nothing shared),
 #       paces "rate:N" (open loop, N req/s) and/or "conc:N" (closed loop, N workers);
 #       default "rate:20 rate:100 conc:1". Prints added p50/p99 per row and, per kvpick run,
-#       the mean time of each request stage (kvpick_request_stage_seconds).
+#       the mean time of each request stage (kvpick_request_stage_seconds) and kvpick's
+#       peak resident memory during the run (VmHWM, reset before each run) against its
+#       resident memory before it.
 # KVPICK_BINS="a b": A/B several kvpick binaries in one run (each behind its own Envoy; rows
 # are named kvpick0, kvpick1, … in that order). Default: this tree's release build.
 # SKIP_BUILD=1: use the release binaries as they are.
@@ -90,6 +92,9 @@ for i in "${!KVPICK_PIDS[@]}"; do
   IDLE[$i]=$(python3 -c "print(($(ticks "${KVPICK_PIDS[$i]}") - ${IDLE[$i]}) / 100 / 5)")
   echo "# kvpick$i idle CPU: ${IDLE[$i]} s/s"
 done
+# Context switches of all kvpick's threads (voluntary: it waited, e.g. a worker parking;
+# involuntary: preempted), summed, as "voluntary involuntary".
+switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^voluntary_ctxt/ {v += $2} /^nonvoluntary_ctxt/ {n += $2} END {print v + 0, n + 0}'; }
 routed() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^inference_objective_request_total\{/ {n += $NF} END {print n + 0}'; }
 stages() { curl -sf "http://127.0.0.1:$1/metrics" | grep '^kvpick_request_stage_seconds_\(sum\|count\)' || true; }
 run() { # port path size variant pace seed [cpu-pid]
@@ -116,8 +121,19 @@ for r in $(seq "$ROUNDS"); do
     for i in "${!KVPICKS[@]}"; do
       metrics=$((9090 + 100 * i))
       before=$(stages $metrics); routed_before=$(routed $metrics)
+      pid=${KVPICK_PIDS[$i]}
+      rss_before=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status")
+      echo 5 >"/proc/$pid/clear_refs" 2>/dev/null || true # resets VmHWM to the current RSS
+      read -r vol_before invol_before < <(switches "$pid")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
       after=$(stages $metrics); routed_after=$(routed $metrics)
+      hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
+      read -r vol_after invol_after < <(switches "$pid")
+      case $variant in warm) warmup=50 ;; cold) warmup=20 ;; *) warmup=300 ;; esac
+      sent=$((REQUESTS + warmup))
+      echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"
+      cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
+      echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it; prefix token cache after it ${cached} MiB"
       python3 - "$r" "$size" "$variant" "$pace" "kvpick$i" "$a" "$alone" "$before" "$after" \
         "${IDLE[$i]}" "$((routed_after - routed_before))" <<'PY'
 import json, sys

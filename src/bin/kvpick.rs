@@ -43,6 +43,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    cap_malloc_arenas();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -56,6 +57,28 @@ fn main() -> ExitCode {
             tracing::error!(%error, "kvpick failed");
             eprintln!("kvpick: {error}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Caps glibc's malloc arenas at the number of cores, before any thread starts, unless
+/// `MALLOC_ARENA_MAX` says otherwise.
+///
+/// NOTE: glibc gives each thread that allocates under contention an arena of its own, up to
+/// 8 per core, and keeps what is freed in the arena it came from. Large bodies are buffered on
+/// the async workers and prepared on blocking-pool threads (dozens at 150 concurrent 220 KB
+/// requests), so every arena ends up holding its own peak: 150 concurrent 220 KB requests
+/// (32 MiB in flight) grew kvpick by 385 MiB with the default arenas and by 37 MiB with one
+/// arena per core (2 here), at the same latency and CPU (docs/benchmarks.md, issue 16).
+/// `malloc_trim` after large work (`tokenize::gate`) cannot help while requests keep coming.
+fn cap_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let arenas = i32::try_from(cores.clamp(1, 64)).unwrap_or(8);
+        // SAFETY: mallopt only sets an allocator parameter; called before other threads exist.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, arenas);
         }
     }
 }

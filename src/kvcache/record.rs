@@ -76,7 +76,9 @@ impl PrefixIndex {
             // consecutive blocks, which a walk can verify with one probe; a pod that holds a
             // later block confirmed (its prefix evicted out of order) gets a redundant entry
             // for the TTL, a few bytes. The confirmed run is extended first where the caller
-            // did not know it (no lookup: `held` = 0), one block at a time.
+            // did not know it (no lookup: `held` = 0), one block at a time. A leading stretch
+            // the pod already holds speculatively in a live run is refreshed in place, not
+            // rewritten (`speculative`), so a warm record costs its new tail.
             let tail = keys.get(held..).unwrap_or_default();
             let confirmed = {
                 let blocks = self.blocks.reader(0);
@@ -88,7 +90,8 @@ impl PrefixIndex {
             self.speculative.record(entry.slot, tail, Instant::now());
             return;
         }
-        // Approximate mode: every block is touched, so the LRU order follows recency.
+        // Approximate mode: every block is touched, so the LRU order follows recency (whole
+        // segments at a time: a warm record costs its new tail, `approx`).
         let capacity = state.approx_capacity;
         let (added, evicted) = state.approx.touch(keys, capacity);
         for key in &added {

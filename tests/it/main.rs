@@ -33,6 +33,7 @@ mod kv_libzmq_interop;
 mod kv_speculative;
 mod kv_subscriber;
 mod layering;
+mod mem_concurrency;
 mod quickstart;
 mod replica_exchange;
 mod replica_tls;
