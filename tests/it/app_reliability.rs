@@ -220,17 +220,6 @@ mod raw {
     }
 }
 
-/// A gauge or counter from kvpick's /metrics (0 when absent).
-async fn metric(kvpick: &Kvpick, name: &str) -> f64 {
-    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("metrics")
-        .text();
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 const MIB: usize = 1 << 20;
 
 #[tokio::test]
@@ -273,11 +262,11 @@ async fn slow_uploaders_hold_the_budget_yet_normal_requests_are_routed() {
         "the uploads to be buffered",
         Duration::from_secs(10),
         || async move {
-            metric(kv, "kvpick_extproc_buffered_body_bytes").await >= (6 * (MIB - 1)) as f64
+            kv.metric("kvpick_extproc_buffered_body_bytes").await >= (6 * (MIB - 1)) as f64
         },
     )
     .await;
-    let held = metric(&kvpick, "kvpick_extproc_buffered_body_bytes").await;
+    let held = kvpick.metric("kvpick_extproc_buffered_body_bytes").await;
 
     // Meanwhile normal requests come and go.
     let mut latencies = Vec::new();
@@ -321,7 +310,7 @@ async fn slow_uploaders_hold_the_budget_yet_normal_requests_are_routed() {
             other => panic!("stalled upload: {other:?}"),
         }
     }
-    let after = metric(&kvpick, "kvpick_extproc_buffered_body_bytes").await;
+    let after = kvpick.metric("kvpick_extproc_buffered_body_bytes").await;
     eprintln!(
         "slow uploaders: {uploaders} × {} B stalled, {held} B held, {timed_out} answered 408, {refused} refused 503; 20 normal requests routed meanwhile, latency min {:?} p50 {:?} max {:?}; {after} B buffered after",
         MIB - 1,
@@ -368,8 +357,8 @@ async fn idle_streams_are_bounded_and_closed_after_the_headers_timeout() {
             }
         }
     }
-    let open_while_idle = metric(&kvpick, "kvpick_extproc_open_streams").await;
-    let refused_metric = metric(&kvpick, "kvpick_extproc_refused_streams_total").await;
+    let open_while_idle = kvpick.metric("kvpick_extproc_open_streams").await;
+    let refused_metric = kvpick.metric("kvpick_extproc_refused_streams_total").await;
 
     let mut closed = 0;
     for stream in &mut accepted {
@@ -387,7 +376,7 @@ async fn idle_streams_are_bounded_and_closed_after_the_headers_timeout() {
     support::wait_until(
         "idle streams to be gone",
         Duration::from_secs(5),
-        || async move { metric(kv, "kvpick_extproc_open_streams").await == 0.0 },
+        || async move { kv.metric("kvpick_extproc_open_streams").await == 0.0 },
     )
     .await;
     // The bound is free again: a real request gets through.

@@ -93,13 +93,6 @@ async fn pod_view(kvpick: &Kvpick, addr: SocketAddr) -> Value {
         .unwrap_or_else(|| panic!("{addr} not in /debug/pods: {pods}"))
 }
 
-async fn metrics_text(kvpick: &Kvpick) -> String {
-    send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("metrics")
-        .text()
-}
-
 #[tokio::test]
 async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers() {
     let (a, b) = (
@@ -162,7 +155,7 @@ async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers
             reply.headers
         );
     }
-    let metrics = metrics_text(&kvpick).await;
+    let metrics = kvpick.metrics_text().await;
     let gauge = format!("kvpick_endpoint_down{{endpoint=\"{}\"}} 1", dead.addr);
     let transitions = format!("kvpick_endpoint_down_total{{endpoint=\"{}\"}} 1", dead.addr);
     assert!(metrics.contains(&gauge), "{metrics}");
@@ -175,7 +168,7 @@ async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers
         assert!(Instant::now() < deadline, "not back up after 5 s");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    assert!(metrics_text(&kvpick).await.contains(&format!(
+    assert!(kvpick.metrics_text().await.contains(&format!(
         "kvpick_endpoint_down{{endpoint=\"{}\"}} 0",
         dead.addr
     )));

@@ -26,13 +26,6 @@ fn capture() -> Vec<Vec<u8>> {
         .collect()
 }
 
-async fn metrics_text(kvpick: &Kvpick) -> String {
-    send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("/metrics")
-        .text()
-}
-
 /// Whether the whole capture (seqs 0..=67, 62 blocks) has been applied.
 async fn capture_applied(kvpick: &Kvpick) -> bool {
     let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
@@ -139,7 +132,7 @@ async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
     let mut publisher = RawPub::accept(&listener, Duration::from_secs(3)).await;
     let topic = format!("kv@{pod}@tiny");
     publish_capture(&mut publisher, &topic, &kvpick).await;
-    let metrics = metrics_text(&kvpick).await;
+    let metrics = kvpick.metrics_text().await;
     for reason in ["message_too_large", "too_many_frames"] {
         assert!(
             counted(&metrics, "kvpick_kv_events_connection_errors_total", reason),
@@ -208,7 +201,7 @@ async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
         }
     };
     publish_capture(&mut publisher, &topic, &kvpick).await;
-    let metrics = metrics_text(&kvpick).await;
+    let metrics = kvpick.metrics_text().await;
     for reason in ["message_too_large", "too_many_frames", "too_many_peers"] {
         assert!(
             counted(&metrics, "kvpick_kv_events_rejected_total", reason),

@@ -90,18 +90,6 @@ pub(crate) async fn wait_readiness(kvpick: &Kvpick, want: ServingStatus, step: &
     }
 }
 
-/// The value of a metric series (`name{labels}` exactly as exposed), 0 when absent.
-pub(crate) async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
-    let reply = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("metrics");
-    reply
-        .text()
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn a_pools_life_through_the_api() {
     let fake = FakeKube::start().await;
@@ -121,11 +109,9 @@ async fn a_pools_life_through_the_api() {
     .await;
     assert_eq!(readiness(&kvpick).await, Some(ServingStatus::NotServing));
     wait_until("not ready counted as pool_not_found", LIMIT, || async {
-        metric(
-            &kvpick,
-            "kvpick_discovery_not_ready_total{reason=\"pool_not_found\"}",
-        )
-        .await
+        kvpick
+            .metric("kvpick_discovery_not_ready_total{reason=\"pool_not_found\"}")
+            .await
             >= 1.0
     })
     .await;
@@ -201,7 +187,9 @@ async fn a_pools_life_through_the_api() {
 
     // The history is compacted while a pod vanishes unseen: the resumed watch gets 410 Gone,
     // and only the re-list that follows can show that e is gone.
-    let relists = metric(&kvpick, "kvpick_discovery_relists_total{resource=\"pod\"}").await;
+    let relists = kvpick
+        .metric("kvpick_discovery_relists_total{resource=\"pod\"}")
+        .await;
     fake.delete_unseen("pods", NS, "e");
     fake.expire();
     wait_endpoints(
@@ -211,7 +199,12 @@ async fn a_pools_life_through_the_api() {
     )
     .await;
     assert!(fake.lists("pods") > pod_lists, "410 Gone led to a re-list");
-    assert!(metric(&kvpick, "kvpick_discovery_relists_total{resource=\"pod\"}").await > relists);
+    assert!(
+        kvpick
+            .metric("kvpick_discovery_relists_total{resource=\"pod\"}")
+            .await
+            > relists
+    );
     assert_eq!(readiness(&kvpick).await, Some(ServingStatus::Serving));
 
     // The API goes down: the last pool stays, readiness holds for the stale period, then goes.
@@ -240,19 +233,15 @@ async fn a_pools_life_through_the_api() {
         "the last pool keeps serving"
     );
     assert!(
-        metric(
-            &kvpick,
-            "kvpick_discovery_not_ready_total{reason=\"stale\"}"
-        )
-        .await
+        kvpick
+            .metric("kvpick_discovery_not_ready_total{reason=\"stale\"}")
+            .await
             >= 1.0
     );
     assert!(
-        metric(
-            &kvpick,
-            "kvpick_discovery_watch_errors_total{resource=\"pod\"}"
-        )
-        .await
+        kvpick
+            .metric("kvpick_discovery_watch_errors_total{resource=\"pod\"}")
+            .await
             >= 1.0
     );
 
@@ -304,11 +293,11 @@ async fn hostile_objects_are_named_counted_and_the_last_good_state_kept() {
 
     // Invalid from the start (9 ports): not ready, counted by field, no endpoints.
     wait_until("9 ports rejected", LIMIT, || async {
-        metric(
-            &kvpick,
-            "kvpick_discovery_invalid_total{field=\"spec.targetPorts\",kind=\"InferencePool\"}",
-        )
-        .await
+        kvpick
+            .metric(
+                "kvpick_discovery_invalid_total{field=\"spec.targetPorts\",kind=\"InferencePool\"}",
+            )
+            .await
             >= 1.0
     })
     .await;
@@ -321,11 +310,11 @@ async fn hostile_objects_are_named_counted_and_the_last_good_state_kept() {
     wait_readiness(&kvpick, ServingStatus::Serving, "valid pool").await;
     fake.apply(&pools, pool_v1("vllm", &[]));
     wait_until("0 ports rejected", LIMIT, || async {
-        metric(
-            &kvpick,
-            "kvpick_discovery_invalid_total{field=\"spec.targetPorts\",kind=\"InferencePool\"}",
-        )
-        .await
+        kvpick
+            .metric(
+                "kvpick_discovery_invalid_total{field=\"spec.targetPorts\",kind=\"InferencePool\"}",
+            )
+            .await
             >= 2.0
     })
     .await;
@@ -345,8 +334,8 @@ async fn hostile_objects_are_named_counted_and_the_last_good_state_kept() {
     )
     .await;
     wait_until("pod problems counted", LIMIT, || async {
-        metric(&kvpick, "kvpick_discovery_invalid_total{field=\"status.podIP\",kind=\"Pod\"}").await >= 1.0
-            && metric(&kvpick, "kvpick_discovery_invalid_total{field=\"metadata.annotations[kvpick.io/kv-events]\",kind=\"Pod\"}").await >= 1.0
+        kvpick.metric("kvpick_discovery_invalid_total{field=\"status.podIP\",kind=\"Pod\"}").await >= 1.0
+            && kvpick.metric("kvpick_discovery_invalid_total{field=\"metadata.annotations[kvpick.io/kv-events]\",kind=\"Pod\"}").await >= 1.0
     })
     .await;
 

@@ -4,7 +4,7 @@
 //! installed at start and installed later.
 
 use crate::fake_kube;
-use crate::k8s_discovery::{LIMIT, NS, V1, metric, pod, pool_v1, wait_readiness};
+use crate::k8s_discovery::{LIMIT, NS, V1, pod, pool_v1, wait_readiness};
 use crate::support;
 
 use std::time::{Duration, Instant};
@@ -122,13 +122,11 @@ async fn objectives_from_the_api_override_flags_and_follow_edits_and_deletes() {
     wait_status(&envoy, "batch", 429, "flag objective").await;
     assert!(fake.lists(&legacy) > 0, "the missing CRD was asked for");
     assert_eq!(
-        metric(
-            &kvpick,
-            &format!(
+        kvpick
+            .metric(&format!(
                 "kvpick_discovery_crd_missing{{group=\"{LEGACY}\",resource=\"inferenceobjective\"}}"
-            )
-        )
-        .await,
+            ))
+            .await,
         1.0
     );
 
@@ -147,9 +145,7 @@ async fn objectives_from_the_api_override_flags_and_follow_edits_and_deletes() {
         objective(LLM_D, "batch", "pool", json!(1_u64 << 40)),
     );
     support::wait_until("the bad priority is counted", LIMIT, || async {
-        metric(
-            &kvpick,
-            "kvpick_discovery_invalid_total{field=\"spec.priority\",kind=\"InferenceObjective\"}",
+        kvpick.metric("kvpick_discovery_invalid_total{field=\"spec.priority\",kind=\"InferenceObjective\"}",
         )
         .await
             >= 1.0
@@ -178,11 +174,9 @@ async fn objectives_from_the_api_override_flags_and_follow_edits_and_deletes() {
     );
     wait_status(&envoy, "legacy-batch", 429, "older group's objective").await;
     assert_eq!(
-        metric(
-            &kvpick,
-            "kvpick_discovery_policy_objects{kind=\"InferenceObjective\"}"
-        )
-        .await,
+        kvpick
+            .metric("kvpick_discovery_policy_objects{kind=\"InferenceObjective\"}")
+            .await,
         1.0
     );
 }
@@ -286,8 +280,8 @@ async fn model_rewrites_from_the_api_follow_gie_precedence_edits_and_deletes() {
         rewrite(LLM_D, "bad2", "2025-01-01T00:00:00Z", json!([{"matches": [{"model": {"type": "Prefix", "value": "a"}}], "targets": [{"modelRewrite": "x"}]}])),
     );
     support::wait_until("both bad rewrites are counted", LIMIT, || async {
-        metric(&kvpick, "kvpick_discovery_invalid_total{field=\"spec.rules.targets\",kind=\"InferenceModelRewrite\"}").await >= 1.0
-            && metric(&kvpick, "kvpick_discovery_invalid_total{field=\"spec.rules.matches\",kind=\"InferenceModelRewrite\"}").await >= 1.0
+        kvpick.metric("kvpick_discovery_invalid_total{field=\"spec.rules.targets\",kind=\"InferenceModelRewrite\"}").await >= 1.0
+            && kvpick.metric("kvpick_discovery_invalid_total{field=\"spec.rules.matches\",kind=\"InferenceModelRewrite\"}").await >= 1.0
     })
     .await;
     wait_rewrite(&envoy, &backend, "alias", "oldest", "bad rewrites ignored").await;

@@ -36,17 +36,6 @@ fn body(seed: u64) -> Vec<u8> {
     body
 }
 
-/// A `/proc/PID/status` figure of kvpick, in KiB.
-fn status_kib(kvpick: &Kvpick, key: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", kvpick.child.id()))
-        .expect("read /proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect(key)
-}
-
 /// glibc malloc heaps besides the main arena in kvpick: anonymous mappings tiling a 64 MiB
 /// aligned window exactly (each heap of a non-main arena is reserved as one such window; an
 /// arena has one, or a few once it outgrows 64 MiB).
@@ -104,7 +93,7 @@ async fn many_concurrent_large_bodies_cost_about_the_bytes_in_flight() {
     // One body first: the tokenizer's lazily built tables and the first arena are in place.
     let reply = post_json(&url, &body(0)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
-    let idle = status_kib(&kvpick, "VmRSS:");
+    let idle = kvpick.status_kib("VmRSS:");
     // The peak so far is loading the tokenizer: from here on, VmHWM is the waves' own peak.
     std::fs::write(format!("/proc/{}/clear_refs", kvpick.child.id()), "5")
         .expect("reset kvpick's peak RSS");
@@ -119,7 +108,7 @@ async fn many_concurrent_large_bodies_cost_about_the_bytes_in_flight() {
             assert_eq!(reply.status, 200, "{}", reply.text());
         }
     }
-    let peak = status_kib(&kvpick, "VmHWM:");
+    let peak = kvpick.status_kib("VmHWM:");
     let in_flight = (BODIES * BODY_BYTES / 1024) as u64;
     eprintln!(
         "kvpick RSS: {} MiB after one body, peak {} MiB with {BODIES} × {BODY_BYTES} B \

@@ -24,25 +24,13 @@ use support::kvpick::Kvpick;
 
 /// The sum of a metric's samples over all its label sets.
 async fn metric_sum(kvpick: &Kvpick, name: &str) -> f64 {
-    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+    kvpick
+        .metrics_text()
         .await
-        .expect("metrics")
-        .text();
-    text.lines()
+        .lines()
         .filter(|line| line.starts_with(name) && !line.starts_with('#'))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// A metric sample of kvpick's /metrics by its full name with labels (0 when absent).
-async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
-    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("metrics")
-        .text();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// A port for a replica's exchange, outside the OS's ephemeral range that `free_port` (and so
@@ -173,12 +161,12 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     let (a, b) = tokio::join!(Kvpick::start(&pool, &args_a), Kvpick::start(&pool, &args_b));
     for kvpick in [&a, &b] {
         support::wait_until("the peers to connect", Duration::from_secs(10), || async {
-            metric(kvpick, "kvpick_replica_peers_connected").await == 1.0
+            kvpick.metric("kvpick_replica_peers_connected").await == 1.0
         })
         .await;
     }
     // Active-active: without leader election every replica takes traffic as a leader.
-    assert_eq!(metric(&a, "kvpick_leader").await, 1.0);
+    assert_eq!(a.metric("kvpick_leader").await, 1.0);
     let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
 
     // Each new prefix routed by A; B, which has no event and did not route it, follows.
@@ -192,7 +180,9 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
             "B to receive A's record",
             Duration::from_secs(5),
             || async {
-                metric(&b, "kvpick_replica_records_total{direction=\"received\"}").await >= want
+                b.metric("kvpick_replica_records_total{direction=\"received\"}")
+                    .await
+                    >= want
             },
         )
         .await;
@@ -211,12 +201,12 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
         held.endpoint
     );
     support::wait_until("B to count A's request", Duration::from_secs(5), || async {
-        metric(&b, &gauge).await == 1.0
+        b.metric(&gauge).await == 1.0
     })
     .await;
     drop(held);
     support::wait_until("B to see it end", Duration::from_secs(5), || async {
-        metric(&b, &gauge).await == 0.0
+        b.metric(&gauge).await == 0.0
     })
     .await;
 
@@ -225,8 +215,12 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
         "bytes sent = bytes received",
         Duration::from_secs(5),
         || async {
-            let sent = metric(&a, "kvpick_replica_bytes_total{direction=\"sent\"}").await;
-            let got = metric(&b, "kvpick_replica_bytes_total{direction=\"received\"}").await;
+            let sent = a
+                .metric("kvpick_replica_bytes_total{direction=\"sent\"}")
+                .await;
+            let got = b
+                .metric("kvpick_replica_bytes_total{direction=\"received\"}")
+                .await;
             sent > 6.0 * 16.0 && sent == got
         },
     )
@@ -278,10 +272,10 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
         ("block_size", 1.0),
     ] {
         let series = format!("kvpick_replica_dropped_records_total{{reason=\"{reason}\"}}");
-        assert_eq!(metric(&b, &series).await, count, "{series}");
+        assert_eq!(b.metric(&series).await, count, "{series}");
     }
     let good_gauge = format!("kvpick_endpoint_in_flight_requests{{endpoint=\"{good}\"}}");
-    assert_eq!(metric(&b, &good_gauge).await, 5.0, "known endpoint counted");
+    assert_eq!(b.metric(&good_gauge).await, 5.0, "known endpoint counted");
     // B still routes.
     let after = route(&mut client_b, &prompt(0)).await;
     assert!(!after.endpoint.is_empty());
@@ -305,7 +299,7 @@ fn replica_pod(name: &str, port: u16, ready: bool) -> serde_json::Value {
 async fn arrived(kvpick: &Kvpick, before: f64) {
     let received = "kvpick_replica_records_total{direction=\"received\"}";
     support::wait_until("the record to arrive", Duration::from_secs(5), || async {
-        metric(kvpick, received).await > before
+        kvpick.metric(received).await > before
     })
     .await;
 }
@@ -319,7 +313,7 @@ async fn steers(
     i: usize,
 ) {
     let received = "kvpick_replica_records_total{direction=\"received\"}";
-    let (before_from, before_to) = (metric(from.0, received).await, metric(to.0, received).await);
+    let (before_from, before_to) = (from.0.metric(received).await, to.0.metric(received).await);
     let first = route(from.1, &prompt(i)).await.endpoint;
     arrived(to.0, before_to).await;
     let second = route(to.1, &prompt(i)).await.endpoint;
@@ -332,7 +326,7 @@ async fn peers(kvpick: &Kvpick, want: f64) {
     for series in ["kvpick_replica_peers", "kvpick_replica_peers_connected"] {
         let what = format!("{series} = {want}");
         support::wait_until(&what, Duration::from_secs(10), || async {
-            metric(kvpick, series).await == want
+            kvpick.metric(series).await == want
         })
         .await;
     }
@@ -404,7 +398,7 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
     fake.delete(pods, "default", "kvpick-b");
     peers(&a, 0.0).await;
     let sent = "kvpick_replica_records_total{direction=\"sent\"}";
-    let sent_before = metric(&a, sent).await;
+    let sent_before = a.metric(sent).await;
     route(&mut client_a, &prompt(200)).await;
     drop(b);
 
@@ -417,7 +411,7 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
         steers((&a, &mut client_a), (&c, &mut client_c), i).await;
     }
     assert_eq!(
-        metric(&a, sent).await,
+        a.metric(sent).await,
         sent_before + 2.0,
         "the record made while A had no peer went nowhere; the 2 later ones went to C"
     );

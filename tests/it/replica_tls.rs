@@ -14,19 +14,7 @@ use crate::replica_exchange::exchange_port;
 use crate::support;
 use crate::tls_extproc::{Recorder, write_pair};
 use support::backend::{Backend, pool_yaml};
-use support::http::send;
 use support::kvpick::Kvpick;
-
-/// A metric sample of kvpick's /metrics by its full name with labels (0 when absent).
-async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
-    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("metrics")
-        .text();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
 
 /// Sends one batch with one record over `channel`: whether the peer took it.
 async fn exchange(channel: tonic::transport::Channel, endpoint: &str) -> bool {
@@ -79,8 +67,8 @@ async fn replicas_sharing_a_certificate_exchange_over_mutual_tls_and_refuse_othe
             "a TLS stream to the peer",
             Duration::from_secs(10),
             || async {
-                metric(kvpick, "kvpick_replica_peers_connected").await == 1.0
-                    && metric(kvpick, received).await >= 1.0
+                kvpick.metric("kvpick_replica_peers_connected").await == 1.0
+                    && kvpick.metric(received).await >= 1.0
             },
         )
         .await;
@@ -116,7 +104,7 @@ async fn replicas_sharing_a_certificate_exchange_over_mutual_tls_and_refuse_othe
         .expect("client cert");
     config.alpn_protocols = vec![b"h2".to_vec()];
     let failed = "kvpick_tls_handshakes_total{result=\"failed\"}";
-    let failed_before = metric(&b, failed).await;
+    let failed_before = b.metric(failed).await;
     let connector = kvpick::replica::tls::TlsConnect(Arc::new(config));
     let stranger = match endpoint.connect_with_connector(connector).await {
         Ok(channel) => exchange(channel, &good).await,
@@ -129,20 +117,21 @@ async fn replicas_sharing_a_certificate_exchange_over_mutual_tls_and_refuse_othe
     support::wait_until(
         "B to count the refused handshake",
         Duration::from_secs(5),
-        || async { metric(&b, failed).await > failed_before },
+        || async { b.metric(failed).await > failed_before },
     )
     .await;
     assert_eq!(
-        metric(&b, "kvpick_replica_records_total{direction=\"received\"}").await,
+        b.metric("kvpick_replica_records_total{direction=\"received\"}")
+            .await,
         0.0,
         "no record from either client was applied"
     );
     // A and B still exchange.
-    let before = metric(&b, received).await;
+    let before = b.metric(received).await;
     support::wait_until(
         "the next heartbeat from A",
         Duration::from_secs(5),
-        || async { metric(&b, received).await > before },
+        || async { b.metric(received).await > before },
     )
     .await;
 }

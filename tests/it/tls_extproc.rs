@@ -149,17 +149,6 @@ pub(crate) fn write_pair(dir: &Path) -> Vec<u8> {
     cert.to_vec()
 }
 
-async fn metric(kvpick: &Kvpick, series: &str) -> f64 {
-    let reply = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
-        .await
-        .expect("metrics");
-    reply
-        .text()
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn self_signed_tls_carries_envoys_ext_proc_streams() {
     let backend = Backend::start("127.0.0.1").await;
@@ -183,7 +172,12 @@ async fn self_signed_tls_carries_envoys_ext_proc_streams() {
     .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(backend.seen().len(), 1, "routed through kvpick over TLS");
-    assert!(metric(&kvpick, "kvpick_tls_handshakes_total{result=\"ok\"}").await >= 2.0);
+    assert!(
+        kvpick
+            .metric("kvpick_tls_handshakes_total{result=\"ok\"}")
+            .await
+            >= 2.0
+    );
 
     // A plaintext client is refused (its bytes are not a TLS ClientHello).
     let plain = send(
@@ -201,7 +195,12 @@ async fn self_signed_tls_carries_envoys_ext_proc_streams() {
     support::wait_until(
         "the failed handshake is counted",
         Duration::from_secs(5),
-        || async { metric(&kvpick, "kvpick_tls_handshakes_total{result=\"failed\"}").await >= 1.0 },
+        || async {
+            kvpick
+                .metric("kvpick_tls_handshakes_total{result=\"failed\"}")
+                .await
+                >= 1.0
+        },
     )
     .await;
 }
@@ -233,7 +232,10 @@ async fn certificate_files_are_served_and_reloaded_when_they_change() {
         "the bad file is counted",
         Duration::from_secs(10),
         || async {
-            metric(&kvpick, "kvpick_tls_cert_reloads_total{result=\"invalid\"}").await >= 1.0
+            kvpick
+                .metric("kvpick_tls_cert_reloads_total{result=\"invalid\"}")
+                .await
+                >= 1.0
         },
     )
     .await;
@@ -257,7 +259,12 @@ async fn certificate_files_are_served_and_reloaded_when_they_change() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(metric(&kvpick, "kvpick_tls_cert_reloads_total{result=\"ok\"}").await >= 1.0);
+    assert!(
+        kvpick
+            .metric("kvpick_tls_cert_reloads_total{result=\"ok\"}")
+            .await
+            >= 1.0
+    );
 }
 
 #[test]

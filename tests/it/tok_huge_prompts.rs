@@ -63,14 +63,7 @@ fn words_body(seed: u64) -> Vec<u8> {
 
 /// A `/proc/PID/status` figure of kvpick (`VmHWM:` peak, `VmRSS:` now), in MB.
 fn status_mb(kvpick: &Kvpick, key: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", kvpick.child.id()))
-        .expect("read /proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect(key)
-        / 1024
+    kvpick.status_kib(key) / 1024
 }
 
 /// kvpick's peak resident memory so far, in MB.

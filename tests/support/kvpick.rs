@@ -154,6 +154,34 @@ impl Kvpick {
         format!("http://127.0.0.1:{}{path}", self.metrics_port)
     }
 
+    /// kvpick's `/metrics` page.
+    pub async fn metrics_text(&self) -> String {
+        super::http::send("GET", &self.metrics_url("/metrics"), &[], Vec::new())
+            .await
+            .expect("/metrics")
+            .text()
+    }
+
+    /// The value of a metric series (`name{labels}` exactly as exposed), 0 when absent.
+    pub async fn metric(&self, series: &str) -> f64 {
+        self.metrics_text()
+            .await
+            .lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// A `/proc/PID/status` figure of kvpick (`VmHWM:` peak, `VmRSS:` now), in KiB.
+    pub fn status_kib(&self, key: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("read /proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect(key)
+    }
+
     /// A URL on the debug server (`/debug/*`).
     pub fn debug_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.debug_port)
