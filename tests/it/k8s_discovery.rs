@@ -423,7 +423,6 @@ async fn v1alpha2_pools_and_the_standalone_selector() {
 
 #[test]
 fn conflicting_sources_are_a_start_up_error_naming_the_flags() {
-    let bin = env!("CARGO_BIN_EXE_kvpick");
     let cases: [(&[&str], &str); 3] = [
         (
             &["--endpoints-file", "pool.yaml", "--pool-name", "pool"],
@@ -443,13 +442,7 @@ fn conflicting_sources_are_a_start_up_error_naming_the_flags() {
         (&["--endpoint-selector", "app=x"], "--endpoint-target-ports"),
     ];
     for (args, want) in cases {
-        let output = std::process::Command::new(bin)
-            .arg("serve")
-            .args(args)
-            .output()
-            .expect("run kvpick");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} must not start");
+        let stderr = support::kvpick::serve_refused(args, &[]);
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
     }
 }

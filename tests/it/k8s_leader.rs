@@ -194,7 +194,6 @@ async fn a_leader_that_finds_another_holder_steps_back_until_that_lease_expires(
 
 #[test]
 fn leader_election_flags_are_validated_at_start() {
-    let bin = env!("CARGO_BIN_EXE_kvpick");
     let pool = ["--pool-name", "pool", "--ha-enable-leader-election=true"];
     let cases: [(Vec<&str>, &str); 4] = [
         (
@@ -219,14 +218,7 @@ fn leader_election_flags_are_validated_at_start() {
         ),
     ];
     for (args, want) in cases {
-        let output = std::process::Command::new(bin)
-            .arg("serve")
-            .args(&args)
-            .env("KUBECONFIG", "/nonexistent")
-            .output()
-            .expect("run kvpick");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} must not start");
+        let stderr = support::kvpick::serve_refused(&args, &[("KUBECONFIG", "/nonexistent")]);
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
     }
 }

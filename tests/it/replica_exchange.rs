@@ -659,7 +659,6 @@ async fn a_replica_killed_behind_envoy_loses_only_its_requests_in_flight() {
 
 #[test]
 fn replica_flags_are_validated_at_start() {
-    let bin = env!("CARGO_BIN_EXE_kvpick");
     let pool = ["--endpoints-file", "pool.yaml"];
     let cases: [(Vec<&str>, &str); 4] = [
         (
@@ -704,13 +703,7 @@ fn replica_flags_are_validated_at_start() {
         ),
     ];
     for (args, want) in cases {
-        let output = std::process::Command::new(bin)
-            .arg("serve")
-            .args(&args)
-            .output()
-            .expect("run kvpick");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} must not start");
+        let stderr = support::kvpick::serve_refused(&args, &[]);
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
     }
 }

@@ -138,7 +138,6 @@ async fn replicas_sharing_a_certificate_exchange_over_mutual_tls_and_refuse_othe
 
 #[test]
 fn exchange_tls_needs_a_shared_certificate() {
-    let bin = env!("CARGO_BIN_EXE_kvpick");
     for (args, want) in [
         (
             vec!["--replica-exchange-port", "9010", "--replica-exchange-tls"],
@@ -158,13 +157,10 @@ fn exchange_tls_needs_a_shared_certificate() {
             "--replica-exchange-tls: needs --replica-exchange-port",
         ),
     ] {
-        let output = std::process::Command::new(bin)
-            .args(["serve", "--endpoints-file", "pool.yaml"])
-            .args(&args)
-            .output()
-            .expect("run kvpick");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} must not start");
+        let stderr = support::kvpick::serve_refused(
+            &[&["--endpoints-file", "pool.yaml"], &args[..]].concat(),
+            &[],
+        );
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
     }
 }

@@ -269,7 +269,6 @@ async fn certificate_files_are_served_and_reloaded_when_they_change() {
 
 #[test]
 fn tls_flags_and_files_are_checked_at_start() {
-    let bin = env!("CARGO_BIN_EXE_kvpick");
     let dir = tempfile::tempdir().expect("tempdir");
     let pool = dir.path().join("pool.yaml");
     std::fs::write(&pool, "endpoints:\n  - address: 127.0.0.1:8000\n").expect("pool");
@@ -294,21 +293,21 @@ fn tls_flags_and_files_are_checked_at_start() {
     ];
     for (args, want) in cases {
         let ports: Vec<String> = (0..4).map(|_| support::free_port().to_string()).collect();
-        let output = std::process::Command::new(bin)
-            .args([
-                "serve",
-                "--bind-address",
-                "127.0.0.1",
-                "--endpoints-file",
-                &pool,
-            ])
-            .args(["--grpc-port", &ports[0], "--grpc-health-port", &ports[1]])
-            .args(["--metrics-port", &ports[2], "--debug-port", &ports[3]])
-            .args(&args)
-            .output()
-            .expect("run kvpick");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} must not start");
+        let base = [
+            "--bind-address",
+            "127.0.0.1",
+            "--endpoints-file",
+            &pool,
+            "--grpc-port",
+            &ports[0],
+            "--grpc-health-port",
+            &ports[1],
+            "--metrics-port",
+            &ports[2],
+            "--debug-port",
+            &ports[3],
+        ];
+        let stderr = support::kvpick::serve_refused(&[&base[..], &args[..]].concat(), &[]);
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");
     }
 }

@@ -17,6 +17,20 @@ fn kvpick_bin() -> PathBuf {
         .unwrap_or_else(|| workspace_bin("kvpick"))
 }
 
+/// Runs `kvpick serve <args>` (with `envs` set) and returns its stderr, after checking that
+/// it refused to start.
+pub fn serve_refused(args: &[&str], envs: &[(&str, &str)]) -> String {
+    let output = Command::new(kvpick_bin())
+        .arg("serve")
+        .args(args)
+        .envs(envs.iter().copied())
+        .output()
+        .expect("run kvpick");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "{args:?} must not start");
+    stderr
+}
+
 pub struct Kvpick {
     pub child: Child,
     pub grpc_port: u16,
