@@ -137,16 +137,6 @@ mod raw {
     use tonic::Streaming;
     use tonic::transport::Channel;
 
-    /// A new HTTP/2 connection to kvpick's ext-proc port.
-    pub async fn connect(port: u16) -> ExternalProcessorClient<Channel> {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-            .expect("endpoint")
-            .connect()
-            .await
-            .expect("connect");
-        ExternalProcessorClient::new(channel)
-    }
-
     pub struct Stream {
         pub tx: mpsc::Sender<ProcessingRequest>,
         pub rx: Streaming<ProcessingResponse>,
@@ -238,7 +228,7 @@ async fn slow_uploaders_hold_the_budget_yet_normal_requests_are_routed() {
         ],
     )
     .await;
-    let mut client = raw::connect(kvpick.grpc_port).await;
+    let mut client = support::extproc::connect(kvpick.grpc_port).await;
 
     // 16 uploaders send all but the last byte of a 1 MiB body, then stall: together twice
     // the budget.
@@ -346,7 +336,7 @@ async fn idle_streams_are_bounded_and_closed_after_the_headers_timeout() {
     let mut refused = 0;
     let opened = Instant::now();
     for _ in 0..2 {
-        let mut client = raw::connect(kvpick.grpc_port).await;
+        let mut client = support::extproc::connect(kvpick.grpc_port).await;
         for _ in 0..30 {
             match raw::open(&mut client).await {
                 Ok(stream) => accepted.push(stream),
@@ -380,7 +370,7 @@ async fn idle_streams_are_bounded_and_closed_after_the_headers_timeout() {
     )
     .await;
     // The bound is free again: a real request gets through.
-    let mut client = raw::connect(kvpick.grpc_port).await;
+    let mut client = support::extproc::connect(kvpick.grpc_port).await;
     let mut stream = raw::open(&mut client).await.expect("a place again");
     stream.post_headers().await;
     stream.body(BODY, true).await;

@@ -51,15 +51,6 @@ pub(crate) fn exchange_port() -> u16 {
     }
 }
 
-async fn ext_proc(port: u16) -> ExternalProcessorClient<Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    ExternalProcessorClient::new(channel)
-}
-
 /// An open ext-proc stream whose request was routed: dropping it ends the request.
 struct Routed {
     endpoint: String,
@@ -167,7 +158,10 @@ async fn a_route_made_by_one_replica_steers_the_other_and_in_flight_counts_cross
     }
     // Active-active: without leader election every replica takes traffic as a leader.
     assert_eq!(a.metric("kvpick_leader").await, 1.0);
-    let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
+    let (mut client_a, mut client_b) = (
+        support::extproc::connect(a.grpc_port).await,
+        support::extproc::connect(b.grpc_port).await,
+    );
 
     // Each new prefix routed by A; B, which has no event and did not route it, follows.
     let mut picked = std::collections::BTreeSet::new();
@@ -383,7 +377,10 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
     // Each finds the other (and not itself) through the API.
     peers(&a, 1.0).await;
     peers(&b, 1.0).await;
-    let (mut client_a, mut client_b) = (ext_proc(a.grpc_port).await, ext_proc(b.grpc_port).await);
+    let (mut client_a, mut client_b) = (
+        support::extproc::connect(a.grpc_port).await,
+        support::extproc::connect(b.grpc_port).await,
+    );
     for i in 0..2 {
         steers((&a, &mut client_a), (&b, &mut client_b), i).await;
         steers((&b, &mut client_b), (&a, &mut client_a), 100 + i).await;
@@ -406,7 +403,7 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
     fake.apply(pods, replica_pod("kvpick-c", ports[2], true));
     peers(&a, 1.0).await;
     peers(&c, 1.0).await;
-    let mut client_c = ext_proc(c.grpc_port).await;
+    let mut client_c = support::extproc::connect(c.grpc_port).await;
     for i in 300..302 {
         steers((&a, &mut client_a), (&c, &mut client_c), i).await;
     }

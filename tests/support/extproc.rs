@@ -26,6 +26,16 @@ pub async fn serve(ctx: Arc<StreamContext>) -> ExternalProcessorClient<Channel> 
         .expect("connect")
 }
 
+/// A new HTTP/2 connection to the ext-proc port `port` on 127.0.0.1 (e.g. the kvpick binary's).
+pub async fn connect(port: u16) -> ExternalProcessorClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    ExternalProcessorClient::new(channel)
+}
+
 /// A `RequestHeaders` message carrying `pairs`.
 pub fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
     Request::RequestHeaders(HttpHeaders {
