@@ -188,27 +188,7 @@ async fn completions_chat_and_tokenize_match_the_real_engine() {
 
     // Read it back through the replay socket (a real DEALER): deterministic, unlike a SUB
     // that may join late, and byte-identical to the live message.
-    let msg = {
-        use zeromq::{DealerSocket, SocketSend, ZmqMessage};
-        let publisher = pod.pod.publisher.as_ref().expect("events");
-        let mut dealer = DealerSocket::new();
-        dealer
-            .connect(publisher.replay_endpoint.as_deref().expect("replay"))
-            .await
-            .expect("dealer");
-        let req = ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&0u64.to_be_bytes()),
-        ])
-        .expect("frames");
-        dealer.send(req).await.expect("send");
-        let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
-            .await
-            .expect("replay in time")
-            .expect("recv")
-            .into_vec();
-        reply[1..].to_vec()
-    };
+    let msg = replay_one(pod, 0).await;
     let ours = EventBatch::decode(&msg[2]).expect("decodes");
     let real = std::fs::read(fixtures().join("0000.msgpack")).expect("fixture");
     let mut theirs = EventBatch::decode(&real).expect("decodes");
