@@ -215,7 +215,7 @@ def run_system(args, name, index, total, workload, out_dir):
         before = scrape(fleet)
         ipf_out = os.path.join(run_dir, "inference-perf")
         cfg = inference_perf_config(workload, front, args.model, os.path.join(REPO, "assets/tokenizer"), ipf_out)
-        headers = system_headers(args.system_header).get(name)
+        headers = args.headers_by_system.get(name)
         if headers:
             cfg["api"]["headers"] = headers
         import yaml
@@ -405,9 +405,10 @@ def main(argv=None):
         except ValueError as e:
             p.error(str(e))
     try:
-        unknown_headers = set(system_headers(args.system_header)) - set(SYSTEMS)
+        args.headers_by_system = system_headers(args.system_header)
     except ValueError as e:
         p.error(str(e))
+    unknown_headers = set(args.headers_by_system) - set(SYSTEMS)
     if unknown_headers:
         p.error(f"--system-header names unknown systems {sorted(unknown_headers)}")
     systems = args.systems.split(",") if args.systems else mode["systems"]
