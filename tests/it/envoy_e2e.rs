@@ -204,7 +204,9 @@ async fn pool_file_edits_apply_without_a_restart() {
         a.addr.to_string()
     );
 
-    std::fs::write(&kvpick.pool_file, pool_yaml(&[&b])).expect("edit pool");
+    // NOTE: each edit replaces the file at once: a truncate-then-write read in between is a
+    // half-written (empty) file, which keeps the pool but counts as a reload error too.
+    kvpick.write_pool(&pool_yaml(&[&b]));
     let url = envoy.url("/x");
     let b_addr = b.addr.to_string();
     support::wait_until("the edit to apply", Duration::from_secs(10), || {
@@ -214,7 +216,7 @@ async fn pool_file_edits_apply_without_a_restart() {
     .await;
 
     // An invalid edit keeps the last good pool.
-    std::fs::write(&kvpick.pool_file, "endpoints:\n  - address: nonsense\n").expect("edit pool");
+    kvpick.write_pool("endpoints:\n  - address: nonsense\n");
     tokio::time::sleep(Duration::from_millis(400)).await;
     for _ in 0..5 {
         assert_eq!(

@@ -168,6 +168,14 @@ impl Kvpick {
         format!("http://127.0.0.1:{}{path}", self.metrics_port)
     }
 
+    /// Replaces the pool file in one step (a sibling file renamed over it, as editors and
+    /// ConfigMap updates do), so kvpick's watcher never reads it half-written.
+    pub fn write_pool(&self, yaml: &str) {
+        let staged = self.pool_file.with_extension("yaml.new");
+        std::fs::write(&staged, yaml).expect("stage pool file");
+        std::fs::rename(&staged, &self.pool_file).expect("replace pool file");
+    }
+
     /// kvpick's `/metrics` page.
     pub async fn metrics_text(&self) -> String {
         super::http::send("GET", &self.metrics_url("/metrics"), &[], Vec::new())
