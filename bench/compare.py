@@ -19,11 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
-from kvbench.stats import counters_delta, fleet_summary, kv_lookups, pod_counters, split_by_stage, stage_row  # noqa: E402
+from kvbench.stats import counters_delta, fleet_summary, kv_lookups, placement_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
 from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config, fleet_topic  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# kvpick-sim's --request-log in each system's run directory: which pod served each request.
+REQUEST_LOG = "requests.jsonl"
 
 # Settings per mode. time_scale multiplies the simulator's A100-style step costs (so 4.0 runs
 # every step 4x slower than an A100 would): it brings the saturation point of the fleet down
@@ -54,11 +56,13 @@ MODES = {
     ),
     # The CI smoke run (crates/kvpick-bench/tests/compare_smoke.rs): seconds, three systems,
     # full caches (the two pods together hold 60% of the groups' prefixes, so prefixes are
-    # evicted and a router's memory of where it sent them goes stale).
+    # evicted and a router's memory of where it sent them goes stale). NOTE: 10 s (80
+    # requests), not 5: in 40 the first pass over the 28 prompts is a third of the run, and
+    # both routers' hit rates moved by ±2 requests from run to run on a loaded machine.
     "smoke": dict(
         pods=2, time_scale=1.0, cache_fraction=0.3,
         workload=Workload(groups=7, prompts_per_group=4, system_len=512, question_len=32,
-                          output_len=8, rates=[8.0], stage_seconds=5),
+                          output_len=8, rates=[8.0], stage_seconds=10),
         systems=["round-robin", "kvpick-recommended", "smg-cache-aware"],
     ),
 }
@@ -110,9 +114,10 @@ def scrape(fleet):
     return [pod_counters(http_get(f"{u}/metrics")[1]) for u in fleet.urls()]
 
 
-def sim_argv(args, base, events, replay, blocks, topic=None):
+def sim_argv(args, base, events, replay, blocks, topic=None, request_log=None):
     """kvpick-sim's command line: args.pods pods from these base ports, `blocks` KV blocks
-    each, publishing on `topic` (a --kv-events-topic template; None: the simulator's default)."""
+    each, publishing on `topic` (a --kv-events-topic template; None: the simulator's default),
+    writing a line per request to `request_log` (a path; None: no log)."""
     argv = [
         os.path.join(args.bin_dir, "kvpick-sim"), "--pods", str(args.pods), "--base-port", str(base),
         "--events-base-port", str(events), "--replay-base-port", str(replay),
@@ -122,6 +127,8 @@ def sim_argv(args, base, events, replay, blocks, topic=None):
     ]
     if topic is not None:
         argv += ["--kv-events-topic", topic]
+    if request_log is not None:
+        argv += ["--request-log", request_log]
     overrides = list(args.pod_override or [])
     if args.heterogeneous:
         overrides = heterogeneous_overrides(args.pods, blocks) + overrides
@@ -136,7 +143,7 @@ def start_fleet(args, procs, workload, run_dir, topic=None):
     events = free_port_run(n, start=base + n + 10)
     replay = free_port_run(n, start=events + n + 10)
     blocks = args.num_gpu_blocks or blocks_per_pod(workload, args.block_size, fraction=args.cache_fraction)
-    argv = sim_argv(args, base, events, replay, blocks, topic)
+    argv = sim_argv(args, base, events, replay, blocks, topic, os.path.join(run_dir, REQUEST_LOG))
     procs.start("kvpick-sim", argv, env={"RUST_LOG": "warn"})
     fleet = Fleet(n, base, events, replay, args.model)
     for u in fleet.urls():
@@ -200,6 +207,17 @@ class Progress(threading.Thread):
             sys.stderr.write("\n")
 
 
+def placement_from_log(path, workload):
+    """stats.placement_summary over the fleet's request log; a prefix is a conversation in
+    multi-turn runs (their short shared preamble would make them all one)."""
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        return {"error": f"{path}: {e}"}
+    return placement_summary(records, key="head_long" if workload.kind == "multi-turn" else "head")
+
+
 def run_system(args, name, index, total, workload, out_dir):
     run_dir = os.path.join(out_dir, name)
     os.makedirs(run_dir, exist_ok=True)
@@ -250,6 +268,7 @@ def run_system(args, name, index, total, workload, out_dir):
         # What each process of the system spent while the load ran: on two shared cores the
         # harness's own CPU limits the rates it can offer, so a router's cost shows here.
         extra = {"cpu_seconds_under_load": {k: round(cpu_after[k] - v, 2) for k, v in cpu_before.items() if k in cpu_after}}
+        extra["placement"] = placement_from_log(os.path.join(run_dir, REQUEST_LOG), workload)
         lookups = router_kv_lookups(ctx.router_metrics)
         if lookups:
             extra["router_kv_lookups"] = lookups
@@ -449,7 +468,7 @@ def main(argv=None):
     }
     report.write_json(os.path.join(out_dir, "summary.json"), summary)
     report.write_csv(os.path.join(out_dir, "results.csv"), rows)
-    table = report.markdown_table(rows, args.time_scale) + report.cpu_table(per_system)
+    table = report.markdown_table(rows, args.time_scale) + report.placement_table(per_system) + report.cpu_table(per_system)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(table)
     plot_paths = []

@@ -13,7 +13,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvbench import conversations, shifting, stats  # noqa: E402
+from kvbench import conversations, report, shifting, stats  # noqa: E402
 from kvbench.workload import Workload, blocks_per_pod, inference_perf_config, max_concurrency, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -454,6 +454,31 @@ class StatsTest(unittest.TestCase):
         first, second = stats.split_by_stage(entries, [2, 1])
         self.assertEqual([e["start_time"] for e in first], [1.0, 2.0])
         self.assertEqual([e["start_time"] for e in second], [5.0])
+
+    def test_placement_summary_counts_copies_moves_and_repeat_misses(self):
+        def rec(t, pod, head, cached, prompt=100, head_long=None):
+            return {"arrived": t, "pod": pod, "head": head, "head_long": head_long or head,
+                    "cached_tokens": cached, "prompt_tokens": prompt}
+        records = [
+            rec(3.0, 1, "a", 90),   # a moves 0 → 1, still a hit
+            rec(1.0, 0, "a", 0),    # out of order on purpose: sorted by arrival
+            rec(2.0, 0, "b", 0),
+            rec(4.0, 0, "b", 10),   # b repeats on its pod but was evicted: a repeat miss
+            rec(5.0, 1, "c", 0),    # c once: not counted in copies
+            rec(6.0, 0, "a", 20, head_long="a2"),  # a back on 0, a miss
+        ]
+        got = stats.placement_summary(records)
+        self.assertEqual(got["prefixes"], 3)
+        self.assertAlmostEqual(got["copies_per_prefix"], (2 + 1) / 2)
+        self.assertEqual(got["prefix_moves"], 2)
+        self.assertEqual(got["repeat_requests"], 3)
+        self.assertEqual(got["repeat_misses"], 2)
+        by_long = stats.placement_summary(records, key="head_long")
+        self.assertEqual(by_long["prefixes"], 4)
+        self.assertEqual(stats.placement_summary([])["copies_per_prefix"], None)
+        table = report.placement_table([{"system": "x", "placement": got}, {"system": "y"}])
+        self.assertIn("| x | 3 | 1.50 | 2 | 2/3 |", table)
+        self.assertNotIn("| y |", table)
 
     def test_stage_row_reads_the_stage_report(self):
         lat = lambda m, p90: {"mean": m, "median": m, "p90": p90, "p99": p90}  # noqa: E731

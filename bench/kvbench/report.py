@@ -35,6 +35,27 @@ def write_json(path, summary):
         json.dump(summary, f, indent=1)
 
 
+def placement_table(per_system):
+    """Where each system put the prefixes (kvpick-sim's request log, whole run)."""
+    lines = []
+    for s in per_system:
+        p = s.get("placement") or {}
+        if "copies_per_prefix" not in p:
+            continue
+        lines.append(
+            f"| {s['system']} | {p['prefixes']} | {_fmt(p['copies_per_prefix'], 2)} | {p['prefix_moves']} "
+            f"| {p['repeat_misses']}/{p['repeat_requests']} |"
+        )
+    if not lines:
+        return ""
+    head = [
+        "\nWhere the prefixes went (every request of the run, from the pods' request logs):\n",
+        "| system | prefixes | pods per prefix | moves | repeat requests missing ≥ ½ |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    return "\n".join(head + lines) + "\n"
+
+
 def cpu_table(per_system):
     """CPU seconds each system's processes used while the load ran, and per request."""
     lines = []

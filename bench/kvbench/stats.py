@@ -106,6 +106,42 @@ def fleet_summary(per_pod):
     }
 
 
+def placement_summary(records, key="head"):
+    """Where each prefix went, from kvpick-sim's --request-log lines (dicts), in arrival order.
+
+    `key` names the prefix: "head" (the first block: a shared-prefix group) or "head_long"
+    (the first 256 tokens: a conversation behind a short shared preamble).
+    - copies_per_prefix: distinct pods that served each prefix seen at least twice, averaged;
+      1.0 is every prefix on one pod, more is copies (each a prefill and the cache it takes).
+    - prefix_moves: requests served on another pod than their prefix's previous request.
+    - repeat_misses: requests whose prefix was served before, that still found less than half
+      of their prompt cached (a prefix that was evicted, or sent where it was not held).
+    """
+    records = sorted(records, key=lambda r: r["arrived"])
+    pods, last, moves, repeat_misses, repeats = {}, {}, 0, 0, 0
+    for r in records:
+        prefix = r[key]
+        if prefix in last:
+            repeats += 1
+            if last[prefix] != r["pod"]:
+                moves += 1
+            if r["cached_tokens"] * 2 < r["prompt_tokens"]:
+                repeat_misses += 1
+        last[prefix] = r["pod"]
+        pods.setdefault(prefix, set()).add(r["pod"])
+    counts = {p: 0 for p in pods}
+    for r in records:
+        counts[r[key]] += 1
+    shared = [len(pods[p]) for p in pods if counts[p] >= 2]
+    return {
+        "prefixes": len(pods),
+        "copies_per_prefix": sum(shared) / len(shared) if shared else None,
+        "prefix_moves": moves,
+        "repeat_requests": repeats,
+        "repeat_misses": repeat_misses,
+    }
+
+
 def counters_delta(after, before):
     """Per-pod counters accumulated between two scrapes."""
     return [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]

@@ -53,6 +53,7 @@ async fn fleet(
             buffer_steps: 10_000,
             layout: EventLayout::Map,
             overrides,
+            request_log: None,
         },
         Arc::new(tokenizer),
     )

@@ -18,6 +18,7 @@ use super::events::EventLayout;
 use super::http::{PodApi, router};
 use super::pod::{Faults, MetricsFault, Pod, PodConfig, PodError};
 use super::publisher::PublisherConfig;
+use super::request_log::RequestLog;
 use super::tokenizer::SimTokenizer;
 
 /// Per-pod deviations from the fleet defaults.
@@ -62,6 +63,8 @@ pub struct FleetConfig {
     pub layout: EventLayout,
     /// Overrides by pod index.
     pub overrides: Vec<(usize, PodOverride)>,
+    /// Where every pod writes a line per request (`--request-log`); `None`: nowhere.
+    pub request_log: Option<Arc<RequestLog>>,
 }
 
 /// Errors starting a fleet.
@@ -215,6 +218,8 @@ pub async fn start_fleet_with_topic(
         let app = router(Arc::new(PodApi {
             pod: pod.clone(),
             tokenizer: tokenizer.clone(),
+            index,
+            request_log: cfg.request_log.clone(),
         }));
         let server = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {

@@ -27,6 +27,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::engine::{Engine, SimRequest, TokenOut};
 use super::pod::{MetricsFault, Pod, SubmitError};
+use super::request_log::{RequestLog, RequestRecord, unix_seconds};
 use super::tokenizer::{PromptError, SimTokenizer};
 
 /// Token ids at or above this are out of the simulated model's vocabulary (Qwen-style).
@@ -39,6 +40,34 @@ pub struct PodApi {
     pub pod: Pod,
     /// The model's tokenizer.
     pub tokenizer: Arc<SimTokenizer>,
+    /// The pod's index in its fleet (for the request log).
+    pub index: usize,
+    /// `--request-log`, when set.
+    pub request_log: Option<Arc<RequestLog>>,
+}
+
+/// What the request log needs of a request until its first token.
+struct Arrival {
+    at: f64,
+    started: std::time::Instant,
+    prompt_tokens: usize,
+    heads: (u64, u64),
+}
+
+impl Arrival {
+    fn record(&self, api: &PodApi, cached_tokens: usize) {
+        if let Some(log) = &api.request_log {
+            log.write(&RequestRecord {
+                pod: api.index,
+                arrived: self.at,
+                first_token_s: self.started.elapsed().as_secs_f64(),
+                prompt_tokens: self.prompt_tokens,
+                cached_tokens,
+                head: self.heads.0,
+                head_long: self.heads.1,
+            });
+        }
+    }
 }
 
 /// The pod's router.
@@ -527,6 +556,17 @@ async fn run(
     let mut prompt_lens = Vec::with_capacity(n);
     // Kept only when the answer must carry them (`return_token_ids`).
     let mut prompt_ids: Vec<Vec<u32>> = Vec::new();
+    // The first choice's prompt (the simulator serves n = 1) for the request log.
+    let arrival = api
+        .request_log
+        .as_ref()
+        .and(prompts.first())
+        .map(|p| Arrival {
+            at: unix_seconds(),
+            started: std::time::Instant::now(),
+            prompt_tokens: p.len(),
+            heads: RequestRecord::heads(p),
+        });
     for (index, prompt) in prompts.into_iter().enumerate() {
         prompt_lens.push(prompt.len());
         if c.return_token_ids {
@@ -568,6 +608,9 @@ async fn run(
         while let Some((i, t)) = rx.recv().await {
             if t.index == 0 {
                 cached += t.cached_tokens;
+                if let (0, Some(a)) = (i, &arrival) {
+                    a.record(&api, t.cached_tokens);
+                }
             }
             if let Some(ids) = texts.get_mut(i) {
                 ids.push(t.token);
@@ -652,6 +695,9 @@ async fn run(
             usage.completion += 1;
             if t.index == 0 {
                 usage.cached += t.cached_tokens;
+                if let (0, Some(a)) = (i, &arrival) {
+                    a.record(&api, t.cached_tokens);
+                }
             }
             let text = api.tokenizer.decode(&[t.token]);
             let finish = t.finish.map(|_| "length");

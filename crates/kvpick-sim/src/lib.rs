@@ -10,7 +10,7 @@
 //! Layers, bottom up: [`hashing`] and [`events`] (wire formats), [`block_pool`] and [`engine`]
 //! (the deterministic, clock-free engine model), [`pod`] (one async task per pod driving the
 //! engine on tokio's clock), [`publisher`] (ZMQ PUB + replay), [`metrics`], [`tokenizer`],
-//! [`http`] (the OpenAI surface), [`render`] (vLLM's render and detokenize endpoints), [`fleet`] (many pods per process). See docs/simulator.md.
+//! [`http`] (the OpenAI surface), [`render`] (vLLM's render and detokenize endpoints), [`request_log`] (`--request-log`), [`fleet`] (many pods per process). See docs/simulator.md.
 
 pub mod block_pool;
 pub mod engine;
@@ -22,4 +22,5 @@ pub mod metrics;
 pub mod pod;
 pub mod publisher;
 pub mod render;
+pub mod request_log;
 pub mod tokenizer;

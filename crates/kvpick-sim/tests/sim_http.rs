@@ -20,6 +20,7 @@ use kvpick_sim::fleet::{
     DEFAULT_TOPIC_TEMPLATE, FleetConfig, FleetPod, render_topic, start_fleet_with_topic,
 };
 use kvpick_sim::hashing::HashAlgo;
+use kvpick_sim::request_log::RequestLog;
 use kvpick_sim::tokenizer::SimTokenizer;
 use serde_json::{Value, json};
 use zeromq::{Socket, SocketRecv, SubSocket};
@@ -41,6 +42,15 @@ async fn fleet(pods: usize, max_loras: usize) -> Vec<FleetPod> {
 }
 
 async fn fleet_with_topic(pods: usize, max_loras: usize, topic: &str) -> Vec<FleetPod> {
+    fleet_with(pods, max_loras, topic, None).await
+}
+
+async fn fleet_with(
+    pods: usize,
+    max_loras: usize,
+    topic: &str,
+    request_log: Option<Arc<RequestLog>>,
+) -> Vec<FleetPod> {
     let tok = SimTokenizer::load(&paths::repo_root().join("assets/tokenizer")).expect("tokenizer");
     start_fleet_with_topic(
         FleetConfig {
@@ -63,6 +73,7 @@ async fn fleet_with_topic(pods: usize, max_loras: usize, topic: &str) -> Vec<Fle
             buffer_steps: 10_000,
             layout: EventLayout::Map,
             overrides: Vec::new(),
+            request_log,
         },
         Arc::new(tok),
         topic,
@@ -241,6 +252,72 @@ async fn completions_chat_and_tokenize_match_the_real_engine() {
     assert_eq!(status, 200);
     assert_eq!(body["choices"].as_array().map(Vec::len), Some(2));
     assert_eq!(body["usage"]["completion_tokens"], 6);
+}
+
+/// `--request-log`: a line per request names the pod that served it and what its cache held,
+/// and prompts sharing a head share its digest (the harness counts copies per prefix by it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_log_names_the_pod_and_the_cached_tokens_of_each_request() {
+    let path = std::env::temp_dir().join(format!("sim-http-reqlog-{}", std::process::id()));
+    let log = Arc::new(RequestLog::create(&path).expect("log"));
+    let pods = fleet_with(2, 0, DEFAULT_TOPIC_TEMPLATE, Some(log)).await;
+    let shared = "You are a careful assistant who answers briefly. ".repeat(12);
+    let prompt = |q: &str| format!("{shared}Question: {q}");
+    // Pod 1 twice (the second reuses the first's blocks, streamed), pod 0 once, another head.
+    let mut served = Vec::new();
+    for (pod, text, stream) in [
+        (1, prompt("why?"), false),
+        (1, prompt("how?"), true),
+        (0, "Something else entirely. ".repeat(20), false),
+    ] {
+        let body = json!({"prompt": text, "max_tokens": 2, "stream": stream,
+            "stream_options": {"include_usage": true}});
+        let (status, answer) = call(
+            &pods[pod],
+            "POST",
+            "/v1/completions",
+            Some(body.to_string()),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        let usage_line = answer
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: ").or(Some(e)))
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find(|v| v.get("usage").is_some_and(|u| !u.is_null()))
+            .expect("usage");
+        served.push(usage_line["usage"].clone());
+    }
+    let text = std::fs::read_to_string(&path).expect("read the log");
+    let _ = std::fs::remove_file(&path);
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    for (line, (pod, usage)) in lines.iter().zip([1, 1, 0].iter().zip(&served)) {
+        assert_eq!(line["pod"], *pod, "{text}");
+        assert_eq!(line["prompt_tokens"], usage["prompt_tokens"], "{text}");
+        assert_eq!(
+            line["cached_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+            "{text}"
+        );
+        assert!(
+            line["first_token_s"].as_f64().is_some_and(|s| s >= 0.0),
+            "{text}"
+        );
+        assert!(
+            line["arrived"].as_f64().is_some_and(|s| s > 1.6e9),
+            "{text}"
+        );
+    }
+    assert_eq!(lines[0]["cached_tokens"], 0, "a cold pod");
+    assert!(
+        lines[1]["cached_tokens"].as_u64().is_some_and(|c| c >= 64),
+        "{text}"
+    );
+    assert_eq!(lines[0]["head"], lines[1]["head"], "one shared head");
+    assert_ne!(lines[0]["head"], lines[2]["head"], "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

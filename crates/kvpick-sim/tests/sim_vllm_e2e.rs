@@ -52,6 +52,7 @@ async fn pod() -> FleetPod {
             buffer_steps: 10_000,
             layout: EventLayout::Map,
             overrides: Vec::new(),
+            request_log: None,
         },
         Arc::new(tok),
     )

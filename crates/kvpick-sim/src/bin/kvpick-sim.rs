@@ -11,6 +11,7 @@ use kvpick_sim::fleet::{
     DEFAULT_TOPIC_TEMPLATE, FleetConfig, parse_override, start_fleet_with_topic,
 };
 use kvpick_sim::hashing::HashAlgo;
+use kvpick_sim::request_log::RequestLog;
 use kvpick_sim::tokenizer::SimTokenizer;
 
 #[derive(Debug, Parser)]
@@ -62,6 +63,10 @@ struct Args {
     /// own default (what vllm-router's static --kv-event-source expects).
     #[arg(long, default_value = DEFAULT_TOPIC_TEMPLATE)]
     kv_events_topic: String,
+    /// Write one JSON line per request reaching its first token to this file (pod, arrival,
+    /// first-token time, prompt and cached tokens, prompt-head digests), for benchmarks.
+    #[arg(long)]
+    request_log: Option<std::path::PathBuf>,
     /// Encode events as pre-0.24 tagged arrays.
     #[arg(long)]
     legacy_array_events: bool,
@@ -138,6 +143,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             EventLayout::Map
         },
         overrides,
+        request_log: match &args.request_log {
+            Some(path) => {
+                Some(Arc::new(RequestLog::create(path).map_err(|e| {
+                    format!("--request-log {}: {e}", path.display())
+                })?))
+            }
+            None => None,
+        },
     };
     let pods = start_fleet_with_topic(cfg, tokenizer, &args.kv_events_topic).await?;
     for (i, p) in pods.iter().enumerate() {
