@@ -207,12 +207,12 @@ impl Lanes {
         for lane in 0..threads {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
-                .thread_name("kvpick-extproc-blocking")
+                .thread_name("ext-proc-pool")
                 .build()?;
             handles.push(runtime.handle().clone());
             let stop = stop.clone();
             std::thread::Builder::new()
-                .name(format!("kvpick-extproc-{lane}"))
+                .name(format!("ext-proc-{lane}"))
                 .spawn(move || {
                     runtime.block_on(stop.cancelled());
                     // NOTE: without waiting for this runtime's blocking work (a long routing

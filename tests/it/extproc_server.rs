@@ -22,7 +22,7 @@ use tonic::transport::Channel;
 /// Response chunks per stream (a 64-token answer streams ~66).
 const CHUNKS: usize = 80;
 
-/// Voluntary context switches of each of `pid`'s threads named `kvpick-extproc-N`.
+/// Voluntary context switches of each of `pid`'s connection threads (`ext-proc-N`).
 fn lane_switches(pid: u32) -> HashMap<String, u64> {
     let mut out = HashMap::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -31,7 +31,7 @@ fn lane_switches(pid: u32) -> HashMap<String, u64> {
     for task in tasks.flatten() {
         let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
         let name = name.trim();
-        if !name.starts_with("kvpick-extproc-") || name.contains("blocking") {
+        if !name.starts_with("ext-proc-") || name == "ext-proc-pool" {
             continue;
         }
         let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
@@ -151,7 +151,7 @@ async fn connections_over_several_threads_are_all_served_and_long_streams_round_
     // then the same exchange served on the shared runtime (`0`).
     for (threads, connections) in [("2", 4), ("0", 1)] {
         let kvpick = Kvpick::start(&pool, &["--extproc-threads", threads]).await;
-        let pid = kvpick.child.id().expect("pid");
+        let pid = kvpick.child.id();
         let before = lane_switches(pid);
         let mut tasks = Vec::new();
         for c in 0..connections {
@@ -192,7 +192,7 @@ async fn connections_over_several_threads_are_all_served_and_long_streams_round_
         // voluntary switch) for many of their 2 × 3 × 80 response chunks.
         let mut names: Vec<&String> = after.keys().collect();
         names.sort();
-        assert_eq!(names, ["kvpick-extproc-0", "kvpick-extproc-1"]);
+        assert_eq!(names, ["ext-proc-0", "ext-proc-1"]);
         for (name, switches) in &after {
             let served = switches - before.get(name).copied().unwrap_or(0);
             assert!(
