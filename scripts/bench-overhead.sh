@@ -136,14 +136,17 @@ for r in $(seq "$ROUNDS"); do
       echo 5 >"/proc/$pid/clear_refs" 2>/dev/null || true # resets VmHWM to the current RSS
       read -r vol_before invol_before < <(switches "$pid")
       msgs_before=$(messages $((9901 + 100 * i)))
+      read -r user_before sys_before < <(awk '{print $14, $15}' "/proc/$pid/stat")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
       after=$(stages $metrics); routed_after=$(routed $metrics)
       hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
       read -r vol_after invol_after < <(switches "$pid")
       msgs_after=$(messages $((9901 + 100 * i)))
+      read -r user_after sys_after < <(awk '{print $14, $15}' "/proc/$pid/stat")
       case $variant in warm) warmup=50 ;; cold) warmup=20 ;; *) warmup=300 ;; esac
       sent=$((REQUESTS + warmup))
       echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"
+      echo "#   kvpick$i CPU per request (warm-up and idle included): $(python3 -c "print(f'user {($user_after - $user_before) * 1e4 / $sent:.0f} µs, system {($sys_after - $sys_before) * 1e4 / $sent:.0f} µs')")"
       echo "#   kvpick$i ext-proc messages per request (Envoy to kvpick): $(python3 -c "print(f'{($msgs_after - $msgs_before) / $sent:.1f}')")"
       cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
       echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it; prefix token cache after it ${cached} MiB"

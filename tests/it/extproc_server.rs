@@ -70,24 +70,34 @@ fn body_reply(reply: &ProcessingResponse) -> (Vec<u8>, bool) {
     }
 }
 
-/// One request through the ext-proc exchange: routed, then a streamed response of
-/// [`CHUNKS`] distinct chunks, each answered unchanged and in order. Returns the destination.
-async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -> String {
-    let (tx, rx) = mpsc::channel(16);
-    let mut replies = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .expect("stream accepted")
-        .into_inner();
-    let mut next = async || {
-        tokio::time::timeout(Duration::from_secs(10), replies.message())
+/// An open ext-proc stream: what the client sends, what kvpick answers.
+struct Open {
+    tx: mpsc::Sender<ProcessingRequest>,
+    replies: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Open {
+    async fn next(&mut self) -> ProcessingResponse {
+        tokio::time::timeout(Duration::from_secs(10), self.replies.message())
             .await
             .expect("a reply in time")
             .expect("no stream error")
             .expect("a reply, not the end")
-    };
+    }
+}
+
+/// Opens a stream and sends a request through it up to the pick: returns the stream (its
+/// body forwarded) and the destination.
+async fn routed(client: &mut ExternalProcessorClient<Channel>, tag: &str) -> (Open, String) {
+    let (tx, rx) = mpsc::channel(16);
+    let replies = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .expect("stream accepted")
+        .into_inner();
+    let mut open = Open { tx, replies };
     send(
-        &tx,
+        &open.tx,
         support::extproc::headers(
             &[(":method", "POST"), ("content-type", "application/json")],
             false,
@@ -96,7 +106,7 @@ async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -
     .await;
     let body = format!(r#"{{"model":"m","prompt":"request {tag}","stream":true}}"#);
     send(
-        &tx,
+        &open.tx,
         Request::RequestBody(HttpBody {
             body: body.clone().into_bytes(),
             end_of_stream: true,
@@ -104,7 +114,7 @@ async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -
         }),
     )
     .await;
-    let decision = next().await;
+    let decision = open.next().await;
     let Some(Response::RequestHeaders(headers)) = &decision.response else {
         panic!("{tag}: expected the routing decision, got {decision:?}");
     };
@@ -120,17 +130,24 @@ async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -
         })
         .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
         .expect("a destination header");
-    assert_eq!(body_reply(&next().await), (body.into_bytes(), true));
-    send(&tx, Request::ResponseHeaders(HttpHeaders::default())).await;
+    assert_eq!(body_reply(&open.next().await), (body.into_bytes(), true));
+    (open, destination)
+}
+
+/// One request through the ext-proc exchange: routed, then a streamed response of
+/// [`CHUNKS`] distinct chunks, each answered unchanged and in order. Returns the destination.
+async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -> String {
+    let (mut open, destination) = routed(client, tag).await;
+    send(&open.tx, Request::ResponseHeaders(HttpHeaders::default())).await;
     assert!(matches!(
-        next().await.response,
+        open.next().await.response,
         Some(Response::ResponseHeaders(_))
     ));
     for i in 0..CHUNKS {
         let last = i + 1 == CHUNKS;
         let chunk = format!("data: {{\"tag\":\"{tag}\",\"i\":{i}}}\n\n").into_bytes();
         send(
-            &tx,
+            &open.tx,
             Request::ResponseBody(HttpBody {
                 body: chunk.clone(),
                 end_of_stream: last,
@@ -138,7 +155,11 @@ async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -
             }),
         )
         .await;
-        assert_eq!(body_reply(&next().await), (chunk, last), "{tag} chunk {i}");
+        assert_eq!(
+            body_reply(&open.next().await),
+            (chunk, last),
+            "{tag} chunk {i}"
+        );
     }
     destination
 }
@@ -201,4 +222,33 @@ async fn connections_over_several_threads_are_all_served_and_long_streams_round_
             );
         }
     }
+}
+
+#[tokio::test]
+async fn a_stream_open_past_the_drain_timeout_is_closed_and_kvpick_exits() {
+    let a = Backend::start("127.0.0.1").await;
+    let mut kvpick = Kvpick::start(
+        &pool_yaml(&[&a]),
+        &[
+            "--extproc-threads",
+            "2",
+            "--shutdown-grace-period",
+            "100ms",
+            "--drain-timeout",
+            "500ms",
+        ],
+    )
+    .await;
+    let mut client = support::extproc::connect(kvpick.grpc_port).await;
+    // Routed, then its response never comes: the stream stays open through the drain.
+    let (mut open, _) = routed(&mut client, "stuck").await;
+    kvpick.terminate();
+    let closed = tokio::time::timeout(Duration::from_secs(5), open.replies.message())
+        .await
+        .expect("the open stream is closed once the drain timeout is over");
+    assert!(
+        !matches!(closed, Ok(Some(_))),
+        "no reply, the stream ends: {closed:?}"
+    );
+    assert_eq!(kvpick.wait_exit(Duration::from_secs(5)).await, Some(0));
 }
