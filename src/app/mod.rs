@@ -1,5 +1,6 @@
 //! `kvpick serve`: builds every part from one [`ServeConfig`] and runs until shutdown.
 //!
+//! `extproc_server` serves the ext-proc port, each connection on one of a few threads;
 //! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool;
 //! [`liveness`] marks endpoints down (left out of the candidates) and up again.
 //! The background subsystems ([`subsystems`]) run under a [`supervise::Supervisor`]: one
