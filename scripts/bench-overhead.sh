@@ -17,6 +17,12 @@
 # KVPICK_BINS="a b": A/B several kvpick binaries in one run (each behind its own Envoy; rows
 # are named kvpick0, kvpick1, … in that order). Default: this tree's release build.
 # SKIP_BUILD=1: use the release binaries as they are.
+# STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
+# (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
+# FULL_DUPLEX_STREAMED response mode each request is ~K+4 ext-proc messages each way. Each
+# kvpick run then also prints the ext-proc messages per request (Envoy's stream_msgs_sent)
+# and kvpick's CPU per message. STREAM_GAP_US (default 300): microseconds between events, so
+# Envoy reads each on its own, as with a model server's decode steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=overhead
@@ -37,7 +43,8 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 for port in 8101 8102; do
-  $BIN/kvpick-bench backend --listen 127.0.0.1:$port & PIDS+=($!)
+  $BIN/kvpick-bench backend --listen 127.0.0.1:$port --stream-chunks "${STREAM:-0}" \
+    --chunk-gap-us "${STREAM_GAP_US:-300}" & PIDS+=($!)
 done
 printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' > "$WORK/pool.yaml"
 
@@ -96,6 +103,8 @@ done
 # involuntary: preempted), summed, as "voluntary involuntary".
 switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^voluntary_ctxt/ {v += $2} /^nonvoluntary_ctxt/ {n += $2} END {print v + 0, n + 0}'; }
 routed() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^inference_objective_request_total\{/ {n += $NF} END {print n + 0}'; }
+# ext-proc messages Envoy sent to kvpick (one per request/response headers, body chunk, trailers).
+messages() { curl -sf "http://127.0.0.1:$1/stats" | awk -F': ' '/ext_proc\.stream_msgs_sent:/ {n += $2} END {print n + 0}'; }
 stages() { curl -sf "http://127.0.0.1:$1/metrics" | grep '^kvpick_request_stage_seconds_\(sum\|count\)' || true; }
 run() { # port path size variant pace seed [cpu-pid]
   local args=(--url "http://127.0.0.1:$1$2" --requests "$REQUESTS" --body-bytes "$3" --seed "$6")
@@ -109,6 +118,7 @@ run() { # port path size variant pace seed [cpu-pid]
     conc:*) args+=(--concurrency "${5#conc:}") ;;
   esac
   [ -n "${7:-}" ] && args+=(--cpu-pid "$7")
+  [ -n "${STREAM:-}" ] && args+=(--stream)
   $BIN/kvpick-bench load "${args[@]}"
 }
 echo "round,bytes,variant,pace,setup,p50_ms,p99_ms,added_p50_ms,added_p99_ms,rps,errors,kvpick_cpu_us_per_request"
@@ -125,19 +135,25 @@ for r in $(seq "$ROUNDS"); do
       rss_before=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status")
       echo 5 >"/proc/$pid/clear_refs" 2>/dev/null || true # resets VmHWM to the current RSS
       read -r vol_before invol_before < <(switches "$pid")
+      msgs_before=$(messages $((9901 + 100 * i)))
+      read -r user_before sys_before < <(awk '{print $14, $15}' "/proc/$pid/stat")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
       after=$(stages $metrics); routed_after=$(routed $metrics)
       hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
       read -r vol_after invol_after < <(switches "$pid")
+      msgs_after=$(messages $((9901 + 100 * i)))
+      read -r user_after sys_after < <(awk '{print $14, $15}' "/proc/$pid/stat")
       case $variant in warm) warmup=50 ;; cold) warmup=20 ;; *) warmup=300 ;; esac
       sent=$((REQUESTS + warmup))
       echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"
+      echo "#   kvpick$i CPU per request (warm-up and idle included): $(python3 -c "print(f'user {($user_after - $user_before) * 1e4 / $sent:.0f} µs, system {($sys_after - $sys_before) * 1e4 / $sent:.0f} µs')")"
+      echo "#   kvpick$i ext-proc messages per request (Envoy to kvpick): $(python3 -c "print(f'{($msgs_after - $msgs_before) / $sent:.1f}')")"
       cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
       echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it; prefix token cache after it ${cached} MiB"
       python3 - "$r" "$size" "$variant" "$pace" "kvpick$i" "$a" "$alone" "$before" "$after" \
-        "${IDLE[$i]}" "$((routed_after - routed_before))" <<'PY'
+        "${IDLE[$i]}" "$((routed_after - routed_before))" "$((msgs_after - msgs_before))" <<'PY'
 import json, sys
-r, size, variant, pace, name, a, b, before, after, idle, routed = sys.argv[1:]
+r, size, variant, pace, name, a, b, before, after, idle, routed, msgs = sys.argv[1:]
 a, b = json.loads(a), json.loads(b)
 la, lb = a["latency"], b["latency"]
 def row(setup, rep, added, cpu):
@@ -152,6 +168,11 @@ if int(routed) != sent:
     print(f"# WARNING {name}: {routed} of {sent} requests were picked by kvpick")
 if name == "kvpick0":
     row("envoy-alone", b, ",", "")
+# Per message: the run's CPU (warm-up excluded) over the messages of the counted requests
+# (the messages counted include the warm-up's; scaled to the counted share).
+if int(msgs) > 0:
+    per_request = int(msgs) / sent
+    print(f"#   {name} kvpick CPU µs per ext-proc message: {cpu / per_request:.1f} ({per_request:.1f} messages/request)")
 def parse(text):
     out = {}
     for line in text.splitlines():

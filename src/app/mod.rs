@@ -1,5 +1,6 @@
 //! `kvpick serve`: builds every part from one [`ServeConfig`] and runs until shutdown.
 //!
+//! `extproc_server` serves the ext-proc port, each connection on one of a few threads;
 //! [`pool_sync`] keeps KV-event subscriptions and metric scrapers in step with the pool;
 //! [`liveness`] marks endpoints down (left out of the candidates) and up again.
 //! The background subsystems ([`subsystems`]) run under a [`supervise::Supervisor`]: one
@@ -18,6 +19,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+mod extproc_server;
 mod liveness;
 mod pool_sync;
 mod sources;
@@ -302,19 +304,18 @@ pub async fn serve(
     // than the service would take, before the service even sees them.
     let h2_streams = u32::try_from(config.max_extproc_streams).unwrap_or(u32::MAX);
     let drain = CancellationToken::new();
-    let mut grpc_server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .max_concurrent_streams(h2_streams)
-            .add_service(
-                ExtProcService::new(ctx)
-                    .with_max_streams(config.max_extproc_streams)
-                    .into_server(),
-            )
-            .serve_with_incoming_shutdown(
-                crate::tls::incoming(grpc_listener, tls),
-                drain.clone().cancelled_owned(),
-            ),
-    );
+    let mut grpc_server = tokio::spawn(extproc_server::serve(
+        grpc_listener,
+        ExtProcService::new(ctx)
+            .with_max_streams(config.max_extproc_streams)
+            .into_server(),
+        extproc_server::Settings {
+            threads: config.extproc_threads,
+            max_streams: h2_streams,
+            tls,
+        },
+        drain.clone(),
+    ));
     let ready_now = |healthy: bool, source: &watch::Receiver<crate::discovery::kube::Readiness>| {
         healthy && datastore.is_synced() && source.borrow().is_ok()
     };
@@ -370,7 +371,7 @@ pub async fn serve(
     result
 }
 
-type GrpcServer = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+type GrpcServer = tokio::task::JoinHandle<std::io::Result<()>>;
 
 /// How long the subsystems may take to see the cancellation before they are aborted.
 const SUBSYSTEM_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -378,7 +379,7 @@ const SUBSYSTEM_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 /// Why `serve` stops.
 enum Ended {
     /// The ext-proc server ended by itself (an error).
-    Server(Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>),
+    Server(Result<std::io::Result<()>, tokio::task::JoinError>),
     /// SIGTERM/SIGINT (the `shutdown` future).
     Signal,
     /// A subsystem failed for good.

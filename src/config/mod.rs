@@ -131,6 +131,10 @@ pub struct ServeArgs {
     /// past it new streams are refused with RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 10_000)]
     pub max_extproc_streams: usize,
+    /// Threads serving ext-proc connections, each connection on one of them for its whole
+    /// life (default: one per core; 0: on the shared runtime's workers; at most 1024).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1024))]
+    pub extproc_threads: Option<usize>,
     /// Bytes of large request bodies parsed and tokenized at once; the rest wait their turn.
     /// Preparing a body holds several times its size; this bounds that memory and CPU.
     #[arg(long, default_value_t = crate::tokenize::DEFAULT_MAX_PREPARING_BYTES)]
@@ -364,6 +368,8 @@ pub struct ServeConfig {
     pub stream_timeouts: crate::extproc::StreamTimeouts,
     /// Open ext-proc streams bound.
     pub max_extproc_streams: usize,
+    /// Threads serving ext-proc connections (0: the shared runtime).
+    pub extproc_threads: usize,
     /// Whether GIE's conformance hooks are on.
     pub conformance_hooks: bool,
     /// Fallbacks after the primary.
@@ -551,6 +557,9 @@ impl ServeArgs {
                 body: self.request_body_timeout,
             },
             max_extproc_streams: self.max_extproc_streams,
+            extproc_threads: self.extproc_threads.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            }),
             conformance_hooks: self.enable_conformance_hooks,
             max_fallbacks: self.max_fallbacks,
             emit_endpoint_scores: self.emit_endpoint_scores,

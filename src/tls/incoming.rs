@@ -193,21 +193,35 @@ async fn accept_tls(
         let (acceptor, metrics, ready) = (acceptor.clone(), metrics.clone(), ready.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let peer = stream.peer_addr().ok();
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                Ok(Ok(tls)) => {
-                    metrics.handshakes.with_label_values(&["ok"]).inc();
-                    let _ = ready.send(Ok(Conn::Tls(Box::new(tls)))).await;
-                }
-                Ok(Err(error)) => {
-                    metrics.handshakes.with_label_values(&["failed"]).inc();
-                    tracing::debug!(%error, ?peer, "ext-proc TLS handshake failed");
-                }
-                Err(_) => {
-                    metrics.handshakes.with_label_values(&["timeout"]).inc();
-                    tracing::debug!(?peer, "ext-proc TLS handshake timed out");
-                }
+            if let Some(tls) = handshake(&acceptor, stream, &metrics).await {
+                let _ = ready.send(Ok(Conn::Tls(Box::new(tls)))).await;
             }
         });
+    }
+}
+
+/// Handshakes one accepted connection within [`HANDSHAKE_TIMEOUT`], counting the result;
+/// `None` when it failed or timed out (logged at debug: a client's problem, not ours).
+pub async fn handshake(
+    acceptor: &TlsAcceptor,
+    stream: TcpStream,
+    metrics: &TlsMetrics,
+) -> Option<TlsStream<TcpStream>> {
+    let peer = stream.peer_addr().ok();
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+        Ok(Ok(tls)) => {
+            metrics.handshakes.with_label_values(&["ok"]).inc();
+            Some(tls)
+        }
+        Ok(Err(error)) => {
+            metrics.handshakes.with_label_values(&["failed"]).inc();
+            tracing::debug!(%error, ?peer, "ext-proc TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            metrics.handshakes.with_label_values(&["timeout"]).inc();
+            tracing::debug!(?peer, "ext-proc TLS handshake timed out");
+            None
+        }
     }
 }

@@ -18,6 +18,7 @@ mod deploy_rbac;
 mod deploy_schema;
 mod envoy_e2e;
 mod extproc_large_bodies;
+mod extproc_server;
 mod extproc_stream;
 mod faults_gateway;
 mod faults_kv_events;

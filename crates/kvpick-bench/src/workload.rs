@@ -17,6 +17,9 @@ pub enum Workload {
     Fixed(Bytes),
     /// Chat bodies of about `bytes` bytes.
     Chat(ChatWorkload),
+    /// The inner workload's bodies asking for a streamed answer (`"stream":true`, with
+    /// usage in the last event, as vLLM clients ask).
+    Streamed(Box<Workload>),
 }
 
 /// Chat bodies of one size and shared fraction.
@@ -127,8 +130,20 @@ impl Workload {
         match self {
             Self::Fixed(body) => body.clone(),
             Self::Chat(chat) => chat.body(index),
+            Self::Streamed(inner) => streamed(&inner.body(index)),
         }
     }
+}
+
+/// `body` (a JSON object) with `"stream":true` and usage asked for, before its last `}`.
+fn streamed(body: &[u8]) -> Bytes {
+    let Some(end) = body.iter().rposition(|&b| b == b'}') else {
+        return Bytes::copy_from_slice(body);
+    };
+    let mut out = Vec::with_capacity(body.len() + 64);
+    out.extend_from_slice(&body[..end]);
+    out.extend_from_slice(br#","stream_options":{"include_usage":true},"stream":true}"#);
+    Bytes::from(out)
 }
 
 #[cfg(test)]
@@ -158,6 +173,16 @@ mod tests {
             }
             assert_eq!(warm.body(2), bodies[2], "deterministic");
         }
+    }
+
+    #[test]
+    fn streamed_bodies_ask_for_a_stream_with_usage() {
+        let plain = Workload::Fixed(Bytes::from_static(br#"{"model":"m","max_tokens":1}"#));
+        let body = Workload::Streamed(Box::new(plain)).body(0);
+        let json: serde_json::Value = serde_json::from_slice(&body).expect("valid JSON");
+        assert_eq!(json["stream"], true);
+        assert_eq!(json["stream_options"]["include_usage"], true);
+        assert_eq!(json["model"], "m");
     }
 
     #[test]

@@ -9,7 +9,7 @@ async fn load_run_counts_every_request_and_orders_percentiles() {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(backend::serve(listener));
+    tokio::spawn(backend::serve(listener, 4, std::time::Duration::ZERO));
     let body = load::completion_body("m", 8192);
     assert!(
         (8000..=8300).contains(&body.len()),
@@ -62,7 +62,7 @@ async fn open_loop_chat_run_keeps_its_rate_and_reads_the_cpu_of_a_process() {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(backend::serve(listener));
+    tokio::spawn(backend::serve(listener, 4, std::time::Duration::ZERO));
     let started = std::time::Instant::now();
     let report = load::run(load::LoadPlan {
         url: format!("http://{addr}/v1/chat/completions"),
@@ -85,4 +85,55 @@ async fn open_loop_chat_run_keeps_its_rate_and_reads_the_cpu_of_a_process() {
     );
     assert!(report.cpu_us_per_request.is_some_and(|us| us >= 0.0));
     assert!((8000..8400).contains(&report.body_bytes));
+}
+
+#[tokio::test]
+async fn a_streamed_request_gets_vllm_shaped_events_with_usage_last() {
+    use http_body_util::{BodyExt, Full};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(backend::serve(
+        listener,
+        5,
+        std::time::Duration::from_micros(100),
+    ));
+    let workload = Workload::Streamed(Box::new(Workload::Fixed(load::completion_body("m", 200))));
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let request = hyper::Request::post(format!("http://{addr}/v1/completions"))
+        .body(Full::new(workload.body(0)))
+        .expect("request");
+    let response = client.request(request).await.expect("answered");
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let text = std::str::from_utf8(&body).expect("utf-8");
+    let events: Vec<&str> = text.split_terminator("\n\n").collect();
+    assert_eq!(events.len(), 5 + 2, "{text}");
+    assert!(
+        events[..5]
+            .iter()
+            .all(|e| e.contains("chat.completion.chunk"))
+    );
+    assert!(events[5].contains(r#""usage":{"prompt_tokens""#));
+    assert_eq!(events[6], "data: [DONE]");
+    // The same load run with streamed bodies reads every stream to its end.
+    let report = load::run(load::LoadPlan {
+        url: format!("http://{addr}/v1/completions"),
+        pace: load::Pace::Closed(2),
+        requests: 20,
+        warmup: 2,
+        workload,
+        cpu_pid: None,
+    })
+    .await
+    .expect("run");
+    assert_eq!(report.errors, 0);
+    assert_eq!(report.latency.count, 20);
 }

@@ -53,12 +53,21 @@ enum Command {
         /// Model named in the body.
         #[arg(long, default_value = "bench-model")]
         model: String,
+        /// Ask for streamed answers (`"stream":true`; the bench backend then streams SSE).
+        #[arg(long)]
+        stream: bool,
     },
     /// A backend that answers every request at once (for proxy-overhead runs).
     Backend {
         /// Listen address.
         #[arg(long)]
         listen: SocketAddr,
+        /// Token events in a streamed answer (one write each, then usage and `[DONE]`).
+        #[arg(long, default_value_t = 64)]
+        stream_chunks: usize,
+        /// Microseconds between a streamed answer's events (a decode step).
+        #[arg(long, default_value_t = 0)]
+        chunk_gap_us: u64,
     },
 }
 
@@ -85,11 +94,17 @@ fn main() -> ExitCode {
                 warmup,
                 body_bytes,
                 model,
+                stream,
             } => {
                 let workload = if chat {
                     Workload::Chat(ChatWorkload::new(&model, body_bytes, shared, seed))
                 } else {
                     Workload::Fixed(load::completion_body(&model, body_bytes))
+                };
+                let workload = if stream {
+                    Workload::Streamed(Box::new(workload))
+                } else {
+                    workload
                 };
                 let pace = match rate {
                     Some(rate) => load::Pace::Open(rate),
@@ -108,11 +123,21 @@ fn main() -> ExitCode {
                 println!("{json}");
                 Ok(())
             }
-            Command::Backend { listen } => {
+            Command::Backend {
+                listen,
+                stream_chunks,
+                chunk_gap_us,
+            } => {
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .map_err(|e| format!("bind {listen}: {e}"))?;
-                backend::serve(listener).await.map_err(|e| e.to_string())
+                backend::serve(
+                    listener,
+                    stream_chunks,
+                    std::time::Duration::from_micros(chunk_gap_us),
+                )
+                .await
+                .map_err(|e| e.to_string())
             }
         }
     });
