@@ -133,6 +133,7 @@ struct PlacementConfigParams {
     prior_prefill_ms_per_token: Option<f64>,
     default_block_size: Option<u32>,
     decode_weight: Option<f64>,
+    cold_decode_weight: Option<f64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -374,6 +375,12 @@ pub(super) fn parse_plugin(
                     Some(v) => v,
                 },
                 decode_weight: non_negative(i, "decodeWeight", p.decode_weight, d.decode_weight)?,
+                cold_decode_weight: non_negative(
+                    i,
+                    "coldDecodeWeight",
+                    p.cold_decode_weight,
+                    d.cold_decode_weight,
+                )?,
             }))
         }
         "saturation-filter" => {

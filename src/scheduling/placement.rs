@@ -84,6 +84,17 @@ pub struct PlacementParams {
     // 0.78 to 0.64 and mean TTFT rose 195 → 244 ms (docs/benchmarks.md, placement). It is
     // kept as a parameter for decode-heavy fleets, where balance matters more than hits.
     pub decode_weight: f64,
+    /// Weight of the decoding cost for a request no candidate holds materially more of than
+    /// the others (a prefix being placed for the first time, or evicted everywhere): the
+    /// larger of this and `decode_weight` applies to it (default 1.0).
+    // NOTE: a group's first request decides where all its later ones go (they follow the
+    // cache), so pricing the decode batch there spreads new groups without moving warm ones
+    // off their holders, which is what cost `decode_weight` its hits. Without it, cold groups
+    // went wherever blocks were free (displacement 0) one after another, and those pods'
+    // decode batches grew: measured A/B in two rounds (docs/benchmarks.md, session 10), 1.0
+    // against 0 was 0.61–0.67× the mean TTFT with full caches at 18 req/s, 0.87–0.93× with a
+    // shifting popularity, level to 0.93× on heterogeneous pods, 1.09× then 0.96× roomy.
+    pub cold_decode_weight: f64,
 }
 
 impl Default for PlacementParams {
@@ -94,6 +105,7 @@ impl Default for PlacementParams {
             prior_ms_per_token: 0.1,
             default_block_size: 16,
             decode_weight: 0.0,
+            cold_decode_weight: 1.0,
         }
     }
 }
@@ -208,6 +220,12 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
     let fleet_chunks = lengths.get(lengths.len() / 2).copied().unwrap_or(0.0);
     let prompt = cycle.prompt_tokens.max(0.0);
     let n = cycle.pods.len().max(1) as f64;
+    let decode_weight = if is_cold(cycle, prompt) {
+        params.decode_weight.max(params.cold_decode_weight)
+    } else {
+        params.decode_weight
+    }
+    .max(0.0);
     let mean_heat = cycle
         .pods
         .iter()
@@ -234,8 +252,8 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
                 * value;
             let held_share = if prompt > 0.0 { cached / prompt } else { 0.0 };
             let bias = 1.0 + (params.hold_bias.max(1.0) - 1.0) * held_share;
-            let decode_ms = decode_ms(pod, fleet_itl, fleet_chunks)
-                .map_or(0.0, |ms| ms * params.decode_weight.max(0.0));
+            let decode_ms =
+                decode_ms(pod, fleet_itl, fleet_chunks).map_or(0.0, |ms| ms * decode_weight);
             // NOTE: the hold bias scales only what the prefix changes (its prefill and what
             // it evicts); decoding costs the same whoever holds the prefix.
             let cost_ms = ((ttft_ms + displacement_ms) / bias + decode_ms)
@@ -265,6 +283,23 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
         })
         .collect()
 }
+
+/// Whether no candidate holds materially more of the prompt than another (less than
+/// [`COLD_SPREAD`] of it between the best and the worst held): where it goes is decided by
+/// load and eviction alone.
+fn is_cold(cycle: &Cycle<'_>, prompt: f64) -> bool {
+    if prompt <= 0.0 || cycle.pods.is_empty() {
+        return false;
+    }
+    let held = (0..cycle.pods.len()).map(|i| cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt));
+    let (lo, hi) = held.fold((f64::INFINITY, 0.0_f64), |(lo, hi), c| {
+        (lo.min(c), hi.max(c))
+    });
+    hi - lo < COLD_SPREAD * prompt
+}
+
+/// Share of the prompt one candidate must hold beyond another for a request to be warm.
+const COLD_SPREAD: f64 = 0.25;
 
 /// Tokens of other prefixes that placing `uncached` new tokens on `pod` evicts: the new
 /// blocks beyond the pod's free ones (capacity from `cache_config_info`, occupancy from the
@@ -678,6 +713,50 @@ mod tests {
             2200.0,
         );
         assert_eq!(best, 0);
+    }
+
+    /// `coldDecodeWeight` (default 1): a prefix nobody holds goes where the decode batch is smaller even
+    /// when the busier pod has free blocks and the other must evict; a prefix one pod holds
+    /// stays there whatever its batch.
+    #[test]
+    fn cold_decode_weight_spreads_new_prefixes_and_leaves_warm_ones_on_their_holder() {
+        // Pod 0: room for the prompt, 20 decoding. Pod 1: full (the prompt evicts), 2 decoding.
+        let decoding = |i: usize, capacity: u64, held: u64, batch: u64| {
+            let mut p = pod(i, capacity, held, 0.0, 0.0);
+            p.in_flight = batch;
+            p.prefill.itl = Some(FittedLine {
+                base_ms: 25.0,
+                slope_ms: 1.2,
+            });
+            p.prefill.mean_output_chunks = 64.0;
+            p
+        };
+        let fleet = || vec![decoding(0, 10_000, 0, 20), decoding(1, 200, 200, 2)];
+        let cold = PlacementParams::default();
+        let off = PlacementParams {
+            cold_decode_weight: 0.0,
+            ..PlacementParams::default()
+        };
+        assert_eq!(
+            winner_with(&off, fleet(), &[0.0, 0.0], 2200.0).0,
+            0,
+            "off: free blocks decide"
+        );
+        assert_eq!(
+            winner_with(&cold, fleet(), &[0.0, 0.0], 2200.0).0,
+            1,
+            "cold: the smaller batch, eviction and all"
+        );
+        assert_eq!(
+            winner_with(&cold, fleet(), &[100.0, 0.0], 2200.0).0,
+            1,
+            "a few blocks more on one pod is still cold"
+        );
+        assert_eq!(
+            winner_with(&cold, fleet(), &[2000.0, 0.0], 2200.0).0,
+            0,
+            "warm: the holder keeps it"
+        );
     }
 
     #[test]
