@@ -422,6 +422,19 @@ mod tests {
         v
     }
 
+    /// [`pod`] with `batch` requests decoding at steps of 25 ms + 1.2 ms per request, and
+    /// 64-token answers.
+    fn decoding_pod(i: usize, capacity: u64, held: u64, batch: u64) -> PodView {
+        let mut p = pod(i, capacity, held, 0.0, 0.0);
+        p.in_flight = batch;
+        p.prefill.itl = Some(FittedLine {
+            base_ms: 25.0,
+            slope_ms: 1.2,
+        });
+        p.prefill.mean_output_chunks = 64.0;
+        p
+    }
+
     fn winner(pods: Vec<PodView>, cached: &[f64], prompt: f64) -> (usize, Vec<f64>) {
         winner_with(&PlacementParams::default(), pods, cached, prompt)
     }
@@ -674,16 +687,7 @@ mod tests {
     fn a_holder_whose_decode_batch_grows_gives_work_away() {
         // Steps of 25 ms + 1.2 ms per request decoding, 64-token answers. Pod 0 holds the
         // prefix; it and pod 1 have room (so a copy evicts nothing).
-        let decoding = |i: usize, batch: u64| {
-            let mut p = pod(i, 10_000, 0, 0.0, 0.0);
-            p.in_flight = batch;
-            p.prefill.itl = Some(FittedLine {
-                base_ms: 25.0,
-                slope_ms: 1.2,
-            });
-            p.prefill.mean_output_chunks = 64.0;
-            p
-        };
+        let decoding = |i: usize, batch: u64| decoding_pod(i, 10_000, 0, batch);
         let params = PlacementParams {
             decode_weight: 1.0,
             ..PlacementParams::default()
@@ -721,17 +725,7 @@ mod tests {
     #[test]
     fn cold_decode_weight_spreads_new_prefixes_and_leaves_warm_ones_on_their_holder() {
         // Pod 0: room for the prompt, 20 decoding. Pod 1: full (the prompt evicts), 2 decoding.
-        let decoding = |i: usize, capacity: u64, held: u64, batch: u64| {
-            let mut p = pod(i, capacity, held, 0.0, 0.0);
-            p.in_flight = batch;
-            p.prefill.itl = Some(FittedLine {
-                base_ms: 25.0,
-                slope_ms: 1.2,
-            });
-            p.prefill.mean_output_chunks = 64.0;
-            p
-        };
-        let fleet = || vec![decoding(0, 10_000, 0, 20), decoding(1, 200, 200, 2)];
+        let fleet = || vec![decoding_pod(0, 10_000, 0, 20), decoding_pod(1, 200, 200, 2)];
         let cold = PlacementParams::default();
         let off = PlacementParams {
             cold_decode_weight: 0.0,

@@ -3,6 +3,7 @@
 //! response streamed in many chunks comes back byte for byte, in order.
 
 use crate::support;
+use support::extproc::streamed_body;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, body_mutation,
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
 use support::backend::{Backend, pool_yaml};
 use support::kvpick::Kvpick;
@@ -52,22 +53,6 @@ async fn send(tx: &mpsc::Sender<ProcessingRequest>, request: Request) {
     })
     .await
     .expect("send");
-}
-
-fn body_reply(reply: &ProcessingResponse) -> (Vec<u8>, bool) {
-    let common = match &reply.response {
-        Some(Response::RequestBody(BodyResponse { response: Some(c) }))
-        | Some(Response::ResponseBody(BodyResponse { response: Some(c) })) => c,
-        other => panic!("expected a body reply, got {other:?}"),
-    };
-    match common
-        .body_mutation
-        .as_ref()
-        .and_then(|m| m.mutation.as_ref())
-    {
-        Some(body_mutation::Mutation::StreamedResponse(s)) => (s.body.clone(), s.end_of_stream),
-        other => panic!("expected a streamed body, got {other:?}"),
-    }
 }
 
 /// An open ext-proc stream: what the client sends, what kvpick answers.
@@ -130,7 +115,7 @@ async fn routed(client: &mut ExternalProcessorClient<Channel>, tag: &str) -> (Op
         })
         .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
         .expect("a destination header");
-    assert_eq!(body_reply(&open.next().await), (body.into_bytes(), true));
+    assert_eq!(streamed_body(&open.next().await), (body.into_bytes(), true));
     (open, destination)
 }
 
@@ -156,7 +141,7 @@ async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -
         )
         .await;
         assert_eq!(
-            body_reply(&open.next().await),
+            streamed_body(&open.next().await),
             (chunk, last),
             "{tag} chunk {i}"
         );

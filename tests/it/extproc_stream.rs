@@ -6,13 +6,13 @@ use crate::support;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use support::extproc::headers;
+use support::extproc::{headers, streamed_body};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest,
-    ProcessingResponse, body_mutation, processing_request::Request, processing_response::Response,
+    HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    processing_request::Request, processing_response::Response,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::EndpointState;
@@ -272,22 +272,6 @@ fn decision(reply: &ProcessingResponse) -> Decision {
         removed: mutation.remove_headers.clone(),
         metadata_destination,
         clear_route_cache: common.clear_route_cache,
-    }
-}
-
-fn streamed_body(reply: &ProcessingResponse) -> (Vec<u8>, bool) {
-    let common: &CommonResponse = match &reply.response {
-        Some(Response::RequestBody(BodyResponse { response: Some(c) }))
-        | Some(Response::ResponseBody(BodyResponse { response: Some(c) })) => c,
-        other => panic!("expected a body reply, got {other:?}"),
-    };
-    match common
-        .body_mutation
-        .as_ref()
-        .and_then(|m| m.mutation.as_ref())
-    {
-        Some(body_mutation::Mutation::StreamedResponse(s)) => (s.body.clone(), s.end_of_stream),
-        other => panic!("expected a streamed body, got {other:?}"),
     }
 }
 

@@ -53,3 +53,25 @@ pub fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
         ..Default::default()
     })
 }
+
+/// The body and end-of-stream flag of a request- or response-body reply that streams a body
+/// back (FULL_DUPLEX_STREAMED); panics on any other reply.
+pub fn streamed_body(
+    reply: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse,
+) -> (Vec<u8>, bool) {
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{BodyResponse, body_mutation};
+    let common = match &reply.response {
+        Some(Response::RequestBody(BodyResponse { response: Some(c) }))
+        | Some(Response::ResponseBody(BodyResponse { response: Some(c) })) => c,
+        other => panic!("expected a body reply, got {other:?}"),
+    };
+    match common
+        .body_mutation
+        .as_ref()
+        .and_then(|m| m.mutation.as_ref())
+    {
+        Some(body_mutation::Mutation::StreamedResponse(s)) => (s.body.clone(), s.end_of_stream),
+        other => panic!("expected a streamed body, got {other:?}"),
+    }
+}
