@@ -100,21 +100,8 @@ async fn routed(client: &mut ExternalProcessorClient<Channel>, tag: &str) -> (Op
     )
     .await;
     let decision = open.next().await;
-    let Some(Response::RequestHeaders(headers)) = &decision.response else {
-        panic!("{tag}: expected the routing decision, got {decision:?}");
-    };
-    let destination = headers
-        .response
-        .as_ref()
-        .and_then(|c| c.header_mutation.as_ref())
-        .and_then(|m| {
-            m.set_headers
-                .iter()
-                .filter_map(|o| o.header.as_ref())
-                .find(|h| h.key == "x-gateway-destination-endpoint")
-        })
-        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
-        .expect("a destination header");
+    let destination = support::extproc::set_header(&decision, "x-gateway-destination-endpoint")
+        .unwrap_or_else(|| panic!("{tag}: no destination header in {decision:?}"));
     assert_eq!(streamed_body(&open.next().await), (body.into_bytes(), true));
     (open, destination)
 }

@@ -241,14 +241,7 @@ fn decision(reply: &ProcessingResponse) -> Decision {
     };
     let common = h.response.as_ref().expect("common response");
     let mutation = common.header_mutation.as_ref().expect("mutation");
-    let header = |name: &str| {
-        mutation
-            .set_headers
-            .iter()
-            .filter_map(|o| o.header.as_ref())
-            .find(|h| h.key == name)
-            .map(|h| String::from_utf8(h.raw_value.clone()).expect("utf8"))
-    };
+    let header = |name: &str| support::extproc::set_header(reply, name);
     let lb = match reply
         .dynamic_metadata
         .as_ref()

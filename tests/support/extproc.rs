@@ -75,3 +75,24 @@ pub fn streamed_body(
         other => panic!("expected a streamed body, got {other:?}"),
     }
 }
+
+/// The value a request-headers reply sets for header `name` (None: the reply does not set
+/// it); panics on any other reply or a value that is not UTF-8.
+pub fn set_header(
+    reply: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse,
+    name: &str,
+) -> Option<String> {
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    let Some(Response::RequestHeaders(headers)) = &reply.response else {
+        panic!("expected a request headers reply, got {reply:?}");
+    };
+    headers
+        .response
+        .as_ref()
+        .and_then(|c| c.header_mutation.as_ref())?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == name)
+        .map(|h| String::from_utf8(h.raw_value.clone()).expect("a UTF-8 header value"))
+}

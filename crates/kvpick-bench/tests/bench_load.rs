@@ -3,13 +3,19 @@
 use kvpick_bench::workload::{ChatWorkload, Workload};
 use kvpick_bench::{backend, load};
 
-#[tokio::test]
-async fn load_run_counts_every_request_and_orders_percentiles() {
+/// The bench backend on a free loopback port (streamed answers: `chunks` events, `gap` apart).
+async fn start_backend(chunks: usize, gap: std::time::Duration) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(backend::serve(listener, 4, std::time::Duration::ZERO));
+    tokio::spawn(backend::serve(listener, chunks, gap));
+    addr
+}
+
+#[tokio::test]
+async fn load_run_counts_every_request_and_orders_percentiles() {
+    let addr = start_backend(4, std::time::Duration::ZERO).await;
     let body = load::completion_body("m", 8192);
     assert!(
         (8000..=8300).contains(&body.len()),
@@ -58,11 +64,7 @@ async fn failures_are_counted_not_timed() {
 
 #[tokio::test]
 async fn open_loop_chat_run_keeps_its_rate_and_reads_the_cpu_of_a_process() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(backend::serve(listener, 4, std::time::Duration::ZERO));
+    let addr = start_backend(4, std::time::Duration::ZERO).await;
     let started = std::time::Instant::now();
     let report = load::run(load::LoadPlan {
         url: format!("http://{addr}/v1/chat/completions"),
@@ -90,15 +92,7 @@ async fn open_loop_chat_run_keeps_its_rate_and_reads_the_cpu_of_a_process() {
 #[tokio::test]
 async fn a_streamed_request_gets_vllm_shaped_events_with_usage_last() {
     use http_body_util::{BodyExt, Full};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(backend::serve(
-        listener,
-        5,
-        std::time::Duration::from_micros(100),
-    ));
+    let addr = start_backend(5, std::time::Duration::from_micros(100)).await;
     let workload = Workload::Streamed(Box::new(Workload::Fixed(load::completion_body("m", 200))));
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Full<bytes::Bytes>>();

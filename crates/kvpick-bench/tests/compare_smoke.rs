@@ -91,6 +91,15 @@ fn smoke_run_serves_every_request_and_kvpick_hits_at_least_as_often_as_the_appro
             .find(|r| r["system"] == system)
             .unwrap_or_else(|| panic!("no row for {system}: {log}"))
     };
+    // Requests the pods finished, summed over `requests_per_pod` (a row's or a system's).
+    let finished = |r: &serde_json::Value| -> u64 {
+        r["requests_per_pod"]
+            .as_array()
+            .expect("requests_per_pod")
+            .iter()
+            .filter_map(serde_json::Value::as_u64)
+            .sum()
+    };
     let (rr, kvpick, smg) = (
         row("round-robin"),
         row("kvpick-recommended"),
@@ -102,13 +111,11 @@ fn smoke_run_serves_every_request_and_kvpick_hits_at_least_as_often_as_the_appro
         // for every system).
         assert!(requests >= 40, "{r}");
         assert_eq!(r["failures"], 0, "every request succeeded: {r}");
-        let per_pod: u64 = r["requests_per_pod"]
-            .as_array()
-            .expect("requests_per_pod")
-            .iter()
-            .filter_map(serde_json::Value::as_u64)
-            .sum();
-        assert_eq!(per_pod, requests, "the pods finished every request: {r}");
+        assert_eq!(
+            finished(r),
+            requests,
+            "the pods finished every request: {r}"
+        );
     }
     assert_eq!(
         rr["requests"], kvpick["requests"],
@@ -119,12 +126,7 @@ fn smoke_run_serves_every_request_and_kvpick_hits_at_least_as_often_as_the_appro
     let systems = summary["systems"].as_array().expect("systems");
     for system in systems {
         let placement = &system["placement"];
-        let requests: u64 = system["requests_per_pod"]
-            .as_array()
-            .expect("requests_per_pod")
-            .iter()
-            .filter_map(serde_json::Value::as_u64)
-            .sum();
+        let requests = finished(system);
         assert_eq!(placement["prefixes"], 7, "{system}");
         assert_eq!(
             placement["repeat_requests"].as_u64(),
