@@ -16,6 +16,9 @@ Peers run with their documented defaults for the policy (flags in `SYSTEMS`). A 
 optional `kv_events_topic` is the topic its fleet publishes on (kvpick-sim
 --kv-events-topic); without one the simulator's default is used.
 
+kvpick logs at `warn` (its log is in the run's logs/ folder); KVPICK_BENCH_RUST_LOG sets
+another filter, e.g. `warn,kvpick::extproc::stream=debug` for every pick.
+
 Router replicas (`ctx.replicas` > 1): N kvpick processes behind the one Envoy (its `kvpick`
 ext_proc cluster gets N hosts, round robin, each health-checked); N smg / vllm-router
 processes behind an Envoy round-robin front (the same Envoy config as `round-robin`, its pool
@@ -147,7 +150,7 @@ def _start_kvpick_process(ctx, procs, recommended, index, config_file=None):
         argv.append("--recommended-profile")
     if config_file:
         argv += ["--config-file", config_file]
-    procs.start("kvpick" if index == 0 else f"kvpick-{index}", argv, env={"RUST_LOG": "warn"})
+    procs.start("kvpick" if index == 0 else f"kvpick-{index}", argv, env={"RUST_LOG": os.environ.get("KVPICK_BENCH_RUST_LOG", "warn")})
 
     def subscribed():
         # Every pod's KV-event stream connected before traffic (a PUB drops what is sent

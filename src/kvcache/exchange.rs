@@ -47,6 +47,7 @@ impl PrefixIndex {
         if !keys.is_empty() {
             let entry = self.pod_or_insert(pod);
             self.record_keys(&entry, keys, 0);
+            self.homes.record(pod, keys);
         }
         ForeignRecord::Applied
     }

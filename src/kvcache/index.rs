@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use super::approx::LruBlocks;
 use super::blockmap::{BlockMap, MAX_SLOTS};
+use super::homes::PrefixHomes;
 use super::key::{BlockKey, PrehashedState};
 use super::metrics::IndexMetrics;
 use super::span::{SpanBook, SpanIntact, SpanRef};
@@ -68,6 +69,8 @@ pub struct IndexConfig {
     pub speculative_ttl: std::time::Duration,
     /// Bound on speculative (block, pod) entries in total.
     pub max_speculative_entries: usize,
+    /// Bound on the block keys remembered as prefix homes (about 7 per routed request).
+    pub max_prefix_home_keys: usize,
     /// Blocks remembered per pod in approximate mode (pods without events), until a learned
     /// capacity replaces it.
     pub approx_capacity_blocks: usize,
@@ -85,6 +88,7 @@ impl Default for IndexConfig {
             default_block_size: 16,
             speculative_ttl: std::time::Duration::from_secs(2),
             max_speculative_entries: 1 << 20,
+            max_prefix_home_keys: 1 << 18,
             approx_capacity_blocks: 16_384,
             gallop: true,
         }
@@ -188,6 +192,8 @@ pub struct PrefixIndex {
     pub(super) blocks: BlockMap,
     pods: RwLock<PodTable>,
     pub(super) speculative: Speculative,
+    /// Where kvpick last routed each prefix (`homes`).
+    pub(super) homes: PrefixHomes,
     pub(super) metrics: Option<IndexMetrics>,
     /// The block size last learned from any pod's events (0: none yet).
     pub(super) learned_block_size: AtomicU32,
@@ -211,6 +217,7 @@ impl PrefixIndex {
             blocks: BlockMap::default(),
             pods: RwLock::new(PodTable::default()),
             speculative: Speculative::new(config.speculative_ttl, config.max_speculative_entries),
+            homes: PrefixHomes::new(config.max_prefix_home_keys),
             config,
             metrics: None,
             learned_block_size: AtomicU32::new(0),

@@ -20,6 +20,7 @@ mod apply;
 mod approx;
 mod blockmap;
 mod exchange;
+mod homes;
 pub mod index;
 pub mod key;
 pub mod matching;
@@ -30,6 +31,7 @@ mod span;
 mod speculative;
 
 pub use exchange::ForeignRecord;
+pub use homes::PrefixHome;
 pub use index::{ApplyStats, IndexConfig, PrefixIndex, RouteSink, TierWeights};
 pub use key::{BlockKey, KeyContext, block_keys};
 pub use matching::{DebugPrefix, DebugPrefixPod, PrefixLookup, PrefixMatch};

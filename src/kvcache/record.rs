@@ -11,6 +11,7 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
+use super::homes::PrefixHome;
 use super::index::{PodEntry, PrefixIndex};
 use super::key::{BlockKey, KeyContext};
 use super::matching::PrefixLookup;
@@ -38,6 +39,18 @@ impl PrefixIndex {
         self.record_routed_from(pod, keys, held);
     }
 
+    /// Where the prompt of `keys` (keyed at `block_size`) was last routed, as far as a routing
+    /// record of this replica or a peer's shows: the deepest remembered prefix (`homes`),
+    /// whether or not its pod still holds it. Keys the prompt up to 4,096 blocks.
+    pub fn prefix_home(&self, keys: &PromptKeys, block_size: u32) -> Option<PrefixHome> {
+        keys.with_keys(block_size, |lazy| {
+            let total = lazy.total_blocks();
+            self.homes
+                .find(total, |block| lazy.upto(block + 1).get(block).copied())
+        })
+        .flatten()
+    }
+
     /// Leading blocks `lookup` found `pod` holding confirmed, at the pod's block size: where
     /// a routing record of `pod` starts ([`Self::record_routed_from`]).
     pub fn confirmed_run(&self, pod: PodId, lookup: &PrefixLookup) -> usize {
@@ -58,6 +71,7 @@ impl PrefixIndex {
             let keys = lazy.upto(usize::MAX);
             if !keys.is_empty() {
                 self.record_keys(&entry, keys, held);
+                self.homes.record(pod, keys);
                 // All the keys: a peer may not know the pod holds the first `held`.
                 self.export_route(pod, size, keys);
             }

@@ -22,13 +22,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::endpoints::{EndpointState, PodId};
-use crate::kvcache::{PrefixIndex, PromptKeys};
+use crate::kvcache::{PrefixIndex, PrefixLookup, PromptKeys};
 use crate::tokenize::PromptTokens;
 
 use super::record::PendingRecord;
 
 use super::approx_prefix::{ApproxPrefixStore, chunk_hashes};
-use super::cycle::{Cycle, MetricsSource, PodView, PrefixHit};
+use super::cycle::{Cycle, HomeHit, MetricsSource, PodView, PrefixHit};
 use super::filters::{self, FilterReport};
 use super::pickers;
 use super::placement;
@@ -420,6 +420,7 @@ impl ConfiguredScheduler {
             prompt_tokens: 0.0,
             prefix: Vec::new(),
             lookup: None,
+            home: None,
             pods,
         };
         let started = Instant::now();
@@ -478,6 +479,9 @@ impl ConfiguredScheduler {
                             .min(cycle.prompt_tokens),
                     })
                     .collect();
+                if self.placement.is_some() {
+                    cycle.home = self.home_hit(cycle, &lookup);
+                }
                 cycle.lookup = Some(lookup);
             }
             PromptTokens::Approximate(prompt) => {
@@ -502,6 +506,25 @@ impl ConfiguredScheduler {
                     .collect();
             }
         }
+    }
+
+    /// The candidate the prompt's prefix was last routed to, when no candidate holds at least
+    /// half of the prompt (only then does the placement scorer ask where it used to be).
+    fn home_hit(&self, cycle: &Cycle<'_>, lookup: &PrefixLookup) -> Option<HomeHit> {
+        let first = lookup.matches.first()?;
+        let total = first.total_blocks;
+        if total == 0 || lookup.matches.iter().any(|m| m.matched_blocks * 2 >= total) {
+            return None;
+        }
+        let home = self
+            .deps
+            .index
+            .prefix_home(&cycle.request.prompt, first.block_size)?;
+        let index = cycle.pods.iter().position(|p| p.id == home.pod)?;
+        Some(HomeHit {
+            index,
+            share: home.blocks as f64 / total as f64,
+        })
     }
 
     fn chunks(

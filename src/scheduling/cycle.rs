@@ -125,6 +125,18 @@ pub struct Cycle<'r> {
     /// The index lookup behind `prefix` (exact prompts), kept so the routing record reuses
     /// its block keys.
     pub lookup: Option<PrefixLookup>,
+    /// The candidate kvpick last routed this prompt's prefix to, when no candidate holds
+    /// most of the prompt any more (filled only for the placement scorer).
+    pub home: Option<HomeHit>,
+}
+
+/// The candidate a prompt's prefix was last routed to (`crate::kvcache::PrefixHome`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HomeHit {
+    /// Its index among the candidates.
+    pub index: usize,
+    /// The share of the prompt that the remembered prefix covers, in [0, 1].
+    pub share: f64,
 }
 
 impl Cycle<'_> {

@@ -242,6 +242,7 @@ mod tests {
             prompt_tokens: prompt,
             prefix,
             lookup: None,
+            home: None,
         };
         let mut out = vec![f64::NAN; cycle.pods.len()];
         scorer.score(&cycle, &mut out);
@@ -422,6 +423,7 @@ mod tests {
             prompt_tokens: 0.0,
             prefix: vec![],
             lookup: None,
+            home: None,
         };
         scorer.after_pick(&cycle, pods[1].id);
         assert_eq!(

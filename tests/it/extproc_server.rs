@@ -182,14 +182,18 @@ async fn connections_over_several_threads_are_all_served_and_long_streams_round_
             continue;
         }
         // Each thread served its two connections: it waited for the next message (a
-        // voluntary switch) for many of their 2 × 3 × 80 response chunks.
+        // voluntary switch) for many of their 2 × 3 × 80 response chunks. A thread that
+        // served none parks once in its reactor and stays there (0–2 switches).
+        // NOTE: the bound is far below the 480 messages: on a loaded machine a wake-up finds
+        // several messages waiting (CI measured 48 switches on a thread that served both of
+        // its connections), so only "served nothing" is told apart.
         let mut names: Vec<&String> = after.keys().collect();
         names.sort();
         assert_eq!(names, ["ext-proc-0", "ext-proc-1"]);
         for (name, switches) in &after {
             let served = switches - before.get(name).copied().unwrap_or(0);
             assert!(
-                served >= 50,
+                served >= 10,
                 "{name} waited {served} times: it served no connection"
             );
         }

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
-use kvpick::kvevents::{BlockExtra, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+use kvpick::kvevents::{
+    BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
+};
 use kvpick::scheduling::{
     ConfiguredScheduler, FilterKind, FilterSpec, ScheduleError, Scheduler, SchedulerConfig,
     SchedulerDeps, SchedulingRequest,
@@ -96,6 +98,25 @@ impl Fixture {
     }
 }
 
+impl Fixture {
+    /// Pod `i` reports (via a KV event) that it evicted the blocks [`Fixture::holds`] stored
+    /// for `tokens`.
+    fn evicts(&self, i: usize, tokens: &[u32]) {
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: (0..tokens.len() / BLOCK)
+                    .map(|b| EngineHash(0xabc0_0000 + b as u64))
+                    .collect(),
+                tier: Tier::Gpu,
+                group_idx: None,
+            })],
+            dp_rank: Some(0),
+        };
+        self.index.apply_batch(self.id(i), "m", &batch);
+    }
+}
+
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32)
         .map(|t| seed.wrapping_mul(100_003) ^ t)
@@ -137,6 +158,46 @@ fn shared_prefix_lands_on_the_pod_that_holds_it() {
         cold.len() > 1,
         "cold prefixes spread over equal pods: {cold:?}"
     );
+}
+
+/// The recommended profile remembers where it routed a prefix: once every pod has evicted it,
+/// its next request goes back there rather than wherever is a little less busy at that
+/// instant (a new prefix under the same load goes to the idler pod), so a prefix that keeps
+/// being evicted does not spread its misses over the whole fleet.
+#[test]
+fn a_prefix_evicted_everywhere_returns_to_the_pod_it_was_routed_to() {
+    let f = Fixture::new(2);
+    let scheduler = f.scheduler(SchedulerConfig::kvpick_recommended(), 0);
+    let group = |question: u32| {
+        let mut prompt = tokens(11, 1_600);
+        prompt.extend(tokens(question, 64));
+        prompt
+    };
+    let first = scheduler.pick(&exact(group(1)), &f.pods).expect("pick");
+    let home = f
+        .pods
+        .iter()
+        .position(|p| p.id() == first.primary)
+        .expect("a pod");
+    let other = 1 - home;
+    // The engine stores the prompt, then evicts all of it: nobody holds any of it.
+    f.holds(home, &group(1));
+    f.evicts(home, &group(1));
+    let held = scheduler.explain(&exact(group(2)), &f.pods);
+    assert!(
+        held.candidates.iter().all(|c| c.cached_tokens == 0.0),
+        "{held:?}"
+    );
+    // Home is the busier pod now.
+    let _busy = f.pods[home].in_flight.start();
+    let new = scheduler.explain(&exact(tokens(12, 1_664)), &f.pods);
+    assert_eq!(
+        new.pick.as_ref().and_then(|p| p.first()),
+        Some(&f.id(other).to_string()),
+        "a new prefix goes to the idler pod: {new:?}"
+    );
+    let back = scheduler.pick(&exact(group(2)), &f.pods).expect("pick");
+    assert_eq!(back.primary, f.id(home), "the evicted prefix goes home");
 }
 
 fn cost_only() -> SchedulerConfig {
