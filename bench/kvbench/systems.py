@@ -23,8 +23,9 @@ Router replicas (`ctx.replicas` > 1): N kvpick processes behind the one Envoy (i
 ext_proc cluster gets N hosts, round robin, each health-checked); N smg / vllm-router
 processes behind an Envoy round-robin front (the same Envoy config as `round-robin`, its pool
 being the routers). Each replica sees its share of the traffic only: kvpick replicas share the
-pods' KV events (each subscribes to every pod), smg / vllm-router replicas each learn from
-their own share.
+pods' KV events (each subscribes to every pod) and exchange their routing records and
+in-flight counts (`--replica-exchange-port`, `--replica-peers`), smg / vllm-router replicas
+each learn from their own share.
 """
 
 import copy
@@ -116,7 +117,11 @@ def _replicated(ctx, procs, start_one):
 
 
 def _start_kvpick(ctx, procs, recommended, config_file=None):
-    replicas = [_start_kvpick_process(ctx, procs, recommended, i, config_file) for i in range(getattr(ctx, "replicas", 1))]
+    n = getattr(ctx, "replicas", 1)
+    # Active-active replicas tell each other their routing records and in-flight counts
+    # through the replica exchange (README, Kubernetes: HA modes), as a deployment would.
+    exchange = ctx.ports(n) if n > 1 else []
+    replicas = [_start_kvpick_process(ctx, procs, recommended, i, config_file, exchange) for i in range(n)]
     return _start_envoy(ctx, procs, replicas)
 
 
@@ -133,7 +138,7 @@ def add_kvpick_config(name, path):
     return f"kvpick-{name}"
 
 
-def _start_kvpick_process(ctx, procs, recommended, index, config_file=None):
+def _start_kvpick_process(ctx, procs, recommended, index, config_file=None, exchange=()):
     grpc, health, metrics, debug = ctx.ports(4)
     pool = os.path.join(ctx.run_dir, "pool.yaml")
     with open(pool, "w") as f:
@@ -150,6 +155,9 @@ def _start_kvpick_process(ctx, procs, recommended, index, config_file=None):
         argv.append("--recommended-profile")
     if config_file:
         argv += ["--config-file", config_file]
+    if exchange:
+        peers = [f"127.0.0.1:{p}" for i, p in enumerate(exchange) if i != index]
+        argv += ["--replica-exchange-port", str(exchange[index]), "--replica-peers", ",".join(peers)]
     procs.start("kvpick" if index == 0 else f"kvpick-{index}", argv, env={"RUST_LOG": os.environ.get("KVPICK_BENCH_RUST_LOG", "warn")})
 
     def subscribed():

@@ -134,6 +134,7 @@ struct PlacementConfigParams {
     default_block_size: Option<u32>,
     decode_weight: Option<f64>,
     cold_decode_weight: Option<f64>,
+    home_bias: Option<f64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -355,6 +356,10 @@ pub(super) fn parse_plugin(
             if hold_bias < 1.0 {
                 return Err(bad(i, format!("holdBias must be ≥ 1 (got {hold_bias})")));
             }
+            let home_bias = non_negative(i, "homeBias", p.home_bias, d.home_bias)?;
+            if home_bias < 1.0 {
+                return Err(bad(i, format!("homeBias must be ≥ 1 (got {home_bias})")));
+            }
             Plugin::Scorer(ScorerSpec::Placement(PlacementParams {
                 hold_bias,
                 displacement_weight: non_negative(
@@ -381,6 +386,7 @@ pub(super) fn parse_plugin(
                     p.cold_decode_weight,
                     d.cold_decode_weight,
                 )?,
+                home_bias,
             }))
         }
         "saturation-filter" => {

@@ -48,8 +48,8 @@
 //! tree; kvpick knows which caches are full and which of them are still being used).
 //!
 //! A returning prefix (held nowhere any more, but routed before: `crate::kvcache` remembers
-//! where, its *home*) is not cold: it is placed as if its home held it (the hold bias, no
-//! decode spreading), so it goes back home unless another pod is clearly better (free
+//! where, its *home*) is not cold: it is placed as if its home held it (`home_bias`, by
+//! default the hold bias, and no decode spreading), so it goes back home unless another pod is clearly better (free
 //! blocks where home must evict, a shorter queue). With full caches prefixes are evicted
 //! between their requests; placed as new each time, a group's requests wandered to whichever
 //! pod was a little less busy, every pod's cache saw every group and evicted more (measured:
@@ -103,6 +103,9 @@ pub struct PlacementParams {
     // against 0 was 0.61–0.67× the mean TTFT with full caches at 18 req/s, 0.87–0.93× with a
     // shifting popularity, level to 0.93× on heterogeneous pods, 1.09× then 0.96× roomy.
     pub cold_decode_weight: f64,
+    /// Cost divisor for the pod a returning prefix was last routed to, when it covers the
+    /// whole prompt (default 1.25, as `hold_bias`; 1.0: a returning prefix is placed as new).
+    pub home_bias: f64,
 }
 
 impl Default for PlacementParams {
@@ -114,6 +117,7 @@ impl Default for PlacementParams {
             default_block_size: 16,
             decode_weight: 0.0,
             cold_decode_weight: 1.0,
+            home_bias: 1.25,
         }
     }
 }
@@ -234,7 +238,7 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
     // hold bias on its home (see `home_share`).
     let home = cycle
         .home
-        .filter(|home| cold && home.share >= RETURNING_SHARE);
+        .filter(|home| params.home_bias > 1.0 && cold && home.share >= RETURNING_SHARE);
     let decode_weight = if cold && home.is_none() {
         params.decode_weight.max(params.cold_decode_weight)
     } else {
@@ -266,11 +270,13 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
                 * params.displacement_weight.max(0.0)
                 * value;
             let held_share = if prompt > 0.0 { cached / prompt } else { 0.0 };
-            let held_share = match home {
-                Some(home) if home.index == i => held_share.max(home.share.min(1.0)),
-                _ => held_share,
-            };
             let bias = 1.0 + (params.hold_bias.max(1.0) - 1.0) * held_share;
+            let bias = match home {
+                Some(home) if home.index == i => {
+                    bias.max(1.0 + (params.home_bias - 1.0) * home.share.min(1.0))
+                }
+                _ => bias,
+            };
             let decode_ms =
                 decode_ms(pod, fleet_itl, fleet_chunks).map_or(0.0, |ms| ms * decode_weight);
             // NOTE: the hold bias scales only what the prefix changes (its prefill and what
@@ -808,6 +814,17 @@ mod tests {
         let full = || vec![decoding_pod(0, 200, 200, 3), decoding_pod(1, 200, 200, 1)];
         assert_eq!(winner(full(), None), 1, "new: the smaller decode batch");
         assert_eq!(winner(full(), home(1.0)), 0, "returning: home");
+        let off = PlacementParams {
+            home_bias: 1.0,
+            ..PlacementParams::default()
+        };
+        assert_eq!(
+            winner_at_home(&request, &off, full(), &[0.0, 0.0], 2200.0, home(1.0))
+                .0
+                .0,
+            1,
+            "homeBias 1: placed as new"
+        );
         assert_eq!(
             winner(full(), home(0.3)),
             1,

@@ -213,7 +213,7 @@ fn recommended_profile_is_the_placement_scorer_without_flow_control() {
 #[test]
 fn placement_parameters_are_read_and_checked() {
     let text = format!(
-        "{HEAD}plugins:\n- type: kv-placement-scorer\n  parameters: {{holdBias: 2.0, displacementWeight: 0.5, priorPrefillMsPerToken: 0.3, defaultBlockSize: 32, decodeWeight: 0.5, coldDecodeWeight: 2.0}}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: kv-placement-scorer\n"
+        "{HEAD}plugins:\n- type: kv-placement-scorer\n  parameters: {{holdBias: 2.0, displacementWeight: 0.5, priorPrefillMsPerToken: 0.3, defaultBlockSize: 32, decodeWeight: 0.5, coldDecodeWeight: 2.0, homeBias: 1.5}}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: kv-placement-scorer\n"
     );
     let parsed = load(Some(&text)).expect("placement config");
     assert_eq!(
@@ -225,6 +225,7 @@ fn placement_parameters_are_read_and_checked() {
             default_block_size: 32,
             decode_weight: 0.5,
             cold_decode_weight: 2.0,
+            home_bias: 1.5,
         })
     );
     let below_one = text.replace("holdBias: 2.0", "holdBias: 0.5");
@@ -233,6 +234,9 @@ fn placement_parameters_are_read_and_checked() {
         e.contains("plugins[0].parameters") && e.contains("holdBias"),
         "{e}"
     );
+    let home_below_one = text.replace("homeBias: 1.5", "homeBias: 0.9");
+    let e = error_of(&home_below_one);
+    assert!(e.contains("homeBias must be ≥ 1"), "{e}");
     let typo = text.replace("holdBias", "holdBais");
     let e = error_of(&typo);
     assert!(e.contains("holdBais"), "{e}");
