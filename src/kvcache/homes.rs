@@ -11,18 +11,19 @@
 //! it was unless another pod is clearly better (`crate::scheduling::placement`).
 //!
 //! What is remembered: for each routing record, the keys of the prompt's blocks at depths
-//! 1, 2, 4, 8, … up to 4,096 (and its last block, within that), each mapped to the pod. A lookup probes the same
-//! depths from the deepest down and answers the deepest one remembered, so a home is found
-//! for any prompt that shares at least half of its keyed blocks with one routed before (the
-//! chained keys make a key at depth d stand for the whole prefix up to d). A record costs
-//! about log2(blocks) map writes.
+//! 1, 2, 4, 8, … up to 4,096 (and its last block, within that), each mapped to the pod. A
+//! lookup probes the same depths from the deepest down and answers the deepest one
+//! remembered, so a home is found for any prompt that shares at least half of its keyed
+//! blocks with one routed before (the chained keys make a key at depth d stand for the whole
+//! prefix up to d). A record costs about log2(blocks) map writes.
 //!
 //! # Bounds and concurrency
 //! Two generations of at most `capacity / 2` keys each: writes go to the current one; when it
 //! is full it becomes the previous one and the old previous one is dropped whole. So memory
 //! is bounded, and a home lives at least `capacity / 2` recorded keys. One mutex, held for a
-//! few map operations and never across anything else (it is taken after the pod and shard
-//! locks are released, and nothing is taken while it is held).
+//! few map operations: it is taken after the index's pod and shard locks are released, may be
+//! taken while a request's key lock (`prompt_keys`) is held, and nothing is taken while it is
+//! held.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
