@@ -326,10 +326,13 @@ def ipf_env(workload):
     return env
 
 
-def build_workload(mode, kind, rates=None, stage_seconds=None):
-    """The mode's workload shaped for `kind` (KIND_SETTINGS), with the command line's rates."""
+def build_workload(mode, kind, rates=None, stage_seconds=None, api=None):
+    """The mode's workload shaped for `kind` (KIND_SETTINGS), with the command line's rates and
+    API (`completion`, the default, or `chat`: streaming chat completions)."""
     workload = Workload(**MODES[mode]["workload"].to_dict())
     workload.kind = kind
+    if api:
+        workload.api = api
     for key, value in KIND_SETTINGS.get(mode, {}).get(kind, {}).items():
         setattr(workload, key, value)
     if rates:
@@ -377,6 +380,8 @@ def main(argv=None):
     p.add_argument("--mode", choices=list(MODES), default="default")
     p.add_argument("--workload", choices=KINDS, default="shared-prefix",
                    help="shared-prefix (GIE), multi-turn chat, no-sharing control, shifting popularity")
+    p.add_argument("--api", choices=["completion", "chat"], default=None,
+                   help="the API inference-perf speaks (default completion; chat for shared-prefix and shifting)")
     p.add_argument("--heterogeneous", action="store_true",
                    help="pod 0 twice as slow, pod 1 with half the KV blocks")
     p.add_argument("--pod-override", action="append",
@@ -404,7 +409,7 @@ def main(argv=None):
 
     mode = MODES[args.mode]
     try:
-        workload = build_workload(args.mode, args.workload, args.rates, args.stage_seconds)
+        workload = build_workload(args.mode, args.workload, args.rates, args.stage_seconds, args.api)
     except ValueError as e:
         p.error(str(e))
     if args.replicas < 1:

@@ -169,6 +169,19 @@ class ScenarioTest(unittest.TestCase):
         self.assertEqual(json.loads(env["KVPICK_BENCH_SHIFTING"])["groups"], 45)
         self.assertEqual(compare.ipf_env(compare.build_workload("default", "no-sharing"))["KVPICK_BENCH_SHIFTING"], "")
 
+    def test_the_api_option_reaches_inference_perf_and_is_checked(self):
+        import compare
+        from kvbench.workload import inference_perf_config
+
+        self.assertEqual(compare.build_workload("default", "shared-prefix").api, "completion")
+        chat = compare.build_workload("smoke", "shared-prefix", api="chat")
+        cfg = inference_perf_config(chat, "http://127.0.0.1:1", "m", "tok", "/tmp/out")
+        self.assertEqual(cfg["api"], {"type": "chat", "streaming": True})
+        # inference-perf 0.7.0's multi-turn and random data speak completions only.
+        for kind in ("multi-turn", "no-sharing"):
+            with self.assertRaises(ValueError):
+                compare.build_workload("default", kind, api="chat")
+
     def test_a_kvpick_config_becomes_a_system_and_a_missing_file_is_refused(self):
         import tempfile
 
