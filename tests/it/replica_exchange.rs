@@ -328,7 +328,7 @@ async fn peers(kvpick: &Kvpick, want: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
-    use crate::fake_kube::FakeKube;
+    use crate::fake_kube::{FakeKube, pool_resource};
     let fake = FakeKube::start().await;
     let kubeconfig = fake.kubeconfig("default");
     let backends = [
@@ -336,22 +336,47 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
         Backend::start("127.0.0.1").await,
         Backend::start("127.0.0.1").await,
     ];
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pool_file = dir.path().join("pool.yaml");
-    std::fs::write(&pool_file, pool_yaml(&backends.iter().collect::<Vec<_>>())).expect("pool");
-    let pool_file = pool_file.display().to_string();
+    // The model servers come from the API too: an InferencePool whose one pod serves three
+    // data-parallel ranks (one target port each), as a Deployment of kvpick replicas would
+    // find them.
+    let mut pool_endpoints: Vec<String> = backends.iter().map(|b| b.addr.to_string()).collect();
+    pool_endpoints.sort();
+    let target_ports: Vec<serde_json::Value> = backends
+        .iter()
+        .map(|b| serde_json::json!({"number": b.addr.port()}))
+        .collect();
+    fake.apply(
+        &pool_resource(crate::k8s_discovery::V1),
+        serde_json::json!({
+            "apiVersion": format!("{}/v1", crate::k8s_discovery::V1), "kind": "InferencePool",
+            "metadata": {"name": "pool", "namespace": "default", "uid": "pool-uid"},
+            "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": target_ports,
+                     "endpointPickerRef": {"name": "kvpick", "port": {"number": 9002}}}
+        }),
+    );
+    fake.apply(
+        "pods",
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "vllm-0", "namespace": "default", "uid": "uid-vllm-0",
+                         "labels": {"app": "vllm"}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+        }),
+    );
     let tokenizer = support::repo_root().join("assets/tokenizer");
     let tokenizer = tokenizer.to_str().expect("path");
     // Every replica on 127.0.0.1 (kvpick's servers all bind --bind-address), each on its own
     // exchange port, which its pod declares: the peers' addresses come from the pods only.
     let ports = [exchange_port(), exchange_port(), exchange_port()];
     let start = |name: &'static str, port: u16| {
-        let (kubeconfig, pool_file) = (kubeconfig.clone(), pool_file.clone());
+        let kubeconfig = kubeconfig.clone();
         async move {
             let port = port.to_string();
             Kvpick::start_kube_env(
                 &kubeconfig,
-                &["--endpoints-file", &pool_file],
+                &["--pool-name", "pool", "--pool-namespace", "default"],
                 &[
                     "--tokenizer",
                     tokenizer,
@@ -374,7 +399,11 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
         start("kvpick-b", ports[1]),
         start("kvpick-c", ports[2])
     );
-    // Each finds the other (and not itself) through the API.
+    // Each finds the pool's endpoints, and the other replica (not itself), through the API.
+    let want: Vec<&str> = pool_endpoints.iter().map(String::as_str).collect();
+    for (kvpick, name) in [(&a, "A"), (&b, "B"), (&c, "C")] {
+        crate::k8s_discovery::wait_endpoints(kvpick, &want, name).await;
+    }
     peers(&a, 1.0).await;
     peers(&b, 1.0).await;
     let (mut client_a, mut client_b) = (
