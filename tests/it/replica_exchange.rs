@@ -1,7 +1,9 @@
 //! Active-active replicas through the real binary: two kvpick replicas with static peers
 //! (`--replica-peers`), pods without KV-event sources (so nothing but the exchange can tell
 //! one replica what the other routed), requests sent straight to each replica's ext-proc
-//! port. Also: in-flight counts cross over, and a hostile peer is bounded and counted.
+//! port. Also: in-flight counts cross over, and a hostile peer is bounded and counted; and
+//! the Kubernetes shape, against the fake API: replicas that find each other by
+//! `--peer-selector` and their model servers by `--pool-name`.
 
 use std::time::{Duration, Instant};
 
