@@ -49,11 +49,12 @@
 //!
 //! A returning prefix (held nowhere any more, but routed before: `crate::kvcache` remembers
 //! where, its *home*) is not cold: it is placed as if its home held it (`home_bias`, by
-//! default the hold bias, and no decode spreading), so it goes back home unless another pod is clearly better (free
-//! blocks where home must evict, a shorter queue). With full caches prefixes are evicted
-//! between their requests; placed as new each time, a group's requests wandered to whichever
-//! pod was a little less busy, every pod's cache saw every group and evicted more (measured:
-//! 10–25 moves and 1.6–2.0 pods per prefix where smg keeps each on one pod).
+//! default the hold bias, and no decode spreading), so it goes back home unless another pod
+//! is clearly better (free blocks where home must evict, a shorter queue). With full caches
+//! prefixes are evicted between their requests; placed as new each time, a group's requests
+//! wandered to whichever pod was a little less busy, every pod's cache saw every group and
+//! evicted more (measured: 10–25 moves and 1.6–2.0 pods per prefix where smg keeps each on
+//! one pod).
 //!
 //! Before a pod has its own fit (a few first bytes), it is predicted with the fleet's median
 //! fitted line, and before any pod has one, with the configured prior.
@@ -234,8 +235,8 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
     let n = cycle.pods.len().max(1) as f64;
     let cold = is_cold(cycle, prompt);
     // A returning prefix: held nowhere (evicted), but routed before, to a candidate that is
-    // its home. It is placed like a held one: not spread by its decode batch, and with the
-    // hold bias on its home (see `home_share`).
+    // its home. It is placed like a held one: not spread by its decode batch, and with
+    // `home_bias` on its home (the bias below).
     let home = cycle
         .home
         .filter(|home| params.home_bias > 1.0 && cold && home.share >= RETURNING_SHARE);
