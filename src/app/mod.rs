@@ -136,10 +136,18 @@ pub async fn serve(
                 message: e.to_string(),
             })??,
     );
-    let index = Arc::new(PrefixIndex::with_registry(
-        IndexConfig::default(),
-        &registry,
-    )?);
+    // NOTE: prefix homes cost every routing record a few map writes: kept only when a
+    // scorer reads them.
+    let defaults = IndexConfig::default();
+    let index_config = IndexConfig {
+        max_prefix_home_keys: if config.picker.scheduler.reads_prefix_homes() {
+            defaults.max_prefix_home_keys
+        } else {
+            0
+        },
+        ..defaults
+    };
+    let index = Arc::new(PrefixIndex::with_registry(index_config, &registry)?);
     let kv_events = Arc::new(KvEventsManager::new(
         Arc::clone(&index),
         config.kv_events.clone(),

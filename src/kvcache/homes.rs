@@ -47,7 +47,7 @@ pub struct PrefixHome {
 /// The prefix homes (see the module docs).
 pub(crate) struct PrefixHomes {
     generations: Mutex<Generations>,
-    /// Keys per generation.
+    /// Keys per generation (0: nothing is remembered).
     half: usize,
 }
 
@@ -58,11 +58,11 @@ struct Generations {
 }
 
 impl PrefixHomes {
-    /// Homes for at most `capacity` keys (at least 2).
+    /// Homes for at most `capacity` keys (below 2: none are kept, and records cost nothing).
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
             generations: Mutex::new(Generations::default()),
-            half: (capacity / 2).max(1),
+            half: capacity / 2,
         }
     }
 
@@ -75,7 +75,7 @@ impl PrefixHomes {
 
     /// Remembers that the prompt with these block keys was routed to `pod`.
     pub(crate) fn record(&self, pod: PodId, keys: &[BlockKey]) {
-        if keys.is_empty() {
+        if keys.is_empty() || self.half == 0 {
             return;
         }
         let mut generations = self.lock();
@@ -94,7 +94,7 @@ impl PrefixHomes {
         total: usize,
         mut key_at: impl FnMut(usize) -> Option<BlockKey>,
     ) -> Option<PrefixHome> {
-        if total == 0 {
+        if total == 0 || self.half == 0 {
             return None;
         }
         let probes: Vec<(usize, BlockKey)> = depths(total)
@@ -214,5 +214,10 @@ mod tests {
         );
         let first = keys(0, 34);
         assert_eq!(homes.find(34, |i| first.get(i).copied()), None);
+        // No capacity (no scorer reads homes): nothing is kept.
+        let off = PrefixHomes::new(0);
+        off.record(pod(1), &last);
+        assert_eq!(off.len(), 0);
+        assert_eq!(off.find(34, |i| last.get(i).copied()), None);
     }
 }

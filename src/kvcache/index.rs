@@ -70,7 +70,7 @@ pub struct IndexConfig {
     /// Bound on speculative (block, pod) entries in total.
     pub max_speculative_entries: usize,
     /// Bound on the block keys remembered as prefix homes (about 7 per routed request; ~22 MB
-    /// at the default 2^18).
+    /// at the default 2^18; 0 keeps none).
     pub max_prefix_home_keys: usize,
     /// Blocks remembered per pod in approximate mode (pods without events), until a learned
     /// capacity replaces it.

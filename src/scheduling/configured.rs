@@ -479,7 +479,7 @@ impl ConfiguredScheduler {
                             .min(cycle.prompt_tokens),
                     })
                     .collect();
-                if self.placement.is_some() {
+                if self.placement.is_some_and(|p| p.home_bias > 1.0) {
                     cycle.home = self.home_hit(cycle, &lookup);
                 }
                 cycle.lookup = Some(lookup);

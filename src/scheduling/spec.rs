@@ -168,6 +168,11 @@ impl ScorerSpec {
     pub fn needs_load(&self) -> bool {
         matches!(self, Self::Placement(_))
     }
+
+    /// Whether the scorer reads where prefixes were last routed (the prefix index's homes).
+    pub fn reads_prefix_homes(&self) -> bool {
+        matches!(self, Self::Placement(p) if p.home_bias > 1.0)
+    }
 }
 
 /// Where prefix matches come from.
@@ -280,6 +285,14 @@ fn weighted(name: &'static str, scorer: ScorerSpec, weight: f64) -> WeightedScor
 }
 
 impl SchedulerConfig {
+    /// Whether a scorer of this profile (or of its prefill profile) reads prefix homes: the
+    /// index remembers them only then.
+    pub fn reads_prefix_homes(&self) -> bool {
+        self.scorers.iter().any(|s| s.scorer.reads_prefix_homes())
+            || matches!(&self.handler, ProfileHandlerSpec::PrefillDecode(pd)
+                if pd.prefill.reads_prefix_homes())
+    }
+
     /// GIE's default profile: queue-scorer 2, kv-cache-utilization-scorer 2,
     /// prefix-cache-scorer 3, max-score-picker; no filters, flow control off.
     pub fn gie_default() -> Self {

@@ -208,6 +208,15 @@ fn recommended_profile_is_the_placement_scorer_without_flow_control() {
         !rec.flow_control,
         "the engines queue; nothing fails in kvpick"
     );
+    // Only a placement scorer with a home bias reads prefix homes (the index keeps them then).
+    assert!(rec.reads_prefix_homes());
+    assert!(!SchedulerConfig::gie_default().reads_prefix_homes());
+    let mut no_homes = rec.clone();
+    no_homes.scorers[0].scorer = ScorerSpec::Placement(PlacementParams {
+        home_bias: 1.0,
+        ..PlacementParams::default()
+    });
+    assert!(!no_homes.reads_prefix_homes());
 }
 
 #[test]
