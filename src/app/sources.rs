@@ -18,8 +18,8 @@ use super::supervise::{Policy as SupervisorPolicy, Supervisor};
 use crate::config::EndpointSource;
 use crate::discovery::kube::policy::PoolRef;
 use crate::discovery::kube::{
-    DiscoveryMetrics, DiscoveryParts, DiscoveryTarget, NotReady, PolicyParts, Readiness,
-    run_discovery, run_policy,
+    DiscoveryMetrics, DiscoveryParts, DiscoveryTarget, NotReady, PolicyHealth, PolicyParts,
+    Readiness, run_discovery, run_policy,
 };
 use crate::discovery::{PoolFileError, parse_pool};
 use crate::endpoints::Datastore;
@@ -138,10 +138,17 @@ pub async fn start(
             // they come from the flags and files only.
             let DiscoveryTarget::Pool { name, group } = &config.target else {
                 let (combined, combined_ready) = watch::channel(Err(NotReady::Syncing));
-                tokio::spawn(combine(ready, None, leading, combined, cancel.clone()));
+                let inputs = ReadinessInputs {
+                    discovery: ready,
+                    policy: None,
+                    leading,
+                    stale_after: config.stale_after,
+                    metrics,
+                };
+                tokio::spawn(combine(inputs, combined, cancel.clone()));
                 return Ok(combined_ready);
             };
-            let (synced, policy_synced) = watch::channel(false);
+            let (health, policy_health) = watch::channel(PolicyHealth::default());
             let parts = Arc::new(PolicyParts {
                 namespace: config.namespace.clone(),
                 pool: PoolRef {
@@ -149,15 +156,16 @@ pub async fn start(
                     group: group.group().to_owned(),
                 },
                 client,
-                metrics,
+                metrics: metrics.clone(),
                 flag_objectives: policy.flag_objectives,
                 file_rewrites: policy.file_rewrites,
                 objectives: policy.objectives,
                 rewrites: policy.rewrites,
-                synced,
+                health,
                 retry: config
                     .stale_after
                     .clamp(Duration::from_secs(1), Duration::from_secs(30)),
+                stale_after: config.stale_after,
             });
             let policy_cancel = cancel.clone();
             supervisor.spawn(
@@ -166,29 +174,44 @@ pub async fn start(
                 Box::new(move || Box::pin(run_policy(Arc::clone(&parts), policy_cancel.clone()))),
             );
             let (combined, combined_ready) = watch::channel(Err(NotReady::Syncing));
-            tokio::spawn(combine(
-                ready,
-                Some(policy_synced),
+            let inputs = ReadinessInputs {
+                discovery: ready,
+                policy: Some(policy_health),
                 leading,
-                combined,
-                cancel.clone(),
-            ));
+                stale_after: config.stale_after,
+                metrics,
+            };
+            tokio::spawn(combine(inputs, combined, cancel.clone()));
             Ok(combined_ready)
         }
     }
 }
 
+/// What readiness is combined from.
+struct ReadinessInputs {
+    /// Discovery's own readiness (pool and pods).
+    discovery: watch::Receiver<Readiness>,
+    /// The objective/rewrite watches (none in selector mode).
+    policy: Option<watch::Receiver<PolicyHealth>>,
+    /// Whether this replica leads (with leader election on).
+    leading: Option<watch::Receiver<bool>>,
+    /// `--discovery-stale-after`, for the policy watches as for the pool's.
+    stale_after: Duration,
+    /// Where a stale policy watch is counted.
+    metrics: DiscoveryMetrics,
+}
+
 /// Readiness of Kubernetes discovery, of the objective/rewrite watches and of leader
 /// election together: discovery's own reason first, then syncing until the policy watches
-/// have listed, then not_leader while another replica holds the Lease.
+/// have listed, then stale once a policy watch has failed for longer than the stale period
+/// (objectives and rewrites may then be out of date, as the pool would be), then not_leader
+/// while another replica holds the Lease.
 async fn combine(
-    mut discovery: watch::Receiver<Readiness>,
-    mut policy: Option<watch::Receiver<bool>>,
-    mut leading: Option<watch::Receiver<bool>>,
+    mut inputs: ReadinessInputs,
     out: watch::Sender<Readiness>,
     cancel: CancellationToken,
 ) {
-    async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
+    async fn changed<T>(rx: &mut Option<watch::Receiver<T>>) {
         let closed = match rx {
             Some(rx) => rx.changed().await.is_err(),
             None => true,
@@ -198,21 +221,54 @@ async fn combine(
             std::future::pending::<()>().await;
         }
     }
+    let mut policy_stale = false;
     loop {
-        let synced = policy.as_mut().is_none_or(|rx| *rx.borrow_and_update());
-        let leader = leading.as_mut().is_none_or(|rx| *rx.borrow_and_update());
-        let now = match *discovery.borrow_and_update() {
+        let health = inputs.policy.as_mut().map_or(
+            PolicyHealth {
+                synced: true,
+                failing_since: None,
+            },
+            |rx| *rx.borrow_and_update(),
+        );
+        let leader = inputs
+            .leading
+            .as_mut()
+            .is_none_or(|rx| *rx.borrow_and_update());
+        let stale_at = health.failing_since.map(|since| since + inputs.stale_after);
+        let stale = stale_at.is_some_and(|at| tokio::time::Instant::now() >= at);
+        if stale != policy_stale {
+            policy_stale = stale;
+            if stale {
+                tracing::warn!(failing_for = ?health.failing_since.map(|s| s.elapsed()), "objective/rewrite watches failing for longer than --discovery-stale-after; readiness off");
+                inputs
+                    .metrics
+                    .not_ready
+                    .with_label_values(&[NotReady::Stale.label()])
+                    .inc();
+            } else {
+                tracing::info!("objective/rewrite watches answer again");
+            }
+        }
+        let now = match *inputs.discovery.borrow_and_update() {
             Err(reason) => Err(reason),
-            Ok(()) if !synced => Err(NotReady::Syncing),
+            Ok(()) if !health.synced => Err(NotReady::Syncing),
+            Ok(()) if stale => Err(NotReady::Stale),
             Ok(()) if !leader => Err(NotReady::NotLeader),
             Ok(()) => Ok(()),
         };
         out.send_if_modified(|before| std::mem::replace(before, now) != now);
+        let until_stale = async {
+            match stale_at.filter(|_| !stale) {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             () = cancel.cancelled() => return,
-            Ok(()) = discovery.changed() => {}
-            () = changed(&mut policy) => {}
-            () = changed(&mut leading) => {}
+            Ok(()) = inputs.discovery.changed() => {}
+            () = changed(&mut inputs.policy) => {}
+            () = changed(&mut inputs.leading) => {}
+            () = until_stale => {}
         }
     }
 }

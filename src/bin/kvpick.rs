@@ -28,8 +28,11 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = log_filter(&cli.log);
+    // Colours only on a terminal: a pod's log (a pipe) stays plain text for collectors.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&filter)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off")),

@@ -303,6 +303,9 @@ async fn hostile_objects_are_named_counted_and_the_last_good_state_kept() {
     .await;
     assert_eq!(readiness(&kvpick).await, Some(ServingStatus::NotServing));
     assert_eq!(endpoints(&kvpick).await, Vec::<String>::new());
+    kvpick
+        .wait_log(&["invalid InferencePool", "llm/pool", "spec.targetPorts"])
+        .await;
 
     // Fixed: ready. Then 0 ports: rejected, last good spec kept, still ready.
     fake.apply(&pools, pool_v1("vllm", &[8000]));
@@ -338,11 +341,54 @@ async fn hostile_objects_are_named_counted_and_the_last_good_state_kept() {
             && kvpick.metric("kvpick_discovery_invalid_total{field=\"metadata.annotations[kvpick.io/kv-events]\",kind=\"Pod\"}").await >= 1.0
     })
     .await;
+    kvpick
+        .wait_log(&["unusable pod field", "llm/no-ip", "status.podIP"])
+        .await;
+    kvpick
+        .wait_log(&["unusable pod field", "llm/bad", "kvpick.io/kv-events"])
+        .await;
 
-    // A selector that matches nothing: an empty pool, still a valid one.
+    // An edited selector that matches nothing: named and counted, and the last endpoints
+    // stay (a typo or a rollout whose pods are not ready yet must not empty the pool).
+    let selector = "kvpick_discovery_invalid_total{field=\"spec.selector\",kind=\"InferencePool\"}";
     fake.apply(&pools, pool_v1("nothing-has-this", &[8000]));
-    wait_endpoints(&kvpick, &[], "selector matching nothing").await;
+    wait_until("empty selector counted", LIMIT, || async {
+        kvpick.metric(selector).await >= 1.0
+    })
+    .await;
+    kvpick
+        .wait_log(&[
+            "matches no ready pod",
+            "llm/pool",
+            "spec.selector",
+            "nothing-has-this",
+        ])
+        .await;
+    assert_eq!(
+        endpoints(&kvpick).await,
+        ["127.0.0.2:8000", "127.0.0.3:8000"],
+        "the last endpoints are kept"
+    );
     assert_eq!(readiness(&kvpick).await, Some(ServingStatus::Serving));
+    // An unready pod of the new selector changes nothing; a ready one takes over.
+    fake.apply(
+        "pods",
+        pod("new-0", Some("127.0.0.7"), "nothing-has-this", false),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        endpoints(&kvpick).await,
+        ["127.0.0.2:8000", "127.0.0.3:8000"]
+    );
+    fake.apply(
+        "pods",
+        pod("new-1", Some("127.0.0.8"), "nothing-has-this", true),
+    );
+    wait_endpoints(&kvpick, &["127.0.0.8:8000"], "a pod of the new selector").await;
+    // Pods of an unchanged selector leaving do empty the pool: they are gone, not a typo.
+    fake.delete("pods", NS, "new-1");
+    wait_endpoints(&kvpick, &[], "the only pod deleted").await;
+    assert_eq!(kvpick.metric(selector).await, 1.0, "counted once");
     assert!(kvpick_alive(&kvpick).await, "no panic on any of it");
 }
 

@@ -45,12 +45,14 @@ fn exact(model: &str, targets: Value) -> Value {
     json!({"matches": [{"model": {"type": "Exact", "value": model}}], "targets": targets})
 }
 
-/// One backend as the pool's only pod, kvpick watching the pool, and Envoy in front.
+/// One backend as the pool's only pod, kvpick watching the pool, and Envoy in front
+/// (over TLS to kvpick).
 async fn pool_with_one_pod(fake: &FakeKube, backend: &Backend, extra: &[&str]) -> (Kvpick, Envoy) {
     let ip = backend.addr.ip().to_string();
     fake.apply("pods", pod("a", Some(&ip), "vllm", true));
     fake.apply(&pool_resource(V1), pool_v1("vllm", &[backend.addr.port()]));
-    let mut args = vec!["--discovery-stale-after", "2s"];
+    // Envoy speaks TLS to kvpick's ext-proc port here, as a production gateway should.
+    let mut args = vec!["--discovery-stale-after", "2s", "--secure-serving"];
     args.extend_from_slice(extra);
     let kvpick = Kvpick::start_kube(
         &fake.kubeconfig(NS),
@@ -65,6 +67,7 @@ async fn pool_with_one_pod(fake: &FakeKube, backend: &Backend, extra: &[&str]) -
         &kvpick,
         EnvoyOptions {
             extra_pool: vec![backend.addr],
+            kvpick_tls: true,
             ..EnvoyOptions::default()
         },
     )
@@ -120,6 +123,13 @@ async fn objectives_from_the_api_override_flags_and_follow_edits_and_deletes() {
 
     // The flag: sheddable in a saturated pool.
     wait_status(&envoy, "batch", 429, "flag objective").await;
+    assert!(
+        kvpick
+            .metric("kvpick_tls_handshakes_total{result=\"ok\"}")
+            .await
+            >= 1.0,
+        "Envoy's ext_proc streams come over TLS"
+    );
     assert!(fake.lists(&legacy) > 0, "the missing CRD was asked for");
     assert_eq!(
         kvpick
@@ -293,4 +303,40 @@ async fn model_rewrites_from_the_api_follow_gie_precedence_edits_and_deletes() {
     wait_rewrite(&envoy, &backend, "anything", "anything", "generic deleted").await;
     fake.delete(&llm_d, NS, "alias");
     wait_rewrite(&envoy, &backend, "alias", "alias", "all deleted").await;
+}
+
+#[tokio::test]
+async fn a_failing_objective_watch_turns_readiness_off_after_the_stale_period_and_back() {
+    let fake = FakeKube::start().await;
+    let backend = Backend::start("127.0.0.1").await;
+    let (kvpick, _envoy) = pool_with_one_pod(&fake, &backend, &[]).await;
+    let objectives = resource("inferenceobjectives", LLM_D);
+    let stale = "kvpick_discovery_not_ready_total{reason=\"stale\"}";
+    assert_eq!(kvpick.metric(stale).await, 0.0);
+
+    // Only the objectives fail (the pool and pods keep answering): after the stale period
+    // (2 s) readiness goes off, since the objectives kvpick applies may be out of date.
+    fake.set_resource_failing(&objectives, true);
+    fake.end_watches();
+    let failed_at = Instant::now();
+    wait_readiness(&kvpick, ServingStatus::NotServing, "objectives failing").await;
+    assert!(
+        failed_at.elapsed() >= Duration::from_millis(1500),
+        "not before the stale period ({:?})",
+        failed_at.elapsed()
+    );
+    assert_eq!(kvpick.metric(stale).await, 1.0);
+    kvpick
+        .wait_log(&["InferenceObjective", "llm-d.ai", "watch failed"])
+        .await;
+    kvpick
+        .wait_log(&["objective/rewrite watches failing", "readiness off"])
+        .await;
+
+    // The resource answers again: the probe notices (the re-established watch says nothing).
+    fake.set_resource_failing(&objectives, false);
+    wait_readiness(&kvpick, ServingStatus::Serving, "objectives answer again").await;
+    kvpick
+        .wait_log(&["InferenceObjective", "answers again"])
+        .await;
 }

@@ -498,12 +498,14 @@ async fn two_replicas_behind_envoy(
     use support::envoy::{Envoy, EnvoyOptions};
     let pool = pool_yaml(&backends.iter().collect::<Vec<_>>());
     let (port_a, port_b) = (exchange_port(), exchange_port());
+    // Envoy speaks TLS to both replicas' ext-proc ports, as a production gateway should.
     let replica = |own: u16, peer: u16| {
         [
             "--replica-exchange-port".to_owned(),
             own.to_string(),
             "--replica-peers".to_owned(),
             format!("127.0.0.1:{peer}"),
+            "--secure-serving".to_owned(),
         ]
     };
     let (mut args_a, args_b) = (replica(port_a, port_b).to_vec(), replica(port_b, port_a));
@@ -517,6 +519,7 @@ async fn two_replicas_behind_envoy(
             extra_kvpicks: vec![(b.grpc_port, b.health_port)],
             fallback: backends.iter().map(|b| b.addr).collect(),
             echo_metadata: true,
+            kvpick_tls: true,
             ..Default::default()
         },
     )
@@ -540,6 +543,11 @@ async fn two_replicas_behind_envoy(
         }
     })
     .await;
+    let tls = "kvpick_tls_handshakes_total{result=\"ok\"}";
+    assert!(
+        a.metric(tls).await >= 1.0 && b.metric(tls).await >= 1.0,
+        "TLS to both"
+    );
     (a, b, envoy)
 }
 

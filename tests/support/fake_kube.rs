@@ -74,6 +74,8 @@ struct State {
     failing: bool,
     /// Resources answered with 404 (a CRD that is not installed).
     missing: std::collections::HashSet<String>,
+    /// Resources whose lists and watches are answered with 500, as with `failing`.
+    failing_resources: std::collections::HashSet<String>,
 }
 
 /// The fake API server.
@@ -245,6 +247,17 @@ impl FakeKube {
     /// Makes the server answer 500 to every list and watch (or stops doing so).
     pub fn set_failing(&self, failing: bool) {
         self.state.lock().expect("lock").failing = failing;
+    }
+
+    /// Makes one resource answer 500 to lists and watches (or stops doing so); open
+    /// watches stay open until [`FakeKube::end_watches`].
+    pub fn set_resource_failing(&self, resource: &str, failing: bool) {
+        let mut state = self.state.lock().expect("lock");
+        if failing {
+            state.failing_resources.insert(resource.to_owned());
+        } else {
+            state.failing_resources.remove(resource);
+        }
     }
 
     /// Ends every open watch (clients resume from their last resourceVersion).
@@ -604,7 +617,8 @@ impl Shared {
             if missing {
                 *state.lists.entry(query.resource.clone()).or_default() += 1;
             }
-            (state.failing, query.resource_version < state.floor, missing)
+            let failing = state.failing || state.failing_resources.contains(&query.resource);
+            (failing, query.resource_version < state.floor, missing)
         };
         if missing {
             return full(

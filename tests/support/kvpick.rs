@@ -31,8 +31,45 @@ pub fn serve_refused(args: &[&str], envs: &[(&str, &str)]) -> String {
     stderr
 }
 
+/// Most bytes of kvpick's log a test keeps (the oldest lines go first).
+const LOG_KEEP: usize = 8 << 20;
+
+/// kvpick's stderr, copied line by line to the test's own stderr (so a failing test still
+/// shows it) and kept for [`Kvpick::wait_log`].
+#[derive(Clone, Default)]
+struct LogTail(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>);
+
+impl LogTail {
+    fn follow(&self, stderr: std::process::ChildStderr) {
+        let tail = self.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut kept = 0usize;
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("{line}");
+                let mut lines = tail.0.lock().expect("log lock");
+                kept += line.len();
+                lines.push_back(line);
+                while kept > LOG_KEEP {
+                    kept -= lines.pop_front().map_or(0, |l| l.len());
+                }
+            }
+        });
+    }
+
+    fn find(&self, needles: &[&str]) -> Option<String> {
+        let lines = self.0.lock().expect("log lock");
+        lines
+            .iter()
+            .find(|line| needles.iter().all(|n| line.contains(n)))
+            .cloned()
+    }
+}
+
 pub struct Kvpick {
     pub child: Child,
+    log: LogTail,
     pub grpc_port: u16,
     pub health_port: u16,
     pub metrics_port: u16,
@@ -114,9 +151,13 @@ impl Kvpick {
                 .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
                 .env("RUST_LOG", "kvpick=debug,info")
                 .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
+                .stderr(Stdio::piped())
                 .spawn()
                 .expect("spawn kvpick");
+            let log = LogTail::default();
+            if let Some(stderr) = child.stderr.take() {
+                log.follow(stderr);
+            }
             let ready =
                 ready_or_exited(
                     "kvpick readiness",
@@ -130,6 +171,7 @@ impl Kvpick {
             if ready {
                 return Kvpick {
                     child,
+                    log,
                     grpc_port,
                     health_port,
                     metrics_port,
@@ -202,6 +244,26 @@ impl Kvpick {
             .find_map(|l| l.strip_prefix(key))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
             .expect(key)
+    }
+
+    /// Waits (bounded) for a log line holding every one of `needles` and returns it.
+    pub async fn wait_log(&self, needles: &[&str]) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(line) = self.log.find(needles) {
+                return line;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no kvpick log line holds all of {needles:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Whether a log line holding every one of `needles` has been written so far.
+    pub fn logged(&self, needles: &[&str]) -> bool {
+        self.log.find(needles).is_some()
     }
 
     /// A URL on the debug server (`/debug/*`).

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 pub use metrics::DiscoveryMetrics;
 pub use pod_endpoints::KvPorts;
-pub use policy_watch::{PolicyParts, run_policy};
+pub use policy_watch::{PolicyHealth, PolicyParts, run_policy};
 pub use pool_spec::{PoolGroup, PoolSpec};
 pub use status::{NotReady, Readiness};
 pub use watch::{DiscoveryParts, run_discovery};
@@ -90,11 +90,35 @@ pub fn parse_selector(text: &str) -> Result<BTreeMap<String, String>, String> {
 
 /// The namespace when `--pool-namespace` is not given: the service account's, else `default`.
 pub fn default_namespace() -> String {
-    std::fs::read_to_string(SERVICE_ACCOUNT_NAMESPACE)
-        .ok()
-        .map(|text| text.trim().to_owned())
-        .filter(|ns| !ns.is_empty())
-        .unwrap_or_else(|| "default".to_owned())
+    namespace_from(std::path::Path::new(SERVICE_ACCOUNT_NAMESPACE))
+}
+
+/// The namespace a service-account `namespace` file names; `default` when the file is
+/// missing, unreadable, empty or not a valid namespace name (logged: a mount kvpick cannot
+/// read should not silently pick another namespace's pool unnoticed).
+fn namespace_from(path: &std::path::Path) -> String {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) => {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %path.display(), %error, "cannot read the service account's namespace; using `default`");
+            }
+            return "default".to_owned();
+        }
+    };
+    let namespace = text.trim();
+    // A DNS-1123 label, as Kubernetes requires of namespace names.
+    if !namespace.is_empty()
+        && namespace.len() <= 63
+        && namespace
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        namespace.to_owned()
+    } else {
+        tracing::warn!(path = %path.display(), namespace = %namespace.escape_debug(), "the service account's namespace is not a valid name; using `default`");
+        "default".to_owned()
+    }
 }
 
 /// Why the Kubernetes client could not be made.
@@ -114,4 +138,27 @@ pub enum KubeError {
 pub async fn client() -> Result<::kube::Client, KubeError> {
     let config = ::kube::Config::infer().await?;
     Ok(::kube::Client::try_from(config)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_namespace_comes_from_the_service_account_mount_else_default() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("namespace");
+        assert_eq!(namespace_from(&file), "default", "no mount");
+        std::fs::write(&file, "llm-serving\n").expect("write");
+        assert_eq!(namespace_from(&file), "llm-serving");
+        for bad in ["", "  \n", "Upper", "a/b", "x\u{0}y", &"n".repeat(64)] {
+            std::fs::write(&file, bad).expect("write");
+            assert_eq!(namespace_from(&file), "default", "{bad:?}");
+        }
+        assert_eq!(
+            namespace_from(dir.path()),
+            "default",
+            "a directory, not a file"
+        );
+    }
 }

@@ -9,14 +9,18 @@
 //! A CRD that is not installed answers the list with 404 (and an RBAC role without it with
 //! 403): that resource then counts as empty and synced, is logged once, and is looked for
 //! again every `retry` (a cluster often has only one of the two groups installed). Other
-//! failures are retried by kube's watcher with discovery's backoff.
+//! failures are retried by kube's watcher with discovery's backoff, and the task publishes
+//! since when a watch has been failing ([`PolicyHealth`]), so readiness goes off once the
+//! objectives and rewrites may be stale, as it does for the pool. While a watch fails, a
+//! cheap list (limit 1) probes its resource every tick: the watcher yields nothing when it
+//! re-establishes a watch, so only the probe can tell that the resource answers again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::poll_fn;
 use std::task::Poll;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
@@ -29,7 +33,7 @@ use super::policy::{
     ApiRewrite, Invalid, PolicyGroup, PolicyKind, PoolRef, merge_objectives, merge_rewrites,
     parse_objective, parse_rewrite,
 };
-use super::watch::{WatchStream, watch};
+use super::watch::{WatchStream, tick_interval, watch};
 use crate::live::Live;
 use crate::request::ModelRewriteRules;
 
@@ -55,10 +59,22 @@ pub struct PolicyParts {
     pub objectives: Live<HashMap<String, i32>>,
     /// Where merged rewrite rules go.
     pub rewrites: Live<ModelRewriteRules>,
-    /// Turns true once every resource has been listed (or found not installed).
-    pub synced: channel::Sender<bool>,
+    /// Whether every resource has been listed (or found not installed), and since when a
+    /// watch has been failing.
+    pub health: channel::Sender<PolicyHealth>,
     /// How long to wait before looking for a CRD that was not installed again.
     pub retry: Duration,
+    /// `--discovery-stale-after` (sets how often a failing resource is probed).
+    pub stale_after: Duration,
+}
+
+/// What the policy task tells readiness.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PolicyHealth {
+    /// Every resource has been listed once (or found not installed).
+    pub synced: bool,
+    /// Since when the longest-failing watch has been failing (`None`: none is).
+    pub failing_since: Option<Instant>,
 }
 
 /// One watched resource (a kind in one group).
@@ -73,7 +89,8 @@ struct Resource {
     synced: bool,
     /// Not installed (404/403), already logged.
     missing: bool,
-    failing: bool,
+    /// Since when its watch has been failing (a 404/403 is not failing).
+    failing_since: Option<Instant>,
 }
 
 impl Resource {
@@ -260,7 +277,7 @@ fn resource(client: &Client, namespace: &str, kind: PolicyKind, group: PolicyGro
         listing: None,
         synced: false,
         missing: false,
-        failing: false,
+        failing_since: None,
     }
 }
 
@@ -311,6 +328,9 @@ pub async fn run_policy(parts: std::sync::Arc<PolicyParts>, cancel: Cancellation
     }
     let mut store = Store::default();
     let mut turn = 0;
+    let mut probe: Option<futures::future::BoxFuture<'static, Vec<(usize, bool)>>> = None;
+    let mut tick = tokio::time::interval(tick_interval(parts.stale_after));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let retry_at = resources.iter().filter_map(|r| r.retry_at).min();
         let retry = async {
@@ -325,6 +345,22 @@ pub async fn run_policy(parts: std::sync::Arc<PolicyParts>, cancel: Cancellation
                 let now = Instant::now();
                 for resource in resources.iter_mut().filter(|r| r.retry_at.is_some_and(|at| at <= now)) {
                     resource.start();
+                }
+                false
+            }
+            answers = probe_answers(&mut probe) => {
+                probe = None;
+                for (i, answered) in answers {
+                    if let Some(resource) = resources.get_mut(i).filter(|r| answered && r.failing_since.is_some()) {
+                        tracing::info!(kind = resource.kind.kind(), group = resource.group.group(), "watch answers again");
+                        resource.failing_since = None;
+                    }
+                }
+                false
+            }
+            _ = tick.tick() => {
+                if probe.is_none() {
+                    probe = probe_failing(&resources);
                 }
                 false
             }
@@ -344,13 +380,58 @@ pub async fn run_policy(parts: std::sync::Arc<PolicyParts>, cancel: Cancellation
         if changed {
             publish(&parts, &store);
         }
-        if resources.iter().all(|r| r.synced) && !*parts.synced.borrow() {
+        let health = PolicyHealth {
+            synced: resources.iter().all(|r| r.synced),
+            failing_since: resources.iter().filter_map(|r| r.failing_since).min(),
+        };
+        if health.synced && !parts.health.borrow().synced {
             publish(&parts, &store);
             tracing::info!("objectives and model rewrites synced from Kubernetes");
-            let _ = parts.synced.send_replace(true);
         }
+        parts.health.send_if_modified(|before| {
+            let changed = *before != health;
+            *before = health;
+            changed
+        });
     }
 }
+
+/// One list (limit 1) of every failing resource, answering which answered; `None` when none
+/// is failing.
+fn probe_failing(
+    resources: &[Resource],
+) -> Option<futures::future::BoxFuture<'static, Vec<(usize, bool)>>> {
+    let lists: Vec<_> = resources
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.failing_since.is_some())
+        .map(|(i, r)| {
+            let api = r.api.clone();
+            async move {
+                let params = kube::api::ListParams::default().limit(1);
+                // NOTE: kube's client retries 429/503 itself; the timeout bounds the attempt.
+                let answered = tokio::time::timeout(PROBE_TIMEOUT, api.list(&params))
+                    .await
+                    .is_ok_and(|r| r.is_ok());
+                (i, answered)
+            }
+        })
+        .collect();
+    (!lists.is_empty()).then(|| futures::future::join_all(lists).boxed())
+}
+
+/// The answers of the running probe; pending forever without one.
+async fn probe_answers(
+    probe: &mut Option<futures::future::BoxFuture<'static, Vec<(usize, bool)>>>,
+) -> Vec<(usize, bool)> {
+    match probe {
+        Some(probe) => probe.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Longest a probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn on_event(
     parts: &PolicyParts,
@@ -380,11 +461,12 @@ fn on_event(
                 resource.listing = None;
                 resource.retry_at = Some(Instant::now() + parts.retry);
                 resource.synced = true;
+                resource.failing_since = None;
                 return store.clear(resource);
             }
-            if !resource.failing {
-                tracing::warn!(%error, kind = resource.kind.kind(), group = resource.group.group(), "watch failed; retrying (further failures at debug)");
-                resource.failing = true;
+            if resource.failing_since.is_none() {
+                tracing::warn!(%error, kind = resource.kind.kind(), group = resource.group.group(), "watch failed; retrying (further failures at debug until it answers)");
+                resource.failing_since = Some(Instant::now());
             } else {
                 tracing::debug!(%error, kind = resource.kind.kind(), "watch failed again");
             }
@@ -395,7 +477,10 @@ fn on_event(
             return false;
         }
     };
-    resource.failing = false;
+    if !matches!(event, Event::Init) {
+        // NOTE: Init is not an answer from the API: the watcher yields it before it lists.
+        resource.failing_since = None;
+    }
     match event {
         Event::Init => {
             metrics.relists.with_label_values(&[resource.label()]).inc();

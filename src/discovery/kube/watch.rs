@@ -52,7 +52,7 @@ pub struct DiscoveryParts {
 pub(super) type WatchStream<K> = BoxStream<'static, Result<Event<K>, watcher::Error>>;
 
 /// How often readiness (staleness) is re-checked and, while failing, the API probed.
-fn tick_interval(stale_after: Duration) -> Duration {
+pub(super) fn tick_interval(stale_after: Duration) -> Duration {
     (stale_after / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
@@ -140,6 +140,10 @@ struct Run<'a> {
     published: Option<HashMap<PodId, Endpoint>>,
     /// Problems already logged (so a pod's bad annotation is logged once, not per event).
     logged: std::collections::HashSet<(String, &'static str, String)>,
+    /// The pod watch was restarted for an edited selector and has not listed yet.
+    new_selector: bool,
+    /// An edited selector matched no ready pod: the last set is kept until one matches.
+    holding_last: bool,
 }
 
 /// Runs discovery until `cancel`.
@@ -175,6 +179,8 @@ pub async fn run_discovery(parts: Arc<DiscoveryParts>, cancel: CancellationToken
         watching: None,
         published: None,
         logged: Default::default(),
+        new_selector: false,
+        holding_last: false,
     };
     let mut pod_stream: Option<WatchStream<Pod>> = None;
     run.restart_pod_watch(&pod_api, &mut pod_stream);
@@ -333,6 +339,9 @@ impl Run<'_> {
             api.clone(),
             watcher::Config::default().labels(&selector),
         ));
+        // A restart after the stream ended (`watching` cleared) is not a selector edit.
+        self.new_selector = self.watching.is_some();
+        self.holding_last = false;
         self.watching = Some(selector);
         self.listing = None;
     }
@@ -367,6 +376,7 @@ impl Run<'_> {
                 self.status.api_answered();
                 self.pods = self.listing.take().unwrap_or_default();
                 self.status.pods_synced = true;
+                self.holding_last |= std::mem::take(&mut self.new_selector);
             }
             Ok(Event::Apply(pod)) => {
                 self.status.api_answered();
@@ -401,9 +411,13 @@ impl Run<'_> {
             }
         }
         // Forget logged problems of pods that are gone, so the set stays bounded.
-        self.logged.retain(|(pod, _, _)| {
-            pod.rsplit_once('/')
-                .is_some_and(|(_, name)| self.pods.contains_key(name))
+        let selector_key = selector_problem(spec);
+        self.logged.retain(|key| {
+            *key == selector_key
+                || key
+                    .0
+                    .rsplit_once('/')
+                    .is_some_and(|(_, name)| self.pods.contains_key(name))
         });
         metrics
             .pods
@@ -414,6 +428,23 @@ impl Run<'_> {
                 .iter()
                 .all(|e| previous.get(&e.id) == Some(e));
         let first = !self.parts.datastore.is_synced();
+        if self.holding_last && built.endpoints.is_empty() && !previous.is_empty() {
+            // NOTE: a selector edit that matches nothing is far more often a typo or a
+            // rollout whose new pods are not ready yet than a wish to stop serving, so the
+            // last endpoints stay (their liveness still comes from scrapes and KV events)
+            // until a pod matches. Pods of an unchanged selector leaving still empty the pool.
+            if !self.logged.contains(&selector_problem(spec)) {
+                tracing::warn!(pool = %self.pool_name(), field = "spec.selector", selector = %spec.label_selector(), kept = previous.len(), "the pool's edited selector matches no ready pod; keeping the last endpoints until one does");
+                metrics
+                    .invalid
+                    .with_label_values(&["InferencePool", "spec.selector"])
+                    .inc();
+                self.logged.insert(selector_problem(spec));
+            }
+            self.published = Some(previous);
+            return;
+        }
+        self.holding_last = false;
         if built.endpoints.is_empty() && (!previous.is_empty() || first) {
             tracing::warn!(pool = %self.pool_name(), field = "spec.selector", selector = %spec.label_selector(), pods = self.pods.len(), "no ready pod matches the pool's selector");
         }
@@ -427,6 +458,11 @@ impl Run<'_> {
         }
         self.published = Some(built.endpoints.into_iter().map(|e| (e.id, e)).collect());
     }
+}
+
+/// The `logged` key of "this selector matches no ready pod" (logged once per selector).
+fn selector_problem(spec: &PoolSpec) -> (String, &'static str, String) {
+    (String::new(), "spec.selector", spec.label_selector())
 }
 
 /// Most pods one pool holds; more are left out (logged, counted), so a selector that
