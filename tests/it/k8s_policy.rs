@@ -161,6 +161,14 @@ async fn objectives_from_the_api_override_flags_and_follow_edits_and_deletes() {
             >= 1.0
     })
     .await;
+    kvpick
+        .wait_log(&[
+            "invalid object ignored",
+            "llm/batch",
+            "spec.priority",
+            "1099511627776",
+        ])
+        .await;
     assert_eq!(completion(&envoy, "m", Some("batch")).await.status, 200);
 
     // An objective of another pool is not ours.
