@@ -155,6 +155,23 @@ pub fn response_body_chunk(chunk: Vec<u8>, end_of_stream: bool) -> ProcessingRes
     }
 }
 
+/// Answers one response body chunk Envoy sent in `STREAMED` mode: `None` lets Envoy forward
+/// the chunk it holds unchanged (no bytes come back); `Some(bytes)` replaces it.
+pub fn response_body_streamed_mode(replacement: Option<Vec<u8>>) -> ProcessingResponse {
+    let response = replacement.map(|body| CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(body_mutation::Mutation::Body(body)),
+        }),
+        ..Default::default()
+    });
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse {
+            response: Some(response.unwrap_or_default()),
+        })),
+        ..Default::default()
+    }
+}
+
 /// Continues the response headers, removing `content-length` when the body will change.
 pub fn response_headers_continue(remove_content_length: bool) -> ProcessingResponse {
     let response = remove_content_length.then(|| CommonResponse {

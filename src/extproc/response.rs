@@ -5,6 +5,18 @@ use super::mutations;
 use crate::request::ResponseModelRewriter;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 
+/// How the gateway sends response bodies (its `processing_mode.response_body_mode`, told in
+/// the first message's `protocol_config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResponseBodyMode {
+    /// `FULL_DUPLEX_STREAMED` (GIE's): Envoy keeps no copy; every chunk is sent back.
+    #[default]
+    FullDuplex,
+    /// `STREAMED`: Envoy holds each chunk until its answer; an unchanged chunk needs no
+    /// bytes back, and Envoy still has it should kvpick die mid-response.
+    Streamed,
+}
+
 /// How response bodies are handled.
 pub enum ResponseBody {
     /// Unchanged, chunk by chunk.
@@ -43,7 +55,17 @@ impl ResponseBody {
     }
 
     /// Handles one response chunk and returns the replies to send.
-    pub fn on_chunk(&mut self, chunk: Vec<u8>, end_of_stream: bool) -> Vec<ProcessingResponse> {
+    pub fn on_chunk(
+        &mut self,
+        chunk: Vec<u8>,
+        end_of_stream: bool,
+        mode: ResponseBodyMode,
+    ) -> Vec<ProcessingResponse> {
+        if mode == ResponseBodyMode::Streamed {
+            return vec![mutations::response_body_streamed_mode(
+                self.replacement(chunk, end_of_stream),
+            )];
+        }
         match self {
             Self::PassThrough => vec![mutations::response_body_chunk(chunk, end_of_stream)],
             Self::Sse(rewriter) => {
@@ -72,6 +94,41 @@ impl ResponseBody {
                     mutations::response_body_chunks(&out, true)
                 } else {
                     vec![mutations::response_body_chunk(Vec::new(), false)]
+                }
+            }
+        }
+    }
+
+    /// In `STREAMED` mode: what replaces the chunk (`None`: it passes unchanged). One answer
+    /// per chunk, so held bytes are answered with an empty chunk and sent later.
+    fn replacement(&mut self, chunk: Vec<u8>, end_of_stream: bool) -> Option<Vec<u8>> {
+        match self {
+            Self::PassThrough => None,
+            Self::Sse(rewriter) => {
+                let mut out = rewriter.push(&chunk).to_vec();
+                if end_of_stream {
+                    out.extend_from_slice(&rewriter.finish());
+                }
+                (out != chunk).then_some(out)
+            }
+            Self::Json {
+                rewriter,
+                held,
+                limit,
+            } => {
+                if held.len() + chunk.len() > *limit {
+                    let mut out = std::mem::take(held);
+                    out.extend_from_slice(&chunk);
+                    *self = Self::PassThrough;
+                    return Some(out);
+                }
+                held.extend_from_slice(&chunk);
+                if end_of_stream {
+                    let out = rewriter.rewrite_json(held).to_vec();
+                    held.clear();
+                    Some(out)
+                } else {
+                    Some(Vec::new())
                 }
             }
         }

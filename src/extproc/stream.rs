@@ -29,7 +29,7 @@ use super::error::{ProtocolError, Rejection};
 use super::meta::RequestMeta;
 use super::mutations;
 use super::prepare::{Prepared, prepare};
-use super::response::ResponseBody;
+use super::response::{ResponseBody, ResponseBodyMode};
 use super::scores;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
@@ -40,6 +40,7 @@ use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::{EppMetrics, RequestLabels, Stage};
 use crate::tokenize::{Tokenizers, TrimLater};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
 };
@@ -168,6 +169,8 @@ pub struct RequestStream {
     /// Whether the client asked for a streamed response (its first byte is its first token).
     streamed: bool,
     response: ResponseBody,
+    /// How the gateway sends the response body (from the first message).
+    response_mode: ResponseBodyMode,
     /// Where the request went and under which model labels, for the usage metrics.
     routed: Option<Routed>,
     /// The request's priority once its objective is looked up (0 before: a rejection
@@ -209,6 +212,7 @@ impl RequestStream {
             prefill: None,
             streamed: false,
             response: ResponseBody::PassThrough,
+            response_mode: ResponseBodyMode::FullDuplex,
             routed: None,
             priority: 0,
             usage: UsageTail::default(),
@@ -287,6 +291,13 @@ impl RequestStream {
         if self.subset.is_none() {
             self.subset = subset_hint(message.metadata_context.as_ref());
         }
+        if let Some(config) = &message.protocol_config {
+            self.response_mode = if config.response_body_mode() == BodySendMode::Streamed {
+                ResponseBodyMode::Streamed
+            } else {
+                ResponseBodyMode::FullDuplex
+            };
+        }
         let served = (self.ctx.conformance_hooks
             && matches!(message.request, Some(Request::ResponseHeaders(_))))
         .then(|| served_echo(message.metadata_context.as_ref()));
@@ -325,7 +336,8 @@ impl RequestStream {
                 if body.end_of_stream {
                     self.end_response();
                 }
-                self.response.on_chunk(body.body, body.end_of_stream)
+                self.response
+                    .on_chunk(body.body, body.end_of_stream, self.response_mode)
             }
             (Phase::Response, Request::ResponseTrailers(_)) => {
                 self.end_response();

@@ -107,6 +107,46 @@ async fn a_200kb_body_arrives_intact() {
 }
 
 #[tokio::test]
+async fn a_gateway_in_streamed_response_mode_gets_answers_intact_and_models_restored() {
+    let a = Backend::start("127.0.0.1").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rewrites.yaml");
+    std::fs::write(
+        &rules,
+        "rules: [{matches: [alias], targets: [{modelRewrite: served, weight: 1}]}]\n",
+    )
+    .expect("write rules");
+    let rules = rules.display().to_string();
+    let kvpick = Kvpick::start(&pool_yaml(&[&a]), &["--model-rewrites", &rules]).await;
+    let envoy = Envoy::start(
+        &kvpick,
+        EnvoyOptions {
+            response_body_streamed: true,
+            echo_metadata: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    for i in 0..5 {
+        let reply = post_json(&envoy.url("/v1/completions"), BODY).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(reply.header(METADATA_ECHO_HEADER).is_some(), "routed");
+        let answer = reply.json();
+        assert_eq!(answer["model"], "m", "request {i}");
+        assert_eq!(answer["bytes"], BODY.len());
+
+        let aliased = br#"{"model":"alias","prompt":"hello"}"#;
+        let reply = post_json(&envoy.url("/v1/completions"), aliased).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let seen = a.seen();
+        let sent: serde_json::Value =
+            serde_json::from_slice(&seen.last().expect("seen").body).expect("json");
+        assert_eq!(sent["model"], "served", "rewritten on the way in");
+        assert_eq!(reply.json()["model"], "alias", "restored on the way out");
+    }
+}
+
+#[tokio::test]
 async fn bad_bodies_get_400_and_413_with_the_reason() {
     let a = Backend::start("127.0.0.1").await;
     let kvpick = Kvpick::start(&pool_yaml(&[&a]), &["--max-body-bytes", "65536"]).await;

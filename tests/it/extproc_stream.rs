@@ -786,6 +786,126 @@ async fn model_rewrite_restores_the_name_in_streamed_responses_across_chunk_cuts
     );
 }
 
+/// What a reply to a response body chunk in Envoy's `STREAMED` mode does: `None` continues
+/// the chunk Envoy holds, `Some(bytes)` replaces it.
+fn streamed_mode_answer(reply: &ProcessingResponse) -> Option<Vec<u8>> {
+    use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+    let Some(Response::ResponseBody(body)) = &reply.response else {
+        panic!("expected a response body reply, got {reply:?}");
+    };
+    match body
+        .response
+        .as_ref()
+        .and_then(|c| c.body_mutation.as_ref())
+    {
+        None => None,
+        Some(mutation) => match &mutation.mutation {
+            Some(Mutation::Body(bytes)) => Some(bytes.clone()),
+            other => panic!("STREAMED mode takes whole-chunk replacements, got {other:?}"),
+        },
+    }
+}
+
+#[tokio::test]
+async fn a_gateway_in_streamed_response_mode_gets_chunk_answers_without_the_bytes_back() {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
+    let streamed = ProtocolConfiguration {
+        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+        response_body_mode: BodySendMode::Streamed as i32,
+        ..Default::default()
+    };
+    let first = |request: Request| ProcessingRequest {
+        request: Some(request),
+        protocol_config: Some(streamed),
+        ..Default::default()
+    };
+    let mut h = start(Options::default()).await;
+
+    // No rewrite: each chunk is continued as Envoy holds it (nothing sent back).
+    let mut s = h.open().await;
+    s.tx.send(first(post_headers())).await.expect("send");
+    s.send(body(BODY, true)).await;
+    decision(&s.recv().await);
+    streamed_body(&s.recv().await);
+    s.send(response_headers()).await;
+    assert!(removed_response_headers(&s.recv().await).is_empty());
+    for (chunk, last) in [
+        (&b"data: a\n\n"[..], false),
+        (&b"data: [DONE]\n\n"[..], true),
+    ] {
+        s.send(response_body(chunk, last)).await;
+        assert_eq!(streamed_mode_answer(&s.recv().await), None);
+    }
+
+    // A rewritten model in a JSON answer: held (empty replacements), restored at the end.
+    let mut s = h.open().await;
+    s.tx.send(first(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-model-name-rewrite", "served-model-v2"),
+        ],
+        false,
+    )))
+    .await
+    .expect("send");
+    s.send(body(br#"{"prompt": "p", "model": "alias"}"#, true))
+        .await;
+    decision(&s.recv().await);
+    streamed_body(&s.recv().await);
+    s.send(response_headers()).await;
+    assert_eq!(
+        removed_response_headers(&s.recv().await),
+        ["content-length"]
+    );
+    let answer = br#"{"id":"x","model":"served-model-v2","choices":[]}"#;
+    s.send(response_body(&answer[..20], false)).await;
+    assert_eq!(
+        streamed_mode_answer(&s.recv().await),
+        Some(Vec::new()),
+        "held"
+    );
+    s.send(response_body(&answer[20..], true)).await;
+    assert_eq!(
+        streamed_mode_answer(&s.recv().await),
+        Some(br#"{"id":"x","model":"alias","choices":[]}"#.to_vec())
+    );
+
+    // SSE: each chunk answered with its rewritten complete lines.
+    let mut s = h.open().await;
+    s.tx.send(first(headers(
+        &[
+            (":path", "/v1/completions"),
+            ("x-gateway-model-name-rewrite", "target"),
+        ],
+        false,
+    )))
+    .await
+    .expect("send");
+    s.send(body(
+        br#"{"prompt": "p", "model": "alias", "stream": true}"#,
+        true,
+    ))
+    .await;
+    decision(&s.recv().await);
+    streamed_body(&s.recv().await);
+    s.send(response_headers()).await;
+    s.recv().await;
+    let sse = b"data: {\"model\":\"target\",\"x\":1}\n\ndata: [DONE]\n\n";
+    let mut out = Vec::new();
+    for (i, piece) in sse.chunks(9).enumerate() {
+        let last = (i + 1) * 9 >= sse.len();
+        s.send(response_body(piece, last)).await;
+        let answer = streamed_mode_answer(&s.recv().await);
+        out.extend_from_slice(&answer.unwrap_or_else(|| piece.to_vec()));
+    }
+    assert_eq!(
+        String::from_utf8(out).expect("utf8"),
+        "data: {\"model\":\"alias\",\"x\":1}\n\ndata: [DONE]\n\n"
+    );
+    assert_eq!(h.in_flight_total(), 0);
+}
+
 #[tokio::test]
 async fn without_a_rewrite_responses_pass_through_with_their_length() {
     let mut h = start(Options::default()).await;

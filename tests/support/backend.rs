@@ -161,9 +161,14 @@ async fn handle(
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
+    // The model the request named, echoed as a model server does (for rewrite restores).
+    let model = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["model"].as_str().map(str::to_owned));
     let answer = serde_json::json!({
         "backend": addr.to_string(),
         "bytes": body.len(),
+        "model": model,
     })
     .to_string();
     shared.seen.lock().expect("lock").push(Seen {

@@ -42,6 +42,9 @@ pub struct EnvoyOptions {
     /// Speak TLS to kvpick's ext-proc port (`--secure-serving`), without verifying its
     /// certificate (as gateways do for the EPP's self-signed one); health checks stay plain.
     pub kvpick_tls: bool,
+    /// Send response bodies to kvpick in `STREAMED` mode (Envoy holds each chunk until
+    /// kvpick answers it) instead of the shipped `FULL_DUPLEX_STREAMED`.
+    pub response_body_streamed: bool,
     /// More kvpick replicas in the ext_proc cluster, as (gRPC port, health port): Envoy
     /// balances streams over all of them and health-checks each.
     pub extra_kvpicks: Vec<(u16, u16)>,
@@ -248,6 +251,13 @@ impl Envoy {
                     "                      domains: [\"*\"]\n                      response_headers_to_add:\n{}",
                     echoed.concat()
                 ),
+            );
+        }
+        if options.response_body_streamed {
+            replace_once(
+                &mut config,
+                "response_body_mode: FULL_DUPLEX_STREAMED",
+                "response_body_mode: STREAMED",
             );
         }
         // Endpoints last: the edits above are on the file's text, these on its structure.
