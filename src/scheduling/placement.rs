@@ -357,6 +357,9 @@ fn displacement_tokens(pod: &PodView, uncached: f64, params: &PlacementParams) -
 /// Writes `min cost / cost` per candidate into `out`.
 pub fn score(cycle: &Cycle<'_>, params: &PlacementParams, out: &mut [f64]) {
     let costs = costs(cycle, params);
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        explain(cycle, &costs);
+    }
     let best = costs
         .iter()
         .map(|c| c.cost_ms)
@@ -381,6 +384,30 @@ pub fn score(cycle: &Cycle<'_>, params: &PlacementParams, out: &mut [f64]) {
             (best.max(MIN_COST_MS) / cost.cost_ms).clamp(0.0, 1.0)
         };
     }
+}
+
+/// Logs every candidate's cost and its parts (`RUST_LOG=kvpick::scheduling::placement=debug`):
+/// what a user reads to see why a request went where it went.
+fn explain(cycle: &Cycle<'_>, costs: &[PlacementCost]) {
+    use std::fmt::Write;
+    let mut text = String::new();
+    for (i, (pod, cost)) in cycle.pods.iter().zip(costs).enumerate() {
+        let cached = cycle.prefix_hit(i).cached_tokens;
+        let waiting = pod.metrics.as_ref().map_or(0.0, |m| m.waiting);
+        let _ = write!(
+            text,
+            "{} cost={:.0} ttft={:.0} decode={:.0} evict={:.0} cached={cached:.0} backlog={:.0} awaiting={:.0} waiting={waiting:.0} in_flight={}; ",
+            pod.id,
+            cost.cost_ms,
+            cost.ttft_ms,
+            cost.decode_ms,
+            cost.displacement_ms,
+            pod.prefill.backlog_tokens,
+            pod.prefill.awaiting,
+            pod.in_flight,
+        );
+    }
+    tracing::debug!(prompt = cycle.prompt_tokens, candidates = %text, "placement costs");
 }
 
 /// Whether a request with latency objectives can be served in time somewhere: a candidate
