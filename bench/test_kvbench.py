@@ -490,8 +490,26 @@ class StatsTest(unittest.TestCase):
         self.assertEqual(by_long["prefixes"], 4)
         self.assertEqual(stats.placement_summary([])["copies_per_prefix"], None)
         table = report.placement_table([{"system": "x", "placement": got}, {"system": "y"}])
-        self.assertIn("| x | 3 | 1.50 | 2 | 2/3 |", table)
+        self.assertIn("| x | 3 | 1.50 | 2 | 2/3 | 0 (0) |", table)
         self.assertNotIn("| y |", table)
+
+    def test_placement_summary_counts_requests_queued_behind_a_prefill(self):
+        def rec(t, pod, ttft):
+            return {"arrived": t, "pod": pod, "head": f"h{t}", "head_long": f"h{t}",
+                    "cached_tokens": 0, "prompt_tokens": 100, "first_token_s": ttft}
+        records = [
+            rec(0.0, 0, 0.5),   # pod 0 prefills until 0.5
+            rec(0.1, 0, 0.6),   # behind it while pod 1 has nothing: avoidable
+            rec(0.2, 1, 0.5),   # pod 1 prefills until 0.7
+            rec(0.3, 1, 0.5),   # behind on 1, and pod 0 still busy: not avoidable
+            rec(0.8, 0, 0.1),   # both pods done (first tokens at 0.5, 0.7 and 0.7, 0.8)
+            {"arrived": 0.85, "pod": 0, "head": "f", "head_long": "f",
+             "cached_tokens": 0, "prompt_tokens": 100},  # behind, pod 1 free; failed: adds none
+            rec(0.86, 0, 0.1),  # behind the one at 0.8 only, pod 1 free: avoidable
+        ]
+        got = stats.placement_summary(records)
+        self.assertEqual(got["behind_prefill"], 4)
+        self.assertEqual(got["behind_prefill_avoidable"], 3)
 
     def test_stage_row_reads_the_stage_report(self):
         lat = lambda m, p90: {"mean": m, "median": m, "p90": p90, "p99": p90}  # noqa: E731

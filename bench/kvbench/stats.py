@@ -116,6 +116,10 @@ def placement_summary(records, key="head"):
     - prefix_moves: requests served on another pod than their prefix's previous request.
     - repeat_misses: requests whose prefix was served before, that still found less than half
       of their prompt cached (a prefix that was evicted, or sent where it was not held).
+    - behind_prefill: requests that arrived at a pod where another request had not reached its
+      first token yet (they queued behind a prefill); behind_prefill_avoidable: of those, the
+      ones that arrived while some pod of the run had no request before its first token
+      (a placement that queued where it need not have).
     """
     records = sorted(records, key=lambda r: r["arrived"])
     pods, last, moves, repeat_misses, repeats = {}, {}, 0, 0, 0
@@ -129,6 +133,7 @@ def placement_summary(records, key="head"):
                 repeat_misses += 1
         last[prefix] = r["pod"]
         pods.setdefault(prefix, set()).add(r["pod"])
+    behind, avoidable = _behind_prefill(records)
     counts = {p: 0 for p in pods}
     for r in records:
         counts[r[key]] += 1
@@ -139,7 +144,29 @@ def placement_summary(records, key="head"):
         "prefix_moves": moves,
         "repeat_requests": repeats,
         "repeat_misses": repeat_misses,
+        "behind_prefill": behind,
+        "behind_prefill_avoidable": avoidable,
     }
+
+
+def _behind_prefill(records):
+    """(requests queued behind another's prefill on their pod, of which avoidable), over
+    records sorted by arrival; records without `first_token_s` (failed) count as done."""
+    fleet = {r["pod"] for r in records}
+    pending = {}  # pod -> first-token instants of its requests still prefilling
+    behind = avoidable = 0
+    for r in records:
+        at = r["arrived"]
+        for pod in pending:
+            pending[pod] = [t for t in pending[pod] if t > at]
+        if pending.get(r["pod"]):
+            behind += 1
+            if any(not pending.get(pod) for pod in fleet):
+                avoidable += 1
+        ttft = r.get("first_token_s")
+        if ttft is not None:
+            pending.setdefault(r["pod"], []).append(at + ttft)
+    return behind, avoidable
 
 
 def counters_delta(after, before):

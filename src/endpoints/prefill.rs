@@ -17,6 +17,15 @@
 //! ms_per_decode × in_flight` — what one more request in the batch costs every other one, per
 //! token. With the mean chunks per response it prices a placement's decode load.
 //!
+//! NOTE: the gaps include the steps in which other requests prefilled, and a pod with more
+//! requests in flight gets more of those, so the slope is a load-interference cost rather
+//! than the engine's per-sequence step cost: ~10 ms per request on the simulator whose step
+//! costs 1.2 ms per decoding sequence (session 12, no-sharing control). Learning only the
+//! gaps no prefill of kvpick's overlapped recovers 1.2 ms, and was tried: with full caches at
+//! 18 req/s kvpick's mean TTFT went 439 → 597 ms (smg 604 → 365 in the same two runs), as
+//! `coldDecodeWeight` stopped spreading new prefixes, and the no-sharing control did not
+//! improve; so the prefill stalls stay in the fit (docs/benchmarks.md, session 12).
+//!
 //! Concurrency: the backlog is two atomics; the fit is a small mutex taken once per pick (to
 //! read), once per response chunk and once per response end (to update), never across an
 //! `.await`.
