@@ -236,26 +236,30 @@ async fn combine(
             .is_none_or(|rx| *rx.borrow_and_update());
         let stale_at = health.failing_since.map(|since| since + inputs.stale_after);
         let stale = stale_at.is_some_and(|at| tokio::time::Instant::now() >= at);
-        if stale != policy_stale {
-            policy_stale = stale;
-            if stale {
-                tracing::warn!(failing_for = ?health.failing_since.map(|s| s.elapsed()), "objective/rewrite watches failing for longer than --discovery-stale-after; readiness off");
-                inputs
-                    .metrics
-                    .not_ready
-                    .with_label_values(&[NotReady::Stale.label()])
-                    .inc();
-            } else {
-                tracing::info!("objective/rewrite watches answer again");
-            }
-        }
-        let now = match *inputs.discovery.borrow_and_update() {
+        let discovery = *inputs.discovery.borrow_and_update();
+        let now = match discovery {
             Err(reason) => Err(reason),
             Ok(()) if !health.synced => Err(NotReady::Syncing),
             Ok(()) if stale => Err(NotReady::Stale),
             Ok(()) if !leader => Err(NotReady::NotLeader),
             Ok(()) => Ok(()),
         };
+        // Logged and counted here only when the policy watches are the reason (discovery
+        // logs and counts its own, e.g. the whole API being down).
+        let stale_by_policy = stale && discovery.is_ok();
+        if stale_by_policy != policy_stale {
+            policy_stale = stale_by_policy;
+            if stale_by_policy {
+                tracing::warn!(failing_for = ?health.failing_since.map(|s| s.elapsed()), "objective/rewrite watches failing for longer than --discovery-stale-after; readiness off");
+                inputs
+                    .metrics
+                    .not_ready
+                    .with_label_values(&[NotReady::Stale.label()])
+                    .inc();
+            } else if !stale {
+                tracing::info!("objective/rewrite watches answer again");
+            }
+        }
         out.send_if_modified(|before| std::mem::replace(before, now) != now);
         let until_stale = async {
             match stale_at.filter(|_| !stale) {

@@ -12,8 +12,9 @@ pub enum ResponseBodyMode {
     /// `FULL_DUPLEX_STREAMED` (GIE's): Envoy keeps no copy; every chunk is sent back.
     #[default]
     FullDuplex,
-    /// `STREAMED`: Envoy holds each chunk until its answer; an unchanged chunk needs no
-    /// bytes back, and Envoy still has it should kvpick die mid-response.
+    /// `STREAMED`: Envoy holds each chunk until its answer, so an unchanged chunk needs no
+    /// bytes back. (It does not let Envoy fail open when kvpick dies mid-response: measured,
+    /// deploy/envoy/envoy.yaml.)
     Streamed,
 }
 
