@@ -1,6 +1,8 @@
 //! The response path: pass chunks through, putting the client's model name back when the
 //! request's model was rewritten.
 
+use bytes::Bytes;
+
 use super::mutations;
 use crate::request::ResponseModelRewriter;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
@@ -55,26 +57,44 @@ impl ResponseBody {
         !matches!(self, Self::PassThrough)
     }
 
-    /// Handles one response chunk and returns the replies to send.
+    /// Handles one response chunk and returns the replies to send, in the gateway's mode.
     pub fn on_chunk(
         &mut self,
         chunk: Vec<u8>,
         end_of_stream: bool,
         mode: ResponseBodyMode,
     ) -> Vec<ProcessingResponse> {
-        if mode == ResponseBodyMode::Streamed {
-            return vec![mutations::response_body_streamed_mode(
-                self.replacement(chunk, end_of_stream),
-            )];
-        }
-        match self {
-            Self::PassThrough => vec![mutations::response_body_chunk(chunk, end_of_stream)],
-            Self::Sse(rewriter) => {
-                let mut out = rewriter.push(&chunk).to_vec();
-                if end_of_stream {
-                    out.extend_from_slice(&rewriter.finish());
-                }
+        let rewritten = self.rewrite(&chunk, end_of_stream);
+        match (mode, rewritten) {
+            (ResponseBodyMode::FullDuplex, None) => {
+                vec![mutations::response_body_chunk(chunk, end_of_stream)]
+            }
+            (ResponseBodyMode::FullDuplex, Some(out)) => {
                 mutations::response_body_chunks(&out, end_of_stream)
+            }
+            // One answer per chunk; a replacement equal to the chunk is none (Envoy
+            // forwards the chunk it holds, and no bytes come back).
+            (ResponseBodyMode::Streamed, out) => vec![mutations::response_body_streamed_mode(
+                out.filter(|out| out[..] != chunk[..])
+                    .map(|out| out.to_vec()),
+            )],
+        }
+    }
+
+    /// The bytes that replace `chunk` (`None`: it passes unchanged). Bytes held back (a JSON
+    /// answer until it is complete, an SSE line until its end) are answered with fewer bytes
+    /// now and sent with a later chunk.
+    fn rewrite(&mut self, chunk: &[u8], end_of_stream: bool) -> Option<Bytes> {
+        match self {
+            Self::PassThrough => None,
+            Self::Sse(rewriter) => {
+                let out = rewriter.push(chunk);
+                if !end_of_stream {
+                    return Some(out);
+                }
+                let mut out = out.to_vec();
+                out.extend_from_slice(&rewriter.finish());
+                Some(out.into())
             }
             Self::Json {
                 rewriter,
@@ -84,52 +104,17 @@ impl ResponseBody {
                 if held.len() + chunk.len() > *limit {
                     // NOTE: a response too large to hold is forwarded unchanged.
                     let mut out = std::mem::take(held);
-                    out.extend_from_slice(&chunk);
+                    out.extend_from_slice(chunk);
                     *self = Self::PassThrough;
-                    return mutations::response_body_chunks(&out, end_of_stream);
+                    return Some(out.into());
                 }
-                held.extend_from_slice(&chunk);
+                held.extend_from_slice(chunk);
                 if end_of_stream {
                     let out = rewriter.rewrite_json(held);
                     held.clear();
-                    mutations::response_body_chunks(&out, true)
-                } else {
-                    vec![mutations::response_body_chunk(Vec::new(), false)]
-                }
-            }
-        }
-    }
-
-    /// In `STREAMED` mode: what replaces the chunk (`None`: it passes unchanged). One answer
-    /// per chunk, so held bytes are answered with an empty chunk and sent later.
-    fn replacement(&mut self, chunk: Vec<u8>, end_of_stream: bool) -> Option<Vec<u8>> {
-        match self {
-            Self::PassThrough => None,
-            Self::Sse(rewriter) => {
-                let mut out = rewriter.push(&chunk).to_vec();
-                if end_of_stream {
-                    out.extend_from_slice(&rewriter.finish());
-                }
-                (out != chunk).then_some(out)
-            }
-            Self::Json {
-                rewriter,
-                held,
-                limit,
-            } => {
-                if held.len() + chunk.len() > *limit {
-                    let mut out = std::mem::take(held);
-                    out.extend_from_slice(&chunk);
-                    *self = Self::PassThrough;
-                    return Some(out);
-                }
-                held.extend_from_slice(&chunk);
-                if end_of_stream {
-                    let out = rewriter.rewrite_json(held).to_vec();
-                    held.clear();
                     Some(out)
                 } else {
-                    Some(Vec::new())
+                    Some(Bytes::new())
                 }
             }
         }

@@ -806,30 +806,46 @@ fn streamed_mode_answer(reply: &ProcessingResponse) -> Option<Vec<u8>> {
     }
 }
 
-#[tokio::test]
-async fn a_gateway_in_streamed_response_mode_gets_chunk_answers_without_the_bytes_back() {
+/// Opens a stream whose first message declares STREAMED response bodies (as Envoy's
+/// `protocol_config` does), sends a POST with `rewrite` as the model-rewrite header and
+/// `request_body`, takes the pick and the forwarded body, then sends the response headers;
+/// returns the stream and the headers the reply to them removed.
+async fn streamed_mode_stream(
+    h: &mut Harness,
+    rewrite: Option<&str>,
+    request_body: &[u8],
+) -> (Stream, Vec<String>) {
     use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
     use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
-    let streamed = ProtocolConfiguration {
-        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-        response_body_mode: BodySendMode::Streamed as i32,
-        ..Default::default()
-    };
-    let first = |request: Request| ProcessingRequest {
-        request: Some(request),
-        protocol_config: Some(streamed),
-        ..Default::default()
-    };
-    let mut h = start(Options::default()).await;
-
-    // No rewrite: each chunk is continued as Envoy holds it (nothing sent back).
+    let mut request_headers = vec![(":method", "POST"), (":path", "/v1/completions")];
+    request_headers.extend(rewrite.map(|model| ("x-gateway-model-name-rewrite", model)));
     let mut s = h.open().await;
-    s.tx.send(first(post_headers())).await.expect("send");
-    s.send(body(BODY, true)).await;
+    s.tx.send(ProcessingRequest {
+        request: Some(headers(&request_headers, false)),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+            response_body_mode: BodySendMode::Streamed as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    s.send(body(request_body, true)).await;
     decision(&s.recv().await);
     streamed_body(&s.recv().await);
     s.send(response_headers()).await;
-    assert!(removed_response_headers(&s.recv().await).is_empty());
+    let removed = removed_response_headers(&s.recv().await);
+    (s, removed)
+}
+
+#[tokio::test]
+async fn a_gateway_in_streamed_response_mode_gets_chunk_answers_without_the_bytes_back() {
+    let mut h = start(Options::default()).await;
+
+    // No rewrite: each chunk is continued as Envoy holds it (nothing sent back).
+    let (mut s, removed) = streamed_mode_stream(&mut h, None, BODY).await;
+    assert!(removed.is_empty());
     for (chunk, last) in [
         (&b"data: a\n\n"[..], false),
         (&b"data: [DONE]\n\n"[..], true),
@@ -839,25 +855,9 @@ async fn a_gateway_in_streamed_response_mode_gets_chunk_answers_without_the_byte
     }
 
     // A rewritten model in a JSON answer: held (empty replacements), restored at the end.
-    let mut s = h.open().await;
-    s.tx.send(first(headers(
-        &[
-            (":path", "/v1/completions"),
-            ("x-gateway-model-name-rewrite", "served-model-v2"),
-        ],
-        false,
-    )))
-    .await
-    .expect("send");
-    s.send(body(br#"{"prompt": "p", "model": "alias"}"#, true))
-        .await;
-    decision(&s.recv().await);
-    streamed_body(&s.recv().await);
-    s.send(response_headers()).await;
-    assert_eq!(
-        removed_response_headers(&s.recv().await),
-        ["content-length"]
-    );
+    let request = br#"{"prompt": "p", "model": "alias"}"#;
+    let (mut s, removed) = streamed_mode_stream(&mut h, Some("served-model-v2"), request).await;
+    assert_eq!(removed, ["content-length"]);
     let answer = br#"{"id":"x","model":"served-model-v2","choices":[]}"#;
     s.send(response_body(&answer[..20], false)).await;
     assert_eq!(
@@ -872,25 +872,9 @@ async fn a_gateway_in_streamed_response_mode_gets_chunk_answers_without_the_byte
     );
 
     // SSE: each chunk answered with its rewritten complete lines.
-    let mut s = h.open().await;
-    s.tx.send(first(headers(
-        &[
-            (":path", "/v1/completions"),
-            ("x-gateway-model-name-rewrite", "target"),
-        ],
-        false,
-    )))
-    .await
-    .expect("send");
-    s.send(body(
-        br#"{"prompt": "p", "model": "alias", "stream": true}"#,
-        true,
-    ))
-    .await;
-    decision(&s.recv().await);
-    streamed_body(&s.recv().await);
-    s.send(response_headers()).await;
-    s.recv().await;
+    let request = br#"{"prompt": "p", "model": "alias", "stream": true}"#;
+    let (mut s, removed) = streamed_mode_stream(&mut h, Some("target"), request).await;
+    assert_eq!(removed, ["content-length"]);
     let sse = b"data: {\"model\":\"target\",\"x\":1}\n\ndata: [DONE]\n\n";
     let mut out = Vec::new();
     for (i, piece) in sse.chunks(9).enumerate() {
