@@ -78,6 +78,15 @@ struct State {
     failing_resources: std::collections::HashSet<String>,
 }
 
+/// Puts `resource` in `set` or takes it out.
+fn set_member(set: &mut std::collections::HashSet<String>, resource: &str, member: bool) {
+    if member {
+        set.insert(resource.to_owned());
+    } else {
+        set.remove(resource);
+    }
+}
+
 /// The fake API server.
 pub struct FakeKube {
     pub addr: SocketAddr,
@@ -236,12 +245,11 @@ impl FakeKube {
 
     /// Makes `resource` answer 404 as an uninstalled CRD does (or serves it again).
     pub fn set_missing(&self, resource: &str, missing: bool) {
-        let mut state = self.state.lock().expect("lock");
-        if missing {
-            state.missing.insert(resource.to_owned());
-        } else {
-            state.missing.remove(resource);
-        }
+        set_member(
+            &mut self.state.lock().expect("lock").missing,
+            resource,
+            missing,
+        );
     }
 
     /// Makes the server answer 500 to every list and watch (or stops doing so).
@@ -252,12 +260,11 @@ impl FakeKube {
     /// Makes one resource answer 500 to lists and watches (or stops doing so); open
     /// watches stay open until [`FakeKube::end_watches`].
     pub fn set_resource_failing(&self, resource: &str, failing: bool) {
-        let mut state = self.state.lock().expect("lock");
-        if failing {
-            state.failing_resources.insert(resource.to_owned());
-        } else {
-            state.failing_resources.remove(resource);
-        }
+        set_member(
+            &mut self.state.lock().expect("lock").failing_resources,
+            resource,
+            failing,
+        );
     }
 
     /// Ends every open watch (clients resume from their last resourceVersion).

@@ -20,7 +20,7 @@ use std::future::poll_fn;
 use std::task::Poll;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
@@ -33,7 +33,7 @@ use super::policy::{
     ApiRewrite, Invalid, PolicyGroup, PolicyKind, PoolRef, merge_objectives, merge_rewrites,
     parse_objective, parse_rewrite,
 };
-use super::watch::{WatchStream, tick_interval, watch};
+use super::watch::{WatchStream, answers, next_of, tick_interval, watch};
 use crate::live::Live;
 use crate::request::ModelRewriteRules;
 
@@ -328,7 +328,7 @@ pub async fn run_policy(parts: std::sync::Arc<PolicyParts>, cancel: Cancellation
     }
     let mut store = Store::default();
     let mut turn = 0;
-    let mut probe: Option<futures::future::BoxFuture<'static, Vec<(usize, bool)>>> = None;
+    let mut probe: Option<futures::stream::BoxStream<'static, Vec<(usize, bool)>>> = None;
     let mut tick = tokio::time::interval(tick_interval(parts.stale_after));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -348,9 +348,9 @@ pub async fn run_policy(parts: std::sync::Arc<PolicyParts>, cancel: Cancellation
                 }
                 false
             }
-            answers = probe_answers(&mut probe) => {
+            answered = next_of(&mut probe) => {
                 probe = None;
-                for (i, answered) in answers {
+                for (i, answered) in answered.unwrap_or_default() {
                     if let Some(resource) = resources.get_mut(i).filter(|r| answered && r.failing_since.is_some()) {
                         tracing::info!(kind = resource.kind.kind(), group = resource.group.group(), "watch answers again");
                         resource.failing_since = None;
@@ -400,38 +400,18 @@ pub async fn run_policy(parts: std::sync::Arc<PolicyParts>, cancel: Cancellation
 /// is failing.
 fn probe_failing(
     resources: &[Resource],
-) -> Option<futures::future::BoxFuture<'static, Vec<(usize, bool)>>> {
+) -> Option<futures::stream::BoxStream<'static, Vec<(usize, bool)>>> {
     let lists: Vec<_> = resources
         .iter()
         .enumerate()
         .filter(|(_, r)| r.failing_since.is_some())
         .map(|(i, r)| {
             let api = r.api.clone();
-            async move {
-                let params = kube::api::ListParams::default().limit(1);
-                // NOTE: kube's client retries 429/503 itself; the timeout bounds the attempt.
-                let answered = tokio::time::timeout(PROBE_TIMEOUT, api.list(&params))
-                    .await
-                    .is_ok_and(|r| r.is_ok());
-                (i, answered)
-            }
+            async move { (i, answers(&api, &kube::api::ListParams::default()).await) }
         })
         .collect();
-    (!lists.is_empty()).then(|| futures::future::join_all(lists).boxed())
+    (!lists.is_empty()).then(|| futures::stream::once(futures::future::join_all(lists)).boxed())
 }
-
-/// The answers of the running probe; pending forever without one.
-async fn probe_answers(
-    probe: &mut Option<futures::future::BoxFuture<'static, Vec<(usize, bool)>>>,
-) -> Vec<(usize, bool)> {
-    match probe {
-        Some(probe) => probe.await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Longest a probe may take.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn on_event(
     parts: &PolicyParts,

@@ -115,7 +115,7 @@ where
 }
 
 /// The next item of an optional stream; pending forever without one.
-async fn next_of<T>(stream: &mut Option<BoxStream<'static, T>>) -> Option<T> {
+pub(super) async fn next_of<T>(stream: &mut Option<BoxStream<'static, T>>) -> Option<T> {
     match stream {
         Some(stream) => stream.next().await,
         None => std::future::pending().await,
@@ -413,7 +413,7 @@ impl Run<'_> {
         // Forget logged problems of pods that are gone, so the set stays bounded.
         let selector_key = selector_problem(spec);
         self.logged.retain(|key| {
-            *key == selector_key
+            key == &selector_key
                 || key
                     .0
                     .rsplit_once('/')
@@ -433,13 +433,13 @@ impl Run<'_> {
             // rollout whose new pods are not ready yet than a wish to stop serving, so the
             // last endpoints stay (their liveness still comes from scrapes and KV events)
             // until a pod matches. Pods of an unchanged selector leaving still empty the pool.
-            if !self.logged.contains(&selector_problem(spec)) {
+            if !self.logged.contains(&selector_key) {
                 tracing::warn!(pool = %self.pool_name(), field = "spec.selector", selector = %spec.label_selector(), kept = previous.len(), "the pool's edited selector matches no ready pod; keeping the last endpoints until one does");
                 metrics
                     .invalid
                     .with_label_values(&["InferencePool", "spec.selector"])
                     .inc();
-                self.logged.insert(selector_problem(spec));
+                self.logged.insert(selector_key);
             }
             self.published = Some(previous);
             return;
@@ -492,21 +492,23 @@ async fn probe_api(
     pods: Api<Pod>,
     selector: String,
 ) -> bool {
-    // NOTE: kube's client retries 429/503 itself; the timeout bounds the whole attempt.
     match pool {
-        Some((api, fields)) => {
-            let params = ListParams::default().fields(&fields).limit(1);
-            tokio::time::timeout(PROBE_TIMEOUT, api.list(&params))
-                .await
-                .is_ok_and(|r| r.is_ok())
-        }
-        None => {
-            let params = ListParams::default().labels(&selector).limit(1);
-            tokio::time::timeout(PROBE_TIMEOUT, pods.list(&params))
-                .await
-                .is_ok_and(|r| r.is_ok())
-        }
+        Some((api, fields)) => answers(&api, &ListParams::default().fields(&fields)).await,
+        None => answers(&pods, &ListParams::default().labels(&selector)).await,
     }
+}
+
+/// Whether a list of `api` with `params` (limited to one object) succeeds within
+/// [`PROBE_TIMEOUT`]: the probe of a failing watch (see the module docs).
+pub(super) async fn answers<K>(api: &Api<K>, params: &ListParams) -> bool
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    // NOTE: kube's client retries 429/503 itself; the timeout bounds the whole attempt.
+    let params = params.clone().limit(1);
+    tokio::time::timeout(PROBE_TIMEOUT, api.list(&params))
+        .await
+        .is_ok_and(|r| r.is_ok())
 }
 
 #[cfg(test)]
