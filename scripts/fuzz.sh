@@ -4,6 +4,8 @@
 # frames, topics) gets two thirds of the time, `decode_zmtp` (the ZMTP codec under every
 # KV-event connection) one third.
 # Usage: scripts/fuzz.sh [SECONDS]   (default 60, in all)
+#        scripts/fuzz.sh --prepare   (installs what is missing and builds the targets, no
+#                                     fuzzing: scripts/test.sh runs it beside its build)
 #
 # Exits non-zero when the fuzzer finds a crash (panic, sanitizer report, OOM, slow input); the
 # reproducer is saved under fuzz/artifacts/<target>/ and its path printed ("Failing
@@ -17,6 +19,11 @@
 # It builds only crates/kvevents-wire, never kvpick (tonic, tokenizers, … would take 5+ min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+prepare=0
+if [ "${1:-}" = --prepare ]; then
+  prepare=1
+  shift
+fi
 seconds="${1:-60}"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/kvpick"
 # Fixed dirs outside the clone: CI works in a fresh clone each run, so a target dir inside it
@@ -32,6 +39,12 @@ fi
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   echo "fuzz: installing cargo-fuzz" >&2
   cargo install --locked cargo-fuzz
+fi
+if [ "$prepare" = 1 ]; then
+  for target in decode_payload decode_zmtp; do
+    cargo +nightly fuzz build --debug-assertions --target-dir "$target_dir" "$target"
+  done
+  exit 0
 fi
 zmtp_seconds=$(( seconds / 3 ))
 payload_seconds=$(( seconds - zmtp_seconds ))

@@ -40,5 +40,7 @@ for pin in sys.argv[1:]:
 PY
 then
   echo "setup-bench-venv: installing ${PINS[*]} into .venv-bench" >&2
-  .venv-bench/bin/pip install --quiet --disable-pip-version-check "${PINS[@]}"
+  # NOTE: --no-compile: byte-compiling every module of transformers, pandas, pyarrow… took
+  # about a minute of the install; Python compiles (and caches) the few it imports instead.
+  .venv-bench/bin/pip install --quiet --disable-pip-version-check --no-compile "${PINS[@]}"
 fi

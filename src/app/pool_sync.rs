@@ -81,13 +81,9 @@ async fn sync(
     kv_events: &KvEventsManager,
     scrapers: &mut ScrapeManager,
 ) -> Vec<Endpoint> {
-    let endpoints: Vec<Endpoint> = pool
-        .borrow()
-        .endpoints
-        .iter()
-        .map(|e| e.endpoint.clone())
-        .collect();
-    scrapers.sync(&endpoints);
+    let states = pool.borrow().endpoints.clone();
+    let endpoints: Vec<Endpoint> = states.iter().map(|e| e.endpoint.clone()).collect();
+    scrapers.sync(&states);
     kv_events.sync(&endpoints).await;
     endpoints
 }

@@ -230,6 +230,11 @@ impl PrefillLoad {
         self.fit.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// kvpick's requests there awaiting their first byte, now.
+    pub fn awaiting(&self) -> u64 {
+        self.awaiting.load(Ordering::Relaxed)
+    }
+
     /// The endpoint's state at `now`.
     pub fn view(&self, now: Instant) -> PrefillView {
         let fit = self.lock();

@@ -6,7 +6,8 @@
 //! ```text
 //! work        = backlog + foreign + uncached
 //!   backlog   = uncached tokens of kvpick's requests there awaiting their first byte
-//!   foreign   = requests the engine says wait beyond kvpick's own × their mean size
+//!   foreign   = requests the engine said wait beyond kvpick's own at that scrape × their
+//!               mean size
 //!   uncached  = prompt tokens − tokens it holds of this prompt (events, speculative records)
 //! ttft        = base + ms_per_token × work               (the pod's own fitted line)
 //! displacement= max(0, uncached blocks − free blocks) × block tokens × ms_per_token × w
@@ -103,6 +104,11 @@ pub struct PlacementParams {
     // decode batches grew: measured A/B in two rounds (docs/benchmarks.md, session 10), 1.0
     // against 0 was 0.61–0.67× the mean TTFT with full caches at 18 req/s, 0.87–0.93× with a
     // shifting popularity, level to 0.93× on heterogeneous pods, 1.09× then 0.96× roomy.
+    // NOTE: where nothing is shared it trades first-token for whole-request latency: on the
+    // no-sharing control TTFT 1.08–1.12× round robin's, ITL 0.94–0.97×, end-to-end p90
+    // 0.91–0.95×; at 0, round robin's on all three. Scaling it down by the fleet's reuse
+    // traded the other way (TTFT 1.03–1.07×, ITL and end-to-end 1.02–1.04×, one pod with
+    // 24–26 of 160 requests) and was not kept (docs/benchmarks.md, session 13).
     pub cold_decode_weight: f64,
     /// Cost divisor for the pod a returning prefix was last routed to, when it covers the
     /// whole prompt (default 1.25, as `hold_bias`; 1.0: a returning prefix is placed as new).
@@ -177,7 +183,7 @@ pub fn queued_work_tokens(pod: &PodView, fallback_request_tokens: f64) -> f64 {
     let foreign_requests = pod
         .metrics
         .as_ref()
-        .map_or(0.0, |m| (m.waiting - pod.prefill.awaiting).max(0.0));
+        .map_or(0.0, |m| (m.waiting - m.own_awaiting).max(0.0));
     let size = if pod.prefill.mean_uncached_tokens > 0.0 {
         pod.prefill.mean_uncached_tokens
     } else {
@@ -393,10 +399,13 @@ fn explain(cycle: &Cycle<'_>, costs: &[PlacementCost]) {
     let mut text = String::new();
     for (i, (pod, cost)) in cycle.pods.iter().zip(costs).enumerate() {
         let cached = cycle.prefix_hit(i).cached_tokens;
-        let waiting = pod.metrics.as_ref().map_or(0.0, |m| m.waiting);
+        let (waiting, own) = pod
+            .metrics
+            .as_ref()
+            .map_or((0.0, 0.0), |m| (m.waiting, m.own_awaiting));
         let _ = write!(
             text,
-            "{} cost={:.0} ttft={:.0} decode={:.0} evict={:.0} cached={cached:.0} backlog={:.0} awaiting={:.0} waiting={waiting:.0} in_flight={}; ",
+            "{} cost={:.0} ttft={:.0} decode={:.0} evict={:.0} cached={cached:.0} backlog={:.0} awaiting={:.0} waiting={waiting:.0} (own {own:.0}) in_flight={}; ",
             pod.id,
             cost.cost_ms,
             cost.ttft_ms,
@@ -888,6 +897,24 @@ mod tests {
             best, 1,
             "3,000 tokens of foreign work outweigh 1,100 cached"
         );
+    }
+
+    #[test]
+    fn own_requests_waiting_at_the_scrape_are_not_foreign_after_their_first_byte() {
+        // At the last scrape the engine had 6 waiting, all kvpick's; they have all had their
+        // first byte since (kvpick's backlog there is empty). Pod 0 holds half the prompt.
+        let mut scraped = pod(0, 10_000, 0, 0.0, 0.0);
+        if let Some(m) = scraped.metrics.as_mut() {
+            let m = std::sync::Arc::make_mut(m);
+            m.waiting = 6.0;
+            m.own_awaiting = 6.0;
+        }
+        let (best, _) = winner(
+            vec![scraped, pod(1, 10_000, 0, 0.0, 0.0)],
+            &[1100.0, 0.0],
+            2200.0,
+        );
+        assert_eq!(best, 0, "no phantom foreign work: the holder wins");
     }
 
     #[test]

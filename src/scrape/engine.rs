@@ -59,6 +59,11 @@ pub struct PodMetrics {
     pub num_blocks: Option<u64>,
     /// LoRA state (vLLM with LoRA enabled).
     pub lora: Option<LoraState>,
+    /// kvpick's own requests to the pod that awaited their first byte when this scrape was
+    /// taken (set by the scraper, not read from the engine): what of `waiting` was kvpick's
+    /// at the same moment. Compared with the count at pick time instead, every request of
+    /// kvpick's that got its first byte since the scrape would read as a foreign one waiting.
+    pub own_awaiting: f64,
 }
 
 /// The engine's metrics lack a signal scheduling needs.
@@ -143,6 +148,7 @@ impl EngineKind {
             block_size,
             num_blocks,
             lora: (self == Self::Vllm).then(|| lora_state(samples)).flatten(),
+            own_awaiting: 0.0,
         })
     }
 

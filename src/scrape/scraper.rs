@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::{EngineKind, PodMetrics};
 use super::prom_text;
-use crate::endpoints::{ENGINE_TYPE_LABEL, Endpoint, PodId};
+use crate::endpoints::{ENGINE_TYPE_LABEL, Endpoint, EndpointState, PodId, PrefillLoad};
 
 /// Scrape timing and limits.
 #[derive(Debug, Clone)]
@@ -348,6 +348,7 @@ fn request_error(error: &hyper_util::client::legacy::Error) -> ScrapeError {
 async fn scrape_loop(
     pod: PodId,
     engine: EngineKind,
+    own_load: Arc<PrefillLoad>,
     context: ScrapeContext,
     registration: Registration,
     cancel: CancellationToken,
@@ -371,6 +372,7 @@ async fn scrape_loop(
             _ = ticker.tick() => {}
         }
         let started = Instant::now();
+        let awaiting_before = own_load.awaiting();
         let result = tokio::select! {
             _ = cancel.cancelled() => return,
             result = scrape_with_start_time(&client, pod, engine, &config) => result,
@@ -380,7 +382,12 @@ async fn scrape_loop(
             .with_label_values(&[&label])
             .observe(started.elapsed().as_secs_f64());
         match result {
-            Ok((pod_metrics, started_at)) => {
+            Ok((mut pod_metrics, started_at)) => {
+                // The engine counted its queue somewhere inside the round trip; of kvpick's
+                // requests, those that got their first byte meanwhile may still be in it, and
+                // those routed meanwhile may not be yet. The larger count errs towards less
+                // foreign work, which is the harmless side: kvpick's own is counted exactly.
+                pod_metrics.own_awaiting = awaiting_before.max(own_load.awaiting()) as f64;
                 let recovered = state.last_error.is_some();
                 if recovered {
                     tracing::info!(%pod, "metrics scrape recovered");
@@ -465,18 +472,20 @@ impl ScrapeManager {
     }
 
     /// Starts tasks for new endpoints and stops those of endpoints that left.
-    pub fn sync(&mut self, endpoints: &[Endpoint]) {
-        let wanted: HashMap<PodId, EngineKind> =
-            endpoints.iter().map(|e| (e.id, engine_of(e))).collect();
+    pub fn sync(&mut self, endpoints: &[Arc<EndpointState>]) {
+        let wanted: HashMap<PodId, (EngineKind, &Arc<PrefillLoad>)> = endpoints
+            .iter()
+            .map(|e| (e.id(), (engine_of(&e.endpoint), &e.prefill)))
+            .collect();
         self.tasks.retain(|pod, (engine, cancel)| {
-            let keep = wanted.get(pod) == Some(engine);
+            let keep = wanted.get(pod).is_some_and(|(wanted, _)| wanted == engine);
             if !keep {
                 cancel.cancel();
                 self.store.remove(*pod);
             }
             keep
         });
-        for (pod, engine) in wanted {
+        for (pod, (engine, own_load)) in wanted {
             if self.tasks.contains_key(&pod) {
                 continue;
             }
@@ -492,6 +501,7 @@ impl ScrapeManager {
             tokio::spawn(scrape_loop(
                 pod,
                 engine,
+                Arc::clone(own_load),
                 context,
                 registration,
                 cancel.clone(),
@@ -546,6 +556,88 @@ mod tests {
             .expect_err("no answer");
         assert_eq!(error, ScrapeError::Timeout);
         drop(silent);
+    }
+
+    /// A pod whose every `GET` is answered with the real vLLM metrics fixture (one request
+    /// per connection).
+    async fn metrics_pod() -> std::net::SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let body = std::fs::read(
+            crate::test_paths::fixtures().join("vllm-0.32-kv-events/metrics-load.txt"),
+        )
+        .expect("fixture");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = socket.write_all(head.as_bytes()).await;
+                    let _ = socket.write_all(&body).await;
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn each_scrape_records_how_many_of_kvpicks_requests_awaited_their_first_byte() {
+        let addr = metrics_pod().await;
+        let pod = PodId(addr);
+        let state = Arc::new(EndpointState {
+            endpoint: Endpoint::new(pod),
+            in_flight: Arc::default(),
+            prefill: Arc::default(),
+            liveness: Arc::default(),
+        });
+        let awaiting: Vec<_> = (0..3)
+            .map(|_| state.prefill.start(100.0, 0.0, None, Instant::now()))
+            .collect();
+        let store = Arc::new(MetricsStore::default());
+        let cancel = CancellationToken::new();
+        let config = ScrapeConfig {
+            interval: Duration::from_millis(10),
+            ..ScrapeConfig::default()
+        };
+        let metrics = ScrapeMetrics::new(&Registry::new()).expect("metrics");
+        let mut manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
+        manager.sync(&[state]);
+        let scraped_own = |want: f64| {
+            let store = Arc::clone(&store);
+            async move {
+                loop {
+                    let own = store.status(pod).metrics.as_ref().map(|m| m.own_awaiting);
+                    if own == Some(want) {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        let within = Duration::from_secs(10);
+        tokio::time::timeout(within, scraped_own(3.0))
+            .await
+            .expect("a scrape with kvpick's 3 requests awaiting");
+        // Their first bytes arrive: the next scrapes say none of the engine's queue is kvpick's.
+        drop(awaiting);
+        tokio::time::timeout(within, scraped_own(0.0))
+            .await
+            .expect("a later scrape with none awaiting");
+        cancel.cancel();
     }
 
     #[test]
