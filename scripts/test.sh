@@ -52,12 +52,12 @@ cargo fmt --all --check
 # the benches too, built in the test profile and not run) in the one compile of the
 # dependencies the tests need, where a separate `cargo clippy` checked them all again
 # (~6 min on 2 cores). The wrapper is part of the build's fingerprint, so the run below keeps
-# it. `-D warnings` as `cargo clippy -- -D warnings` passes it.
-export RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
-RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver"
-CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+# it. `-D warnings` as `cargo clippy -- -D warnings` passes it. Only these two cargo commands
+# get the wrapper: the fuzzer's nightly build must not run a stable clippy-driver.
+with_clippy=(env "RUSTC_WORKSPACE_WRAPPER=$(rustc --print sysroot)/bin/clippy-driver"
+  "CLIPPY_ARGS=-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__")
 phase build and clippy
-cargo test --workspace --all-targets --locked --no-run
+"${with_clippy[@]}" cargo test --workspace --all-targets --locked --no-run
 phase waiting for setup
 setup_status=0
 wait "$setup_pid" || setup_status=$?
@@ -70,7 +70,7 @@ if [ "$setup_status" -ne 0 ]; then
 fi
 scripts/lint-dockerfile.sh
 phase nextest
-cargo nextest run --workspace --locked --no-fail-fast "$@"
+"${with_clippy[@]}" cargo nextest run --workspace --locked --no-fail-fast "$@"
 # The heavier conformance run against two real vLLM CPU engines (README "Conformance against
 # real vLLM"): only when asked, since its first run downloads ≈2.4 GB.
 if [ "${KVPICK_VLLM_E2E:-0}" = 1 ]; then
