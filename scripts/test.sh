@@ -50,8 +50,9 @@ cargo fmt --all --check
 # is `cargo check` with clippy-driver as the workspace's rustc wrapper and its arguments in
 # CLIPPY_ARGS, and the same wrapper on the test build lints every target (--all-targets:
 # the benches too, built in the test profile and not run) in the one compile of the
-# dependencies the tests need, where a separate `cargo clippy` checked them all again
-# (~6 min on 2 cores). The wrapper is part of the build's fingerprint, so the run below keeps
+# dependencies the tests need, where a separate `cargo clippy` checked them all again (its
+# phase took 6 min on a fresh machine, though less than that was saved: build scripts, their
+# C code and proc macros were shared with the build; docs/benchmarks.md). The wrapper is part of the build's fingerprint, so the run below keeps
 # it. `-D warnings` as `cargo clippy -- -D warnings` passes it. Only these two cargo commands
 # get the wrapper: the fuzzer's nightly build must not run a stable clippy-driver.
 with_clippy=(env "RUSTC_WORKSPACE_WRAPPER=$(rustc --print sysroot)/bin/clippy-driver"
