@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion};
 use kvpick::request::{self, Prompt};
-use kvpick::tokenize::{FastEncoder, PromptTokens, Tokenizers, TokenizersConfig};
+use kvpick::tokenize::{FastEncoder, MergeTable, PromptTokens, Tokenizers, TokenizersConfig};
 use serde_json::json;
 
 const SIZES: [(&str, usize); 3] = [("8KB", 8 << 10), ("100KB", 100 << 10), ("400KB", 400 << 10)];
@@ -137,6 +137,20 @@ fn cjk_text(tokenizer: &tokenizers::Tokenizer, len: usize) -> String {
         out.push_str(["", "", "", " ", "\n"][rng.usize(..5)]);
     }
     out
+}
+
+/// The text of `n` pseudo-random vocab tokens (fixed seed).
+fn random_token_text(tokenizer: &tokenizers::Tokenizer, n: usize) -> String {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let ids: Vec<u32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 151_643) as u32
+        })
+        .collect();
+    tokenizer.decode(&ids, true).expect("decode")
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -341,6 +355,45 @@ fn main() {
     g.bench_function("encode", |b| {
         b.iter(|| black_box(model.word_encoder().encode(&cjk).expect("encode").0.len()))
     });
+    g.finish();
+    // Word-cache misses: text of random vocab tokens (the no-sharing workload's prompts), every
+    // pre-token merged, by the crate's BPE or by kvpick's merge table.
+    let random = random_token_text(model.tokenizer(), 16_000);
+    let json = std::fs::read(repo().join("assets/tokenizer/tokenizer.json")).expect("read");
+    let crate_merges = FastEncoder::new(model.tokenizer())
+        .expect("fast path")
+        .with_word_cache_capacity(0);
+    let table =
+        || MergeTable::from_tokenizer_json(&json, crate_merges.byte_chars()).expect("merges");
+    let own_merges = FastEncoder::new(model.tokenizer())
+        .expect("fast path")
+        .with_word_cache_capacity(0)
+        .with_merge_table(table());
+    let mut g = c.benchmark_group("tokenize/16k-random-tokens");
+    g.throughput(criterion::Throughput::Bytes(random.len() as u64));
+    g.bench_function("crate_merges", |b| {
+        b.iter(|| {
+            black_box(
+                crate_merges
+                    .encode(model.tokenizer(), &random)
+                    .expect("encode")
+                    .0
+                    .len(),
+            )
+        })
+    });
+    g.bench_function("merge_table", |b| {
+        b.iter(|| {
+            black_box(
+                own_merges
+                    .encode(model.tokenizer(), &random)
+                    .expect("encode")
+                    .0
+                    .len(),
+            )
+        })
+    });
+    g.bench_function("build_merge_table", |b| b.iter(|| black_box(table().len())));
     g.finish();
     c.final_summary();
     println!(

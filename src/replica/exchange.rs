@@ -89,12 +89,12 @@ pub async fn run(parts: Arc<ExchangeParts>, cancel: CancellationToken) {
                 let due = !batcher.is_empty()
                     || loads != last_loads
                     || now.saturating_duration_since(last_sent) >= HEARTBEAT;
-                if due && !fanout.is_empty() {
+                if fanout.is_empty() {
+                    // Alone: nothing to tell anyone (the records are counted as dropped).
+                    fanout.send(batcher.take(&parts.own_id, Vec::new()), &parts.metrics);
+                } else if due {
                     fanout.send(batcher.take(&parts.own_id, loads.clone()), &parts.metrics);
                     (last_loads, last_sent) = (loads, now);
-                } else if fanout.is_empty() {
-                    // Alone: nothing to tell anyone.
-                    let _ = batcher.take(&parts.own_id, Vec::new());
                 }
             }
             changed = peers_rx.changed(), if peers_open => {

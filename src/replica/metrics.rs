@@ -17,7 +17,8 @@ pub struct ReplicaMetrics {
     /// batch over the bound; the excess records), `self` (a batch from this replica).
     pub dropped_batches: IntCounterVec,
     /// Records dropped, by reason: `outbox_full` (the local outbox), `queue_full`,
-    /// `oversized`, `bad_endpoint`, `unknown_endpoint`, `block_size`, `pod_gone`.
+    /// `oversized`, `bad_endpoint`, `unknown_endpoint`, `block_size`, `pod_gone`, `no_peer`
+    /// (made while this replica had no peer).
     pub dropped_records: IntCounterVec,
     /// Peers with an open exchange stream from this replica.
     pub peers_connected: IntGauge,

@@ -69,9 +69,18 @@ impl Fanout {
         self.queues.is_empty()
     }
 
-    /// Queues `batch` for every peer; a full queue drops it for that peer (counted).
+    /// Queues `batch` for every peer; a full queue drops it for that peer (counted). With no
+    /// peer at all, its records are counted as dropped (`no_peer`): a replica alone tells
+    /// nobody, and a peer that joins later never gets what was made before it.
     pub fn send(&self, batch: Batch, metrics: &ReplicaMetrics) {
         let records = batch.records.len() as u64;
+        if self.queues.is_empty() {
+            metrics
+                .dropped_records
+                .with_label_values(&["no_peer"])
+                .inc_by(records);
+            return;
+        }
         let batch = Arc::new(batch);
         for (peer, queue) in &self.queues {
             if queue.try_send(Arc::clone(&batch)).is_err() {

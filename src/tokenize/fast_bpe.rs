@@ -32,6 +32,7 @@ use tokenizers::{Model, Tokenizer};
 
 use super::bounds::MAX_PRETOKEN_BYTES;
 use super::error::TokenizeError;
+use super::merge_table::{LazyMerges, MergeTable};
 use super::unicode_pretoken;
 use super::word_cache::{self, WordCache};
 
@@ -52,6 +53,10 @@ pub struct FastEncoder {
     byte_chars: [char; 256],
     /// Ids of ASCII pre-tokens seen before.
     words: WordCache,
+    /// The model's merges, for the pre-tokens the word cache misses (else the crate's BPE):
+    /// given, or built once the crate has merged enough misses.
+    merges: Option<MergeTable>,
+    lazy_merges: Option<LazyMerges>,
     /// Longest pre-token (and run for the crate) tokenized, in bytes.
     max_pretoken: usize,
 }
@@ -103,8 +108,40 @@ impl FastEncoder {
             is_first,
             byte_chars: byte_chars(),
             words: WordCache::new(word_cache::DEFAULT_CAPACITY),
+            merges: None,
+            lazy_merges: None,
             max_pretoken: MAX_PRETOKEN_BYTES,
         })
+    }
+
+    /// The same encoder merging word-cache misses itself with `table`, which must be the
+    /// tokenizer's own (`MergeTable::from_tokenizer_json` on the file it was loaded from).
+    pub fn with_merge_table(mut self, table: MergeTable) -> Self {
+        self.merges = Some(table);
+        self
+    }
+
+    /// The same encoder merging word-cache misses itself once `lazy` has been built (it must
+    /// be the tokenizer's own file).
+    pub fn with_lazy_merges(mut self, lazy: LazyMerges) -> Self {
+        self.lazy_merges = Some(lazy);
+        self
+    }
+
+    /// Whether word-cache misses are merged here rather than by the crate (now).
+    pub fn has_merge_table(&self) -> bool {
+        self.merge_table().is_some()
+    }
+
+    fn merge_table(&self) -> Option<&MergeTable> {
+        self.merges
+            .as_ref()
+            .or_else(|| self.lazy_merges.as_ref().and_then(LazyMerges::get))
+    }
+
+    /// The byte-level alphabet (byte → the character standing for it in the vocab).
+    pub fn byte_chars(&self) -> &[char; 256] {
+        &self.byte_chars
     }
 
     /// The same encoder with another pre-token bound (tests use small ones).
@@ -302,7 +339,7 @@ impl FastEncoder {
         words: &mut Vec<(usize, usize)>,
     ) -> Result<(), TokenizeError> {
         let bytes = text.as_bytes();
-        let mut mapped = String::with_capacity(64);
+        let mut scratch = WordScratch::default();
         let mut i = 0;
         while i < bytes.len() {
             // `max` only guards progress: a pre-token is never empty.
@@ -324,36 +361,63 @@ impl FastEncoder {
             if i > 0 {
                 words.push((base + i, ids.len()));
             }
-            self.encode_word(bpe, bytes.get(i..end).unwrap_or(&[]), &mut mapped, ids)?;
+            self.encode_word(bpe, bytes.get(i..end).unwrap_or(&[]), &mut scratch, ids)?;
             i = end;
         }
         Ok(())
     }
 
-    /// Appends the ids of one pre-token (raw UTF-8 bytes): from the word cache, or from the
-    /// crate's BPE model on its byte-level mapping (then memoised).
+    /// Appends the ids of one pre-token (raw UTF-8 bytes): from the word cache, else from the
+    /// merge table (after the crate's whole-word lookup when it ignores merges for vocab
+    /// words), else from the crate's BPE model on its byte-level mapping; then memoised.
     fn encode_word(
         &self,
         bpe: &tokenizers::models::bpe::BPE,
         word: &[u8],
-        mapped: &mut String,
+        scratch: &mut WordScratch,
         ids: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
         if self.words.extend_ids(word, ids) {
             return Ok(());
         }
+        let WordScratch { mapped, pairs } = scratch;
         mapped.clear();
         for &b in word {
             mapped.push(self.byte_chars[usize::from(b)]);
         }
-        let toks = bpe
-            .tokenize(mapped)
-            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
         let first = ids.len();
-        ids.extend(toks.iter().map(|t| t.id));
+        let merged_here = match self.merge_table() {
+            Some(table) => match bpe.token_to_id(mapped).filter(|_| bpe.ignore_merges) {
+                Some(id) => {
+                    ids.push(id);
+                    true
+                }
+                None => table.encode(word, ids, pairs),
+            },
+            None => {
+                if let Some(lazy) = &self.lazy_merges {
+                    lazy.note_miss();
+                }
+                false
+            }
+        };
+        if !merged_here {
+            let toks = bpe
+                .tokenize(mapped)
+                .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+            ids.extend(toks.iter().map(|t| t.id));
+        }
         self.words.insert(word, ids.get(first..).unwrap_or(&[]));
         Ok(())
     }
+}
+
+/// Buffers one pre-token's encode reuses from the last: its byte-level mapping and the merge
+/// table's pairs.
+#[derive(Default)]
+struct WordScratch {
+    mapped: String,
+    pairs: Vec<(u32, u32)>,
 }
 
 /// Positions `c` (ascending, `c > 0`) that are pre-token boundaries of `segment` whatever its

@@ -15,6 +15,7 @@ mod bounds;
 mod error;
 mod fast_bpe;
 mod gate;
+mod merge_table;
 mod model;
 mod prefix_cache;
 mod pyjson;
@@ -28,6 +29,9 @@ pub use error::TokenizeError;
 pub use fast_bpe::{FastEncoder, QWEN2_PATTERN, WordEncoding};
 pub use gate::{
     DEFAULT_MAX_PREPARING_BYTES, PrepareGate, PreparePermit, TrimLater, release_free_memory,
+};
+pub use merge_table::{
+    LAZY_AFTER_MISSES, LazyMerges, MAX_MERGE_BYTES, MergeTable, MergeTableError,
 };
 pub use model::ModelTokenizer;
 pub use prefix_cache::{ANCHOR_BYTES, CachedTokens, PrefixTokenCache, WordEncoder};

@@ -8,6 +8,7 @@ use tokenizers::Tokenizer;
 
 use super::error::TokenizeError;
 use super::fast_bpe::FastEncoder;
+use super::merge_table::{LAZY_AFTER_MISSES, LazyMerges};
 use super::prefix_cache::{CachedTokens, PrefixTokenCache, WordEncoder};
 use super::template::{ChatTemplate, ContentFormat};
 use crate::request::ChatPrompt;
@@ -36,7 +37,11 @@ impl ModelTokenizer {
         content_format: Option<ContentFormat>,
     ) -> Result<Self, TokenizeError> {
         let tok_path = dir.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| TokenizeError::Load {
+        let tok_json = std::fs::read(&tok_path).map_err(|source| TokenizeError::Io {
+            path: tok_path.display().to_string(),
+            source,
+        })?;
+        let tokenizer = Tokenizer::from_bytes(&tok_json).map_err(|e| TokenizeError::Load {
             path: tok_path.display().to_string(),
             detail: e.to_string(),
         })?;
@@ -79,7 +84,15 @@ impl ModelTokenizer {
             .map(|t| t.content.len())
             .max()
             .unwrap_or(0);
-        let fast = FastEncoder::new(&tokenizer);
+        let fast = FastEncoder::new(&tokenizer).map(|fast| {
+            let lazy = LazyMerges::new(
+                tok_path.clone(),
+                &tok_json,
+                *fast.byte_chars(),
+                LAZY_AFTER_MISSES,
+            );
+            fast.with_lazy_merges(lazy)
+        });
         Ok(Self {
             dir: dir.to_path_buf(),
             fast,
@@ -245,6 +258,12 @@ impl ModelTokenizer {
     /// Whether the exact fast byte-level BPE path is active for this tokenizer.
     pub fn has_fast_path(&self) -> bool {
         self.fast.is_some()
+    }
+
+    /// Whether the fast path merges word-cache misses itself now ([`super::MergeTable`]; built once
+    /// the crate has merged [`LAZY_AFTER_MISSES`] of them).
+    pub fn has_merge_table(&self) -> bool {
+        self.fast.as_ref().is_some_and(FastEncoder::has_merge_table)
     }
 }
 

@@ -427,7 +427,17 @@ async fn peers_from_the_api_exchange_and_follow_the_pods_of_the_deployment() {
     peers(&a, 0.0).await;
     let sent = "kvpick_replica_records_total{direction=\"sent\"}";
     let sent_before = a.metric(sent).await;
+    let alone = "kvpick_replica_dropped_records_total{reason=\"no_peer\"}";
+    let alone_before = a.metric(alone).await;
     route(&mut client_a, &prompt(200)).await;
+    // The record leaves A's batcher within a batch interval; C's pod comes only after, or a
+    // quick enough watch event would hand it to C as a peer's.
+    support::wait_until(
+        "A drops the record made alone",
+        Duration::from_secs(10),
+        || async { a.metric(alone).await == alone_before + 1.0 },
+    )
+    .await;
     drop(b);
 
     // A new replica (a scale-up) is picked up by its pod and steered by A's routes.

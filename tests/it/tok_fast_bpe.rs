@@ -8,7 +8,7 @@ use crate::support::paths;
 use std::path::PathBuf;
 use std::sync::LazyLock;
 
-use kvpick::tokenize::{FastEncoder, ModelTokenizer, WordEncoder, unicode_pretoken};
+use kvpick::tokenize::{FastEncoder, MergeTable, ModelTokenizer, WordEncoder, unicode_pretoken};
 use proptest::prelude::*;
 
 static MODEL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
@@ -32,6 +32,95 @@ fn assert_same(text: &str) {
 #[test]
 fn fast_path_is_active_for_the_shared_tokenizer() {
     assert!(MODEL.has_fast_path());
+}
+
+/// A loaded model leaves its first misses to the crate and merges them itself once the
+/// crate has merged `LAZY_AFTER_MISSES` (the table is built on a thread of its own).
+#[test]
+fn a_loaded_model_builds_its_merge_table_once_misses_add_up() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer");
+    let model = ModelTokenizer::load(&dir, 0, None).expect("load");
+    assert!(model.has_fast_path());
+    assert!(!model.has_merge_table(), "built at load");
+    let mut seed = 1;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !model.has_merge_table() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no merge table after 60 s of misses"
+        );
+        let text = random_token_text(seed, 2_000);
+        assert_eq!(
+            model.word_encoder().encode(&text).unwrap(),
+            crate_encode(&text)
+        );
+        seed += 1;
+    }
+    // Misses after the build, merged by the table: still the crate's ids.
+    let text = random_token_text(seed, 5_000);
+    assert_eq!(
+        model.word_encoder().encode(&text).unwrap(),
+        crate_encode(&text)
+    );
+}
+
+/// The fast encoder merging every pre-token itself: the shared tokenizer's own merge table,
+/// no word cache (so nothing is answered from an earlier merge).
+static MERGING: LazyLock<FastEncoder> = LazyLock::new(|| {
+    let fast = FastEncoder::new(MODEL.tokenizer())
+        .unwrap()
+        .with_word_cache_capacity(0);
+    let json = std::fs::read(MODEL.dir().join("tokenizer.json")).unwrap();
+    let table = MergeTable::from_tokenizer_json(&json, fast.byte_chars()).unwrap();
+    assert_eq!(table.len(), 294_166);
+    fast.with_merge_table(table)
+});
+
+/// Text made of random vocab tokens decoded back to text (like the no-sharing workload's
+/// prompts): pre-tokens no natural text has, most of them new to any cache.
+fn random_token_text(seed: u64, tokens: usize) -> String {
+    let mut state = seed | 1;
+    let ids: Vec<u32> = (0..tokens)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 151_643) as u32
+        })
+        .collect();
+    MODEL.tokenizer().decode(&ids, true).unwrap()
+}
+
+/// kvpick's own merges equal the crate's BPE on every pre-token: the fixtures, the corpus and
+/// 30,000 random tokens' text, with no cache in between.
+#[test]
+fn the_merge_table_merges_every_word_like_the_crate() {
+    let mut texts: Vec<String> = std::fs::read_to_string(fixtures().join("test_vectors.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let rec: serde_json::Value = serde_json::from_str(line).unwrap();
+            rec["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    texts.push(std::fs::read_to_string(fixtures().join("corpus.txt")).unwrap());
+    texts.extend((0..3).map(|seed| random_token_text(seed, 10_000)));
+    for text in &texts {
+        let got = MERGING.encode(MODEL.tokenizer(), text).unwrap();
+        let want = crate_encode(text);
+        assert_eq!(got.0.len(), want.0.len(), "token count of {:.60}", text);
+        assert_eq!(got, want, "ids of {:.60}", text);
+    }
+    // Long pre-tokens are left to the crate, and still equal.
+    let long = format!(
+        "{} {}",
+        "x".repeat(kvpick::tokenize::MAX_MERGE_BYTES + 7),
+        "é".repeat(90)
+    );
+    assert_eq!(
+        MERGING.encode(MODEL.tokenizer(), &long).unwrap(),
+        crate_encode(&long)
+    );
 }
 
 /// The crate alone: the word encoder without the fast path.
@@ -179,7 +268,8 @@ proptest! {
         let text = pieces.concat();
         let slow = WordEncoder::new(MODEL.tokenizer(), None).encode(&text).unwrap();
         let fast = MODEL.word_encoder().encode(&text).unwrap();
-        prop_assert_eq!(fast, slow);
+        prop_assert_eq!(&fast, &slow);
+        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
     }
 }
 
@@ -305,7 +395,32 @@ proptest! {
         let text = pieces.concat();
         let slow = crate_encode(&text);
         let fast = MODEL.word_encoder().encode(&text).unwrap();
-        prop_assert_eq!(fast, slow);
+        prop_assert_eq!(&fast, &slow);
+        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
+    }
+}
+
+/// Thai (letters, digits, its marks of every combining class, the unassigned gaps), the
+/// replacement character, a space and a Latin letter.
+fn thai_char() -> impl Strategy<Value = char> {
+    prop_oneof![
+        8 => (0x0E01u32..=0x0E5B).prop_map(|cp| char::from_u32(cp).unwrap_or('?')),
+        3 => prop::sample::select(&['\u{0E38}', '\u{0E39}', '\u{0E3A}', '\u{0E48}', '\u{0E49}', '\u{0E4B}'][..]),
+        1 => prop::sample::select(&[' ', 'a', '\u{FFFD}', '\n'][..]),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Thai's reorderable marks next to each other in any order (which NFC reorders) go to
+    /// the crate; apart, the scanner takes them: either way, the crate's ids and words.
+    #[test]
+    fn random_thai_with_its_marks_in_any_order_matches_the_crate(chars in prop::collection::vec(thai_char(), 0..80)) {
+        let text: String = chars.into_iter().collect();
+        let slow = crate_encode(&text);
+        prop_assert_eq!(&MODEL.word_encoder().encode(&text).unwrap(), &slow);
+        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
     }
 }
 
