@@ -19,7 +19,12 @@ use std::time::{Duration, Instant};
 use criterion::{BatchSize, Criterion};
 use kvpick::request::{self, Prompt};
 use kvpick::tokenize::{FastEncoder, MergeTable, PromptTokens, Tokenizers, TokenizersConfig};
+use random_text::random_token_text;
 use serde_json::json;
+
+// Random-token prompts, shared with the tokenizer tests.
+#[path = "../tests/support/random_text.rs"]
+mod random_text;
 
 const SIZES: [(&str, usize); 3] = [("8KB", 8 << 10), ("100KB", 100 << 10), ("400KB", 400 << 10)];
 
@@ -137,20 +142,6 @@ fn cjk_text(tokenizer: &tokenizers::Tokenizer, len: usize) -> String {
         out.push_str(["", "", "", " ", "\n"][rng.usize(..5)]);
     }
     out
-}
-
-/// The text of `n` pseudo-random vocab tokens (seeded), like inference-perf's `random` data.
-fn random_token_text(tokenizer: &tokenizers::Tokenizer, seed: u64, n: usize) -> String {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let ids: Vec<u32> = (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % 151_643) as u32
-        })
-        .collect();
-    tokenizer.decode(&ids, true).expect("decode")
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {

@@ -9,6 +9,9 @@ mod support;
 // support/ but not this).
 #[path = "../support/fake_kube.rs"]
 mod fake_kube;
+// Random-token prompts (the tokenizer tests; benches/tokenize.rs includes it too).
+#[path = "../support/random_text.rs"]
+mod random_text;
 
 mod app_reliability;
 mod conformance_hooks;

@@ -76,19 +76,9 @@ static MERGING: LazyLock<FastEncoder> = LazyLock::new(|| {
     fast.with_merge_table(table)
 });
 
-/// Text made of random vocab tokens decoded back to text (like the no-sharing workload's
-/// prompts): pre-tokens no natural text has, most of them new to any cache.
+/// Random-token text (`support/random_text.rs`) with the shared tokenizer.
 fn random_token_text(seed: u64, tokens: usize) -> String {
-    let mut state = seed | 1;
-    let ids: Vec<u32> = (0..tokens)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % 151_643) as u32
-        })
-        .collect();
-    MODEL.tokenizer().decode(&ids, true).unwrap()
+    crate::random_text::random_token_text(MODEL.tokenizer(), seed, tokens)
 }
 
 /// kvpick's own merges equal the crate's BPE on every pre-token: the fixtures, the corpus and
