@@ -10,8 +10,9 @@
 //! only of characters [`unicode_pretoken`] classifies (most Latin, Greek, Cyrillic, CJK, kana,
 //! Hangul, full-width and emoji text) get the same scanner over character classes, and the
 //! remaining runs go through the crate's full pipeline. Each pre-token's ids come from a
-//! [`WordCache`] of earlier results, or from the crate's own BPE model on the byte-level
-//! mapped pre-token (so merges and `ignore_merges` are the crate's), then memoised.
+//! [`WordCache`] of earlier results, or from the model's [`MergeTable`] (once built; after the
+//! crate's whole-word lookup, so `ignore_merges` is the crate's), or from the crate's own BPE
+//! model on the byte-level mapped pre-token, then memoised.
 //! [`FastEncoder::new`] returns `None` for any other tokenizer layout, which then always uses
 //! the crate.
 //!

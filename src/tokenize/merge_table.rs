@@ -5,13 +5,14 @@
 //! `Token` with its own `String` per id. Text no earlier request had (random-token prompts, new
 //! identifiers, base64) is mostly misses, and there the crate's BPE was the largest part of
 //! kvpick's CPU per request. This table holds the same merges keyed by the pair of ids and
-//! merges a short pre-token on two stack arrays.
+//! merges a short pre-token in place, on buffers reused from one word to the next.
 //!
 //! Exactness: the crate (no dropout) repeatedly merges the adjacent pair of lowest rank, the
 //! leftmost of equal ranks (its heap orders merges by rank, then position, and skips stale
 //! ones); [`MergeTable::encode`] rescans for that same pair after each merge. The table is
 //! built from `tokenizer.json`'s own `model.merges` in file order, a later duplicate pair
-//! replacing an earlier one as in the crate's map, and every id through the crate's vocab. With
+//! replacing an earlier one as in the crate's map, and every id from the same file's
+//! `model.vocab`, which is the crate's BPE vocab (the file's hash is checked). With
 //! `ignore_merges` the crate first returns a pre-token that is itself in the vocab; the caller
 //! does that lookup ([`super::fast_bpe`]). Equivalence is tested with the cache off, against the
 //! crate, on the fixtures, the 400 KB corpus and random text (`tests/it/tok_fast_bpe.rs`).
