@@ -28,6 +28,10 @@
 //! NOTE: the first cold requests of a process pay the crate's price; in exchange nothing is
 //! paid at start-up or by a fleet whose prompts are natural text.
 //!
+//! Memory: the table is ~9 MB (294k merges in 512 Ki buckets of 17 bytes). The build's
+//! temporary strings stay under what loading the tokenizer took: a process that loads the
+//! shared tokenizer and builds the table peaks at the same RSS as one that does not (265 MB).
+//!
 //! Concurrency: immutable once built; shared by every encode of the model. [`LazyMerges`]
 //! starts at most one build (an atomic flag) and publishes it through a `OnceLock`.
 
