@@ -61,6 +61,11 @@ async fn fleet(
     .expect("fleet")
 }
 
+/// The same override for each of `pods` pods.
+fn on_every_pod(pods: usize, each: PodOverride) -> Vec<(usize, PodOverride)> {
+    (0..pods).map(|i| (i, each.clone())).collect()
+}
+
 fn pool_yaml(pods: &[FleetPod]) -> String {
     let mut yaml = String::from("endpoints:\n");
     for pod in pods {
@@ -219,17 +224,13 @@ async fn served_by_others(kvpick: &Kvpick, pods: &[FleetPod], except: &str) -> u
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_owner_whose_queue_outgrows_the_savings_loses_new_requests() {
     // One request at a time per pod, so a burst builds a visible queue.
-    let one_at_a_time = (0..3)
-        .map(|i| {
-            (
-                i,
-                PodOverride {
-                    max_num_seqs: Some(1),
-                    ..PodOverride::default()
-                },
-            )
-        })
-        .collect();
+    let one_at_a_time = on_every_pod(
+        3,
+        PodOverride {
+            max_num_seqs: Some(1),
+            ..PodOverride::default()
+        },
+    );
     let pods = fleet(3, 0.2, one_at_a_time).await;
     let kvpick = kvpick(&pods, &[]).await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
@@ -551,17 +552,13 @@ async fn served_by(kvpick: &Kvpick, pods: &[FleetPod], url: &str, body: &[u8]) -
 async fn evicted_prefixes_go_back_to_the_pods_they_were_routed_to() {
     // 40 usable blocks of 16 tokens per pod (plus vLLM's null block): one 28-block prefix,
     // or two 23-block fillers, but not a prefix and a filler.
-    let small = (0..2)
-        .map(|i| {
-            (
-                i,
-                PodOverride {
-                    num_gpu_blocks: Some(41),
-                    ..PodOverride::default()
-                },
-            )
-        })
-        .collect();
+    let small = on_every_pod(
+        2,
+        PodOverride {
+            num_gpu_blocks: Some(41),
+            ..PodOverride::default()
+        },
+    );
     let pods = fleet(2, 0.05, small).await;
     let kvpick = kvpick(&pods, &[]).await;
     let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
