@@ -228,8 +228,10 @@ impl LazyMerges {
     }
 
     /// Counts a miss the crate merged; the one that reaches the threshold starts the build.
+    /// Once it has started (or failed), a miss costs one shared read, not a contended write.
     pub fn note_miss(&self) {
-        if self.misses.fetch_add(1, Ordering::Relaxed) < self.after
+        if self.started.load(Ordering::Relaxed)
+            || self.misses.fetch_add(1, Ordering::Relaxed) < self.after
             || self.started.swap(true, Ordering::Relaxed)
         {
             return;
