@@ -60,8 +60,9 @@ def _envoy_config(repo, listen, admin, pods, kvpick=None):
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     if kvpick is None:
+        # Both of kvpick's ext_proc filters: the routing one and `kvpick-observe`.
         hcm["http_filters"] = [
-            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+            f for f in hcm["http_filters"] if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
         ]
     endpoints = [
         {"endpoint": {"address": {"socket_address": {"address": h.split(":")[0], "port_value": int(h.split(":")[1])}}}}

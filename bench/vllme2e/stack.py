@@ -237,7 +237,10 @@ class Envoy:
         listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": self.port}
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         if kvpick is None:
-            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+            # Both of kvpick's ext_proc filters: the routing one and `kvpick-observe`.
+            hcm["http_filters"] = [
+                f for f in hcm["http_filters"] if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
+            ]
         vhost = hcm["route_config"]["virtual_hosts"][0]
         vhost["response_headers_to_add"] = [
             {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"}},

@@ -7,6 +7,7 @@
 //! - `prepare`: body parsing, model rewrite and tokenization (on the blocking pool);
 //! - `response`: the response path, restoring a rewritten model name;
 //! - [`scores`]: the score-tracing and prefill headers (and their `kvpick` metadata);
+//! - [`handoff`]: what a routing stream hands an observing stream (split filters);
 //! - [`subset`]: the gateway's subset hint;
 //! - [`budget`]: the shared body buffer budget and each stream's share of it;
 //! - [`admission`]: shedding and flow control before the pick;
@@ -16,6 +17,7 @@ pub mod admission;
 pub mod budget;
 pub mod conformance;
 pub mod error;
+pub mod handoff;
 pub mod meta;
 pub mod mutations;
 pub mod prepare;

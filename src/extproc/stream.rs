@@ -26,6 +26,7 @@ use super::admission::Admission;
 use super::budget::{BodyBudget, Held};
 use super::conformance::{EndpointSelection, SERVED_ECHO_HEADER, served_echo};
 use super::error::{ProtocolError, Rejection};
+use super::handoff::{PICK_NAMESPACE, PickHandoff};
 use super::meta::RequestMeta;
 use super::mutations;
 use super::prepare::{Prepared, prepare};
@@ -40,6 +41,7 @@ use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::{EppMetrics, RequestLabels, Stage};
 use crate::tokenize::{Tokenizers, TrimLater};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
@@ -187,6 +189,35 @@ pub struct RequestStream {
     /// For a very large request: marks a memory trim due once what it holds is freed
     /// (moved into its routing record's application, [`Self::take_trim_later`]).
     trim_later: Option<TrimLater>,
+    /// A routing stream whose gateway sends no response on it (`response_body_mode: NONE`):
+    /// the response half is an observing stream's ([`super::handoff`]).
+    split: bool,
+    /// An observing stream (`observability_mode`): follows a pick's response, answers nothing.
+    observing: bool,
+}
+
+/// What an observing stream found in its request headers (the metric's label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Observed {
+    /// A pick's hand-off for a pod of the pool: its response is followed.
+    Pick,
+    /// No hand-off: the request failed open, or kvpick answered it itself.
+    NotRouted,
+    /// A hand-off that could not be read.
+    BadHandoff,
+    /// The hand-off names a pod that is no longer in the pool.
+    UnknownEndpoint,
+}
+
+impl Observed {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Pick => "observed",
+            Self::NotRouted => "not_routed",
+            Self::BadHandoff => "bad_handoff",
+            Self::UnknownEndpoint => "unknown_endpoint",
+        }
+    }
 }
 
 struct Routed {
@@ -220,6 +251,8 @@ impl RequestStream {
             buffering: Duration::ZERO,
             large: false,
             trim_later: None,
+            split: false,
+            observing: false,
         }
     }
 
@@ -292,16 +325,41 @@ impl RequestStream {
             self.subset = subset_hint(message.metadata_context.as_ref());
         }
         if let Some(config) = &message.protocol_config {
-            self.response_mode = if config.response_body_mode() == BodySendMode::Streamed {
+            let mode = config.response_body_mode();
+            self.response_mode = if mode == BodySendMode::Streamed {
                 ResponseBodyMode::Streamed
             } else {
                 ResponseBodyMode::FullDuplex
             };
+            self.split = mode == BodySendMode::None;
+        }
+        if message.observability_mode && self.phase == Phase::AwaitRequestHeaders {
+            self.observing = true;
         }
         let served = (self.ctx.conformance_hooks
+            && !self.observing
             && matches!(message.request, Some(Request::ResponseHeaders(_))))
         .then(|| served_echo(message.metadata_context.as_ref()));
         let request = message.request.ok_or(ProtocolError::Empty)?;
+        if self.observing {
+            match (&request, self.phase) {
+                (Request::RequestHeaders(_), Phase::AwaitRequestHeaders) => {
+                    self.observe_pick(message.metadata_context.as_ref());
+                    return Ok(Step::Reply(Vec::new()));
+                }
+                // The request half is the routing stream's.
+                (Request::RequestHeaders(_) | Request::RequestBody(_), _)
+                | (Request::RequestTrailers(_), _) => return Ok(Step::Reply(Vec::new())),
+                // A response with no request before it: kvpick (or the gateway) answered
+                // the request itself, so there is no pick to follow.
+                (_, Phase::AwaitRequestHeaders) => {
+                    self.count_observed(Observed::NotRouted);
+                    self.phase = Phase::Done;
+                    return Ok(Step::Reply(Vec::new()));
+                }
+                _ => {}
+            }
+        }
         let replies = match (self.phase, request) {
             (Phase::AwaitRequestHeaders, Request::RequestHeaders(headers)) => {
                 return Ok(self.on_request_headers(headers));
@@ -336,6 +394,9 @@ impl RequestStream {
                 if body.end_of_stream {
                     self.end_response();
                 }
+                if self.observing {
+                    return Ok(Step::Reply(Vec::new()));
+                }
                 self.response
                     .on_chunk(body.body, body.end_of_stream, self.response_mode)
             }
@@ -350,7 +411,61 @@ impl RequestStream {
                 });
             }
         };
+        if self.observing {
+            // NOTE: in observability mode the gateway ignores answers; none are sent.
+            return Ok(Step::Reply(Vec::new()));
+        }
         Ok(Step::Reply(replies))
+    }
+
+    /// An observing stream's request headers: the routing stream's hand-off says which pod
+    /// the request went to and what the pick expected; from now on this stream counts the
+    /// request in flight and awaiting its first byte there.
+    fn observe_pick(&mut self, metadata: Option<&Metadata>) {
+        let observed = match PickHandoff::from_metadata(metadata) {
+            Ok(Some(pick)) => self.follow(pick),
+            Ok(None) => Observed::NotRouted,
+            Err(error) => {
+                tracing::warn!(%error, namespace = PICK_NAMESPACE, "observing stream: unreadable pick hand-off");
+                Observed::BadHandoff
+            }
+        };
+        self.count_observed(observed);
+        self.phase = if observed == Observed::Pick {
+            Phase::AwaitResponse
+        } else {
+            Phase::Done
+        };
+    }
+
+    fn follow(&mut self, pick: PickHandoff) -> Observed {
+        let pod = PodId(pick.endpoint);
+        let pool = self.ctx.datastore.snapshot();
+        let Some(endpoint) = pool.get(pod) else {
+            tracing::debug!(%pod, "observing stream: the picked pod left the pool");
+            return Observed::UnknownEndpoint;
+        };
+        self.in_flight = Some(endpoint.in_flight.start());
+        self.prefill = Some(endpoint.prefill.start(
+            pick.uncached_tokens,
+            pick.cached_tokens,
+            pick.predicted_ms,
+            Instant::now(),
+        ));
+        self.streamed = pick.streamed;
+        self.routed = Some(Routed {
+            pod,
+            labels: pick.labels,
+        });
+        Observed::Pick
+    }
+
+    fn count_observed(&self, observed: Observed) {
+        self.ctx
+            .metrics
+            .observed_streams
+            .with_label_values(&[observed.label()])
+            .inc();
     }
 
     fn on_request_headers(&mut self, headers: HttpHeaders) -> Step {
@@ -603,6 +718,10 @@ impl RequestStream {
         };
         let (pick, record) = self.ctx.scheduler.pick_deferred(&request, &candidates)?;
         self.record = (!record.is_empty()).then_some(record);
+        // Split: the observing stream counts the request from its request headers on.
+        if self.split {
+            return Ok(pick);
+        }
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
             self.in_flight = Some(primary.in_flight.start());
             self.prefill = Some(primary.prefill.start(
@@ -643,12 +762,30 @@ impl RequestStream {
             Some(rewritten) => &rewritten[..],
             None => &self.body[..],
         };
-        let mut out = vec![mutations::request_headers_response(
+        let mut headers = mutations::request_headers_response(
             &destination,
             has_body.then_some(forwarded.len()),
             std::mem::take(&mut self.meta.control_headers),
             &scores::pick_headers(pick),
-        )];
+        );
+        if let (true, Some(routed), Some(metadata)) = (
+            self.split,
+            self.routed.as_ref(),
+            headers.dynamic_metadata.as_mut(),
+        ) {
+            let handoff = PickHandoff {
+                endpoint: pick.primary.addr(),
+                uncached_tokens: pick.expected.uncached_tokens.unwrap_or(0.0),
+                cached_tokens: pick.expected.cached_tokens,
+                predicted_ms: pick.expected.ttft_ms,
+                streamed: self.streamed,
+                labels: routed.labels.clone(),
+            };
+            metadata
+                .fields
+                .insert(PICK_NAMESPACE.to_owned(), handoff.to_value());
+        }
+        let mut out = vec![headers];
         if has_body {
             out.extend(mutations::request_body_chunks(
                 forwarded,
@@ -665,7 +802,13 @@ impl RequestStream {
         // NOTE: the budget is returned once the chunks are built; they wait only in the
         // gateway-facing send path of this stream.
         self.release_body();
-        self.phase = Phase::AwaitResponse;
+        // Split: the gateway closes this stream once the request is through, and the
+        // response half is the observing stream's.
+        self.phase = if self.split {
+            Phase::Done
+        } else {
+            Phase::AwaitResponse
+        };
         out
     }
 

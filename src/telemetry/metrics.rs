@@ -52,7 +52,7 @@ pub const FLOW_OUTCOME_LABELS: [&str; 6] = [
 pub const DEFAULT_FAIRNESS_ID: &str = "default-flow";
 
 /// The values of a request's [`REQUEST_LABELS`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestLabels {
     /// The model the client asked for.
     pub model: String,
@@ -155,6 +155,8 @@ pub struct EppMetrics {
     pub leader: IntGauge,
     /// Ext-proc streams that broke before the request was answered, by phase.
     pub aborted_streams: IntCounterVec,
+    /// Observing streams (a gateway's `observability_mode` filter), by what they carried.
+    pub observed_streams: IntCounterVec,
     /// Bytes of request bodies buffered right now.
     pub buffered_bytes: IntGauge,
     /// Prompt tokens the servers reported (GIE: `inference_objective_input_tokens`).
@@ -288,6 +290,16 @@ impl EppMetrics {
                 ),
                 &["phase"],
             )?,
+            observed_streams: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_extproc_observed_streams_total",
+                    "Observing ext-proc streams (observability_mode), by result: `observed` \
+                     (a pick's response followed), `not_routed` (no hand-off: the request \
+                     failed open or kvpick answered it), `bad_handoff`, `unknown_endpoint` \
+                     (the pod left the pool).",
+                ),
+                &["result"],
+            )?,
             buffered_bytes: IntGauge::new(
                 "kvpick_extproc_buffered_body_bytes",
                 "Request body bytes buffered across all streams.",
@@ -407,6 +419,7 @@ impl EppMetrics {
         registry.register(Box::new(metrics.open_streams.clone()))?;
         registry.register(Box::new(metrics.leader.clone()))?;
         registry.register(Box::new(metrics.aborted_streams.clone()))?;
+        registry.register(Box::new(metrics.observed_streams.clone()))?;
         registry.register(Box::new(metrics.buffered_bytes.clone()))?;
         registry.register(Box::new(metrics.input_tokens.inner().clone()))?;
         registry.register(Box::new(metrics.output_tokens.inner().clone()))?;

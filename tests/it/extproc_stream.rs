@@ -31,14 +31,14 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 use tonic::transport::Channel;
 
-struct Harness {
+pub(crate) struct Harness {
     client: ExternalProcessorClient<Channel>,
-    datastore: Arc<Datastore>,
-    metrics: Arc<EppMetrics>,
+    pub(crate) datastore: Arc<Datastore>,
+    pub(crate) metrics: Arc<EppMetrics>,
     budget: Arc<BodyBudget>,
 }
 
-struct Options {
+pub(crate) struct Options {
     endpoints: Vec<&'static str>,
     max_body: usize,
     budget: usize,
@@ -84,7 +84,7 @@ impl Default for Options {
     }
 }
 
-async fn start(options: Options) -> Harness {
+pub(crate) async fn start(options: Options) -> Harness {
     let datastore = Arc::new(Datastore::new());
     datastore.set_endpoints(
         options
@@ -131,13 +131,13 @@ async fn start(options: Options) -> Harness {
     }
 }
 
-struct Stream {
-    tx: mpsc::Sender<ProcessingRequest>,
-    rx: Streaming<ProcessingResponse>,
+pub(crate) struct Stream {
+    pub(crate) tx: mpsc::Sender<ProcessingRequest>,
+    pub(crate) rx: Streaming<ProcessingResponse>,
 }
 
 impl Harness {
-    async fn open(&mut self) -> Stream {
+    pub(crate) async fn open(&mut self) -> Stream {
         let (tx, rx) = mpsc::channel(64);
         let response = self
             .client
@@ -150,7 +150,7 @@ impl Harness {
         }
     }
 
-    fn in_flight_total(&self) -> u64 {
+    pub(crate) fn in_flight_total(&self) -> u64 {
         self.datastore
             .snapshot()
             .endpoints
@@ -172,7 +172,7 @@ impl Harness {
 }
 
 impl Stream {
-    async fn send(&self, request: Request) {
+    pub(crate) async fn send(&self, request: Request) {
         self.send_with(request, None).await;
     }
 
@@ -187,7 +187,7 @@ impl Stream {
             .expect("send");
     }
 
-    async fn recv(&mut self) -> ProcessingResponse {
+    pub(crate) async fn recv(&mut self) -> ProcessingResponse {
         tokio::time::timeout(Duration::from_secs(5), self.rx.message())
             .await
             .expect("reply in time")
@@ -210,7 +210,7 @@ fn post_headers() -> Request {
     headers(&[(":method", "POST"), (":path", "/v1/completions")], false)
 }
 
-fn body(bytes: &[u8], end_of_stream: bool) -> Request {
+pub(crate) fn body(bytes: &[u8], end_of_stream: bool) -> Request {
     Request::RequestBody(HttpBody {
         body: bytes.to_vec(),
         end_of_stream,
@@ -218,7 +218,7 @@ fn body(bytes: &[u8], end_of_stream: bool) -> Request {
     })
 }
 
-fn response_body(bytes: &[u8], end_of_stream: bool) -> Request {
+pub(crate) fn response_body(bytes: &[u8], end_of_stream: bool) -> Request {
     Request::ResponseBody(HttpBody {
         body: bytes.to_vec(),
         end_of_stream,
@@ -227,15 +227,15 @@ fn response_body(bytes: &[u8], end_of_stream: bool) -> Request {
 }
 
 /// The destination header, the removed headers and the `envoy.lb` metadata of a headers reply.
-struct Decision {
-    destination: String,
+pub(crate) struct Decision {
+    pub(crate) destination: String,
     content_length: Option<String>,
     removed: Vec<String>,
     metadata_destination: String,
     clear_route_cache: bool,
 }
 
-fn decision(reply: &ProcessingResponse) -> Decision {
+pub(crate) fn decision(reply: &ProcessingResponse) -> Decision {
     let Some(Response::RequestHeaders(h)) = &reply.response else {
         panic!("expected a request headers reply, got {reply:?}");
     };
@@ -678,7 +678,7 @@ async fn least_in_flight_spreads_concurrent_requests() {
     );
 }
 
-fn response_headers() -> Request {
+pub(crate) fn response_headers() -> Request {
     Request::ResponseHeaders(HttpHeaders {
         headers: Some(HeaderMap {
             headers: vec![HeaderValue {

@@ -22,6 +22,7 @@ mod deploy_schema;
 mod envoy_e2e;
 mod extproc_large_bodies;
 mod extproc_server;
+mod extproc_split;
 mod extproc_stream;
 mod faults_gateway;
 mod faults_kv_events;

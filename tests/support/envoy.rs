@@ -42,8 +42,12 @@ pub struct EnvoyOptions {
     /// Speak TLS to kvpick's ext-proc port (`--secure-serving`), without verifying its
     /// certificate (as gateways do for the EPP's self-signed one); health checks stay plain.
     pub kvpick_tls: bool,
-    /// Send response bodies to kvpick in `STREAMED` mode (Envoy holds each chunk until
-    /// kvpick answers it) instead of the shipped `FULL_DUPLEX_STREAMED`.
+    /// Send the response through the routing filter (one ext_proc filter, as before the
+    /// split; needed to restore a rewritten model name) instead of the shipped observing
+    /// filter, with response bodies in `FULL_DUPLEX_STREAMED` mode.
+    pub response_in_routing_filter: bool,
+    /// The same, with response bodies in `STREAMED` mode (Envoy holds each chunk until
+    /// kvpick answers it).
     pub response_body_streamed: bool,
     /// More kvpick replicas in the ext_proc cluster, as (gRPC port, health port): Envoy
     /// balances streams over all of them and health-checks each.
@@ -73,8 +77,34 @@ fn pool_addresses(pool_file: &std::path::Path) -> Vec<SocketAddr> {
         .unwrap_or_default()
 }
 
-/// Replaces the endpoints of cluster `name` (when it lists endpoints: a cluster without a
-/// `load_assignment` is left alone).
+/// Drops the observing filter (`kvpick-observe`) and has the routing ext_proc filter send
+/// the response, its body in `body_mode`: the one-filter config the shipped file's NOTE
+/// describes.
+fn response_in_routing_filter(config: &str, body_mode: &str) -> String {
+    let mut root: serde_yaml::Value = serde_yaml::from_str(config).expect("envoy.yaml");
+    let filters =
+        root["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            ["http_filters"]
+            .as_sequence_mut()
+            .expect("http_filters");
+    let before = filters.len();
+    filters.retain(|f| f["name"].as_str() != Some("kvpick-observe"));
+    assert_eq!(
+        filters.len() + 1,
+        before,
+        "envoy.yaml has a kvpick-observe filter"
+    );
+    let routing = filters
+        .iter_mut()
+        .find(|f| f["name"].as_str() == Some("envoy.filters.http.ext_proc"))
+        .expect("envoy.yaml has the routing ext_proc filter");
+    let mode = &mut routing["typed_config"]["processing_mode"];
+    mode["response_header_mode"] = "SEND".into();
+    mode["response_body_mode"] = body_mode.into();
+    mode["response_trailer_mode"] = "SEND".into();
+    serde_yaml::to_string(&root).expect("envoy yaml")
+}
+
 /// Makes the `kvpick` cluster speak TLS (ALPN h2) to the ext-proc port while its gRPC
 /// health checks, on kvpick's plain health port, select a raw-buffer transport socket.
 fn kvpick_over_tls(config: &str) -> String {
@@ -106,6 +136,8 @@ fn kvpick_over_tls(config: &str) -> String {
     serde_yaml::to_string(&root).expect("envoy yaml")
 }
 
+/// Replaces the endpoints of cluster `name` (when it lists endpoints: a cluster without a
+/// `load_assignment` is left alone).
 fn set_cluster_endpoints(config: &str, name: &str, endpoints: &[SocketAddr]) -> String {
     let mut root: serde_yaml::Value = serde_yaml::from_str(config).expect("envoy.yaml");
     let clusters = root["static_resources"]["clusters"]
@@ -253,12 +285,12 @@ impl Envoy {
                 ),
             );
         }
+        // The served-endpoint echo is a response header kvpick sets: only a filter that
+        // waits for kvpick's answer can carry it.
         if options.response_body_streamed {
-            replace_once(
-                &mut config,
-                "response_body_mode: FULL_DUPLEX_STREAMED",
-                "response_body_mode: STREAMED",
-            );
+            config = response_in_routing_filter(&config, "STREAMED");
+        } else if options.response_in_routing_filter || options.served_endpoint_metadata {
+            config = response_in_routing_filter(&config, "FULL_DUPLEX_STREAMED");
         }
         // Endpoints last: the edits above are on the file's text, these on its structure.
         let config = set_cluster_endpoints(&config, "inference-pool", &pool);

@@ -1,0 +1,211 @@
+//! kvpick's work split over two ext_proc filters (`src/extproc/handoff.rs`), driven through
+//! the real gRPC interface by a plain client: a routing stream whose gateway sends no
+//! response ends at its decision and hands the pick over in `kvpick.pick` metadata; an
+//! observing stream (`observability_mode`) follows the response from that hand-off and
+//! never answers.
+
+use crate::extproc_stream::{
+    Harness, Options, Stream, body, decision, response_body, response_headers, start,
+};
+use crate::support::extproc::headers;
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    ProcessingRequest, ProtocolConfiguration, processing_request::Request,
+};
+use envoy_types::pb::google::protobuf::{Struct, value::Kind};
+
+const STREAMED_BODY: &[u8] = br#"{"model": "m", "prompt": "once upon a time", "stream": true}"#;
+
+fn completion_headers() -> Request {
+    headers(&[(":method", "POST"), (":path", "/v1/completions")], false)
+}
+
+/// A routing stream as Envoy opens it when the response goes to another filter.
+async fn routed_in_split_mode(h: &mut Harness, request: &[u8]) -> (Stream, String, Struct) {
+    let mut s = h.open().await;
+    s.tx.send(ProcessingRequest {
+        request: Some(completion_headers()),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+            response_body_mode: BodySendMode::None as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    s.send(body(request, true)).await;
+    let reply = s.recv().await;
+    let destination = decision(&reply).destination;
+    let handoff = match reply
+        .dynamic_metadata
+        .as_ref()
+        .and_then(|m| m.fields.get("kvpick.pick"))
+        .and_then(|v| v.kind.as_ref())
+    {
+        Some(Kind::StructValue(fields)) => fields.clone(),
+        other => panic!("no kvpick.pick hand-off in the decision: {other:?}"),
+    };
+    s.recv().await; // the body
+    (s, destination, handoff)
+}
+
+/// Sends an observing stream's message (as Envoy does in observability mode).
+async fn observe(s: &Stream, request: Request, handoff: Option<&Struct>) {
+    let metadata = handoff.map(|fields| {
+        let mut metadata = Metadata::default();
+        metadata
+            .filter_metadata
+            .insert("kvpick.pick".to_owned(), fields.clone());
+        metadata
+    });
+    s.tx.send(ProcessingRequest {
+        request: Some(request),
+        metadata_context: metadata,
+        observability_mode: true,
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+}
+
+/// The server ends the stream without having sent anything.
+async fn ends_silently(s: &mut Stream) {
+    let next = tokio::time::timeout(Duration::from_secs(5), s.rx.message())
+        .await
+        .expect("the stream ends in time");
+    assert!(
+        matches!(next, Ok(None)),
+        "an observing stream gets no answer: {next:?}"
+    );
+}
+
+async fn wait_in_flight(h: &Harness, want: u64) {
+    for _ in 0..400 {
+        if h.in_flight_total() == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("in flight stayed {} (want {want})", h.in_flight_total());
+}
+
+fn observed(h: &Harness, result: &str) -> u64 {
+    h.metrics
+        .observed_streams
+        .with_label_values(&[result])
+        .get()
+}
+
+#[tokio::test]
+async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follows_the_response() {
+    let mut h = start(Options::default()).await;
+    let (mut routing, destination, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+    let Some(Kind::StringValue(endpoint)) =
+        handoff.fields.get("endpoint").and_then(|v| v.kind.clone())
+    else {
+        panic!("hand-off without endpoint: {handoff:?}");
+    };
+    assert_eq!(
+        destination.split(',').next(),
+        Some(endpoint.as_str()),
+        "the hand-off names the picked pod"
+    );
+    assert!(matches!(
+        handoff.fields.get("stream").and_then(|v| v.kind.clone()),
+        Some(Kind::BoolValue(true))
+    ));
+    // The gateway sends nothing more on it: kvpick closes it, counting nothing in flight.
+    let next = tokio::time::timeout(Duration::from_secs(5), routing.rx.message())
+        .await
+        .expect("routing stream ends");
+    assert!(matches!(next, Ok(None)), "routing stream ended: {next:?}");
+    assert_eq!(h.in_flight_total(), 0);
+
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), Some(&handoff)).await;
+    wait_in_flight(&h, 1).await;
+    assert_eq!(observed(&h, "observed"), 1);
+    observe(&s, response_headers(), None).await;
+    let first_bytes = h.metrics.ttft.observed.get_sample_count();
+    observe(&s, response_body(b"data: {\"x\":1}\n\n", false), None).await;
+    observe(
+        &s,
+        response_body(
+            b"data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+            true,
+        ),
+        None,
+    )
+    .await;
+    ends_silently(&mut s).await;
+    assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
+    assert_eq!(
+        h.metrics.ttft.observed.get_sample_count(),
+        first_bytes + 1,
+        "its first byte was timed"
+    );
+    assert_eq!(
+        h.metrics
+            .prompt_tokens
+            .with_label_values(&[&endpoint])
+            .get(),
+        7,
+        "its usage was read"
+    );
+}
+
+#[tokio::test]
+async fn observing_streams_without_a_usable_hand_off_are_counted_and_closed() {
+    let mut h = start(Options::default()).await;
+    let (_routing, _, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+
+    // No hand-off (the request failed open): nothing to follow.
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), None).await;
+    ends_silently(&mut s).await;
+    assert_eq!(observed(&h, "not_routed"), 1);
+
+    // A response with no request headers before it (kvpick answered the request itself).
+    let mut s = h.open().await;
+    observe(&s, response_headers(), None).await;
+    ends_silently(&mut s).await;
+    assert_eq!(observed(&h, "not_routed"), 2);
+
+    // A hand-off that does not parse.
+    let mut bad = handoff.clone();
+    bad.fields.remove("uncached");
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), Some(&bad)).await;
+    ends_silently(&mut s).await;
+    assert_eq!(observed(&h, "bad_handoff"), 1);
+
+    // A pod that left the pool since the pick.
+    h.datastore
+        .set_endpoints(vec![kvpick::endpoints::Endpoint::new(
+            "10.9.9.9:8000".parse().expect("addr"),
+        )]);
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), Some(&handoff)).await;
+    ends_silently(&mut s).await;
+    assert_eq!(observed(&h, "unknown_endpoint"), 1);
+    assert_eq!(observed(&h, "observed"), 0);
+    assert_eq!(h.in_flight_total(), 0);
+}
+
+#[tokio::test]
+async fn an_observing_stream_that_breaks_mid_response_returns_what_it_counted() {
+    let mut h = start(Options::default()).await;
+    let (_routing, _, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+    let s = h.open().await;
+    observe(&s, completion_headers(), Some(&handoff)).await;
+    observe(&s, response_headers(), None).await;
+    observe(&s, response_body(b"data: {\"x\":1}\n\n", false), None).await;
+    wait_in_flight(&h, 1).await;
+    drop(s);
+    wait_in_flight(&h, 0).await;
+}
