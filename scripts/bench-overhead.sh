@@ -16,6 +16,10 @@
 #       resident memory before it.
 # KVPICK_BINS="a b": A/B several kvpick binaries in one run (each behind its own Envoy; rows
 # are named kvpick0, kvpick1, … in that order). Default: this tree's release build.
+# ENVOY_RESPONSES="observe routing": per kvpick of KVPICK_BINS (same order), where its Envoy
+# sends the response: `observe` (the shipped config: the `kvpick-observe` filter in
+# observability_mode) or `routing` (one filter: the routing filter sends the response too,
+# FULL_DUPLEX_STREAMED, as before session 15). Default: observe for every kvpick.
 # SKIP_BUILD=1: use the release binaries as they are.
 # STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
 # (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
@@ -50,12 +54,24 @@ printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' 
 
 # Envoy configs: the shipped one per kvpick (kvpick i on ports 9002+100i…, Envoy listening
 # on 8081+100i) and the shipped one without the ext_proc filter (Envoy alone, 8080).
-python3 - "$WORK" "${#KVPICKS[@]}" <<'PY'
+python3 - "$WORK" "${#KVPICKS[@]}" "${ENVOY_RESPONSES:-}" <<'PY'
 import sys
-work, n = sys.argv[1], int(sys.argv[2])
+work, n, responses = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 config = open("deploy/envoy/envoy.yaml").read()
+def one_filter(c):
+    start = c.index("                  - name: kvpick-observe\n")
+    end = c.index("                  - name: envoy.filters.http.router\n")
+    c = c[:start] + c[end:]
+    for mode, value in (("response_header_mode", "SEND"), ("response_body_mode", "FULL_DUPLEX_STREAMED"),
+                        ("response_trailer_mode", "SEND")):
+        old = {"response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"}[mode]
+        assert f"{mode}: {old}" in c, mode
+        c = c.replace(f"{mode}: {old}", f"{mode}: {value}", 1)
+    return c
 for i in range(n):
-    c = config
+    layout = responses[i] if i < len(responses) else "observe"
+    assert layout in ("observe", "routing"), layout
+    c = one_filter(config) if layout == "routing" else config
     for port in (8081, 9901, 9002, 9003):
         c = c.replace(f"port_value: {port}", f"port_value: {port + 100 * i}")
     open(f"{work}/envoy-kvpick{i}.yaml", "w").write(c)
