@@ -103,6 +103,7 @@ class Ctx:
         self.envoy = args.envoy
         self.venv_bin = os.path.dirname(sys.executable)
         self.replicas = args.replicas
+        self.envoy_responses = args.envoy_responses
         # /metrics of routers whose own counters the summary reports (vllm-router).
         self.router_metrics = []
 
@@ -389,6 +390,9 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="router replicas: N kvpick behind one Envoy, N smg/vllm-router behind an Envoy round-robin front")
     p.add_argument("--systems", help="comma-separated subset of: " + ", ".join(SYSTEMS))
+    p.add_argument("--envoy-responses", choices=["observe", "routing"], default="observe",
+                   help="where kvpick's Envoy sends the response: the shipped `kvpick-observe` "
+                        "filter (observability_mode) or the routing filter (one filter, FULL_DUPLEX_STREAMED)")
     p.add_argument("--kvpick-config", action="append", default=[], metavar="NAME=FILE",
                    help="add system kvpick-NAME: kvpick with this EndpointPickerConfig (repeatable)")
     p.add_argument("--system-header", action="append", default=[], metavar="SYSTEM:NAME=VALUE",

@@ -276,15 +276,43 @@ class ScenarioTest(unittest.TestCase):
         kv = clusters["kvpick"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
         self.assertEqual([e["endpoint"]["address"]["socket_address"]["port_value"] for e in kv], [9100, 9200, 9300])
         self.assertEqual([e["endpoint"]["health_check_config"]["port_value"] for e in kv], [9101, 9201, 9301])
-        self.assertEqual(clusters["kvpick"].get("lb_policy", "ROUND_ROBIN"), "ROUND_ROBIN")
+        # Two streams per request (routing, observing): round robin would alias them.
+        self.assertEqual(clusters["kvpick"].get("lb_policy"), "LEAST_REQUEST")
         pool = clusters["inference-pool-fallback"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
         self.assertEqual([e["endpoint"]["address"]["socket_address"]["port_value"] for e in pool], [7001, 7002])
         filters = lambda c: [f["name"] for f in c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]]  # noqa: E731
         self.assertIn("envoy.filters.http.ext_proc", filters(cfg))
+        self.assertIn("kvpick-observe", filters(cfg))
         front = systems._envoy_config(REPO, 8000, 8001, ["127.0.0.1:7100", "127.0.0.1:7200"])
         self.assertNotIn("envoy.filters.http.ext_proc", filters(front))
+        self.assertNotIn("kvpick-observe", filters(front))
         fb = {c["name"]: c for c in front["static_resources"]["clusters"]}["inference-pool-fallback"]
         self.assertEqual(fb.get("lb_policy", "ROUND_ROBIN"), "ROUND_ROBIN")
+
+    def test_the_one_filter_layout_sends_the_response_through_the_routing_filter(self):
+        try:
+            import yaml  # noqa: F401
+        except ImportError:
+            self.skipTest("PyYAML is not installed in this interpreter")
+        from kvbench import systems
+
+        def layout(responses):
+            cfg = systems._envoy_config(REPO, 8000, 8001, ["127.0.0.1:7001"], kvpick=[(9100, 9101)],
+                                        responses=responses)
+            hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            by_name = {f["name"]: f for f in hcm["http_filters"]}
+            routing = by_name["envoy.filters.http.ext_proc"]["typed_config"]["processing_mode"]
+            return sorted(by_name), routing
+
+        names, routing = layout("observe")
+        self.assertIn("kvpick-observe", names)
+        self.assertEqual(routing["response_body_mode"], "NONE")
+        self.assertEqual(routing["response_header_mode"], "SKIP")
+        names, routing = layout("routing")
+        self.assertNotIn("kvpick-observe", names)
+        self.assertEqual(routing["response_body_mode"], "FULL_DUPLEX_STREAMED")
+        self.assertEqual(routing["response_header_mode"], "SEND")
+        self.assertEqual(routing["response_trailer_mode"], "SEND")
 
 
 class VllmRouterKvAwareTest(unittest.TestCase):

@@ -47,7 +47,18 @@ class Fleet:
         return [f"http://{h}" for h in self.http]
 
 
-def _envoy_config(repo, listen, admin, pods, kvpick=None):
+def _one_filter(hcm):
+    """The one-filter layout (`--envoy-responses routing`): no `kvpick-observe`, and the routing
+    ext_proc filter sends the response too, its body FULL_DUPLEX_STREAMED."""
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "kvpick-observe"]
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            mode = f["typed_config"]["processing_mode"]
+            mode.update(response_header_mode="SEND", response_body_mode="FULL_DUPLEX_STREAMED",
+                        response_trailer_mode="SEND")
+
+
+def _envoy_config(repo, listen, admin, pods, kvpick=None, responses="observe"):
     """deploy/envoy/envoy.yaml listening on `listen`, its pool clusters being `pods`
     (host:port), with ext_proc to the kvpick replicas `kvpick` ([(grpc, health) ports]) or,
     when None, without ext_proc (plain round robin)."""
@@ -64,6 +75,8 @@ def _envoy_config(repo, listen, admin, pods, kvpick=None):
         hcm["http_filters"] = [
             f for f in hcm["http_filters"] if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
         ]
+    if kvpick is not None and responses == "routing":
+        _one_filter(hcm)
     endpoints = [
         {"endpoint": {"address": {"socket_address": {"address": h.split(":")[0], "port_value": int(h.split(":")[1])}}}}
         for h in pods
@@ -88,7 +101,8 @@ def _start_envoy(ctx, procs, kvpick=None, upstreams=None):
     import yaml
 
     listen, admin = ctx.ports(2)
-    cfg = _envoy_config(ctx.repo, listen, admin, upstreams or ctx.fleet.http, kvpick)
+    cfg = _envoy_config(ctx.repo, listen, admin, upstreams or ctx.fleet.http, kvpick,
+                        getattr(ctx, "envoy_responses", "observe"))
     path = os.path.join(ctx.run_dir, "envoy.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)

@@ -16,7 +16,10 @@
 //! awaiting its first byte from then on, times its first byte and chunks, and reads its
 //! usage. Replicas add their in-flight counts up over the exchange, so a request counted on
 //! the observing replica still counts for all; its prefill backlog and timing teach the
-//! observing replica's fit, as each replica's own picks teach it with one filter.
+//! observing replica's fit, as each replica's own picks teach it with one filter. Flow
+//! control's progress signal (a response ended, so a queued request at its TTL may still go)
+//! is likewise counted by the replica that observed the end; with several replicas each sees
+//! about its share of the pool's completions.
 //!
 //! A gateway is in split mode when the routing stream's `protocol_config` says the response
 //! body is not sent (`response_body_mode: NONE`), and a stream is an observing one when its

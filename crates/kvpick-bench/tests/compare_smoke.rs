@@ -34,7 +34,7 @@ fn harness_unit_tests_pass_on_known_inputs() {
         .expect("run the harness's unit tests");
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench/test_kvbench.py failed:\n{log}");
-    assert!(log.contains("Ran 30 tests"), "{log}");
+    assert!(log.contains("Ran 31 tests"), "{log}");
     // The venv has inference-perf, so the seeded-arrivals test must have run, not skipped.
     assert!(!log.contains("skipped"), "{log}");
 }
