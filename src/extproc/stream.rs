@@ -7,7 +7,10 @@
 //! blocking pool so a 400 KB prompt never stalls other streams.
 //!
 //! Phases: request headers → body buffered until end of stream → decide → (headers response
-//! with metadata, body chunks) → response headers/body/trailers passed through → done.
+//! with metadata, body chunks) → response headers/body/trailers passed through → done. When
+//! the gateway splits the work over two filters ([`super::handoff`]), a routing stream is
+//! done at its decision and an observing stream ([`observe`]) goes from request headers
+//! (the hand-off) straight to the response, answering nothing.
 //! The request's in-flight unit ([`InFlightGuard`]) and its share of the body budget
 //! ([`Held`]) are fields: dropping the stream, for any reason, returns both.
 //!
@@ -21,6 +24,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod observe;
 
 use super::admission::Admission;
 use super::budget::{BodyBudget, Held};
@@ -41,11 +46,11 @@ use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::{EppMetrics, RequestLabels, Stage};
 use crate::tokenize::{Tokenizers, TrimLater};
-use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
 };
+use observe::Observed;
 
 /// Bodies up to this size are prepared on the stream's own task.
 const INLINE_PREPARE_BYTES: usize = 16 * 1024;
@@ -194,30 +199,6 @@ pub struct RequestStream {
     split: bool,
     /// An observing stream (`observability_mode`): follows a pick's response, answers nothing.
     observing: bool,
-}
-
-/// What an observing stream found in its request headers (the metric's label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Observed {
-    /// A pick's hand-off for a pod of the pool: its response is followed.
-    Pick,
-    /// No hand-off: the request failed open, or kvpick answered it itself.
-    NotRouted,
-    /// A hand-off that could not be read.
-    BadHandoff,
-    /// The hand-off names a pod that is no longer in the pool.
-    UnknownEndpoint,
-}
-
-impl Observed {
-    fn label(self) -> &'static str {
-        match self {
-            Self::Pick => "observed",
-            Self::NotRouted => "not_routed",
-            Self::BadHandoff => "bad_handoff",
-            Self::UnknownEndpoint => "unknown_endpoint",
-        }
-    }
 }
 
 struct Routed {
@@ -416,56 +397,6 @@ impl RequestStream {
             return Ok(Step::Reply(Vec::new()));
         }
         Ok(Step::Reply(replies))
-    }
-
-    /// An observing stream's request headers: the routing stream's hand-off says which pod
-    /// the request went to and what the pick expected; from now on this stream counts the
-    /// request in flight and awaiting its first byte there.
-    fn observe_pick(&mut self, metadata: Option<&Metadata>) {
-        let observed = match PickHandoff::from_metadata(metadata) {
-            Ok(Some(pick)) => self.follow(pick),
-            Ok(None) => Observed::NotRouted,
-            Err(error) => {
-                tracing::warn!(%error, namespace = PICK_NAMESPACE, "observing stream: unreadable pick hand-off");
-                Observed::BadHandoff
-            }
-        };
-        self.count_observed(observed);
-        self.phase = if observed == Observed::Pick {
-            Phase::AwaitResponse
-        } else {
-            Phase::Done
-        };
-    }
-
-    fn follow(&mut self, pick: PickHandoff) -> Observed {
-        let pod = PodId(pick.endpoint);
-        let pool = self.ctx.datastore.snapshot();
-        let Some(endpoint) = pool.get(pod) else {
-            tracing::debug!(%pod, "observing stream: the picked pod left the pool");
-            return Observed::UnknownEndpoint;
-        };
-        self.in_flight = Some(endpoint.in_flight.start());
-        self.prefill = Some(endpoint.prefill.start(
-            pick.uncached_tokens,
-            pick.cached_tokens,
-            pick.predicted_ms,
-            Instant::now(),
-        ));
-        self.streamed = pick.streamed;
-        self.routed = Some(Routed {
-            pod,
-            labels: pick.labels,
-        });
-        Observed::Pick
-    }
-
-    fn count_observed(&self, observed: Observed) {
-        self.ctx
-            .metrics
-            .observed_streams
-            .with_label_values(&[observed.label()])
-            .inc();
     }
 
     fn on_request_headers(&mut self, headers: HttpHeaders) -> Step {
