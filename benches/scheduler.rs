@@ -202,7 +202,37 @@ fn measure<T>(
     percentiles(samples)
 }
 
+/// One scrape's parse and extract of a real vLLM engine's `/metrics` (55 KB, 485 samples):
+/// every line, against only the lines scheduling reads (what the scraper does).
+fn scrape_parse() {
+    use kvpick::scrape::EngineKind;
+    use kvpick::scrape::prom_text::{parse, parse_wanted};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/fixtures/vllm-0.32-kv-events/metrics-load.txt");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        println!("scrape parse: {} not found, skipped", path.display());
+        return;
+    };
+    println!("scrape parse + extract, real vLLM /metrics ({} bytes)", text.len());
+    let (a50, a99) = measure(
+        |_| (),
+        |_, ()| {
+            black_box(EngineKind::Vllm.extract(&parse(&text).samples).ok());
+        },
+    );
+    println!("       {:<26} {a50:>10.1?} {a99:>10.1?}", "every line");
+    let (w50, w99) = measure(
+        |_| (),
+        |_, ()| {
+            let read = parse_wanted(&text, |name| EngineKind::Vllm.reads(name));
+            black_box(EngineKind::Vllm.extract(&read.samples).ok());
+        },
+    );
+    println!("       {:<26} {w50:>10.1?} {w99:>10.1?}", "the lines it reads");
+}
+
 fn main() {
+    scrape_parse();
     println!(
         "scheduler decision time, {PROMPT_TOKENS}-token prompt ({SHARED_TOKENS} shared), {ITERATIONS} picks"
     );

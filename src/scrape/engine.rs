@@ -71,6 +71,11 @@ pub struct PodMetrics {
 #[error("metric {0} is missing")]
 pub struct MissingMetric(pub &'static str);
 
+/// The engine process's start time (a changed one is a restarted engine).
+pub const START_TIME: &str = "process_start_time_seconds";
+/// vLLM's LoRA adapters metric.
+const LORA_INFO: &str = "vllm:lora_requests_info";
+
 struct Names {
     waiting: &'static str,
     running: &'static str,
@@ -96,6 +101,24 @@ impl EngineKind {
                 kv_usage: &["trtllm_kv_cache_utilization"],
             },
         }
+    }
+
+    /// Whether [`Self::extract`] (or the scraper's restart check) reads metric `name`: the
+    /// scraper parses only those lines.
+    pub fn reads(self, name: &str) -> bool {
+        let names = self.names();
+        name == names.waiting
+            || name == names.running
+            || names.kv_usage.contains(&name)
+            || name == START_TIME
+            || match self {
+                Self::Vllm => name == "vllm:cache_config_info" || name == LORA_INFO,
+                Self::Sglang => name == "sglang:cache_config_info",
+                Self::TrtLlm => {
+                    name == "trtllm_kv_cache_tokens_per_block"
+                        || name == "trtllm_kv_cache_max_blocks"
+                }
+            }
     }
 
     /// Reads the scheduling signals out of one exposition.
@@ -191,7 +214,7 @@ impl EngineKind {
 fn lora_state(samples: &[Sample<'_>]) -> Option<LoraState> {
     let newest = samples
         .iter()
-        .filter(|s| s.name == "vllm:lora_requests_info" && s.value.is_finite())
+        .filter(|s| s.name == LORA_INFO && s.value.is_finite())
         .max_by(|a, b| a.value.total_cmp(&b.value))?;
     let list = |label: &str| -> Vec<String> {
         newest
@@ -233,6 +256,54 @@ mod tests {
         assert_eq!(metrics.block_size, Some(32));
         assert_eq!(metrics.num_blocks, Some(64));
         assert_eq!(metrics.lora, None);
+    }
+
+    #[test]
+    fn the_lines_the_scraper_reads_give_the_same_signals_as_all_of_them() {
+        for file in ["metrics-idle.txt", "metrics-load.txt", "metrics-final.txt"] {
+            let text = std::fs::read_to_string(
+                crate::test_paths::fixtures()
+                    .join("vllm-0.32-kv-events")
+                    .join(file),
+            )
+            .expect("fixture");
+            let all = parse(&text);
+            let read = crate::scrape::prom_text::parse_wanted(&text, |n| EngineKind::Vllm.reads(n));
+            assert_eq!(
+                EngineKind::Vllm.extract(&read.samples),
+                EngineKind::Vllm.extract(&all.samples),
+                "{file}"
+            );
+            let start = |samples: &[Sample<'_>]| {
+                samples
+                    .iter()
+                    .find(|s| s.name == START_TIME)
+                    .map(|s| s.value)
+            };
+            assert!(start(&all.samples).is_some(), "{file} has a start time");
+            assert_eq!(start(&read.samples), start(&all.samples), "{file}");
+            assert!(
+                read.samples.len() * 10 < all.samples.len(),
+                "{file}: {} of {} samples read",
+                read.samples.len(),
+                all.samples.len()
+            );
+        }
+        let sglang = "sglang:num_queue_reqs 3\nsglang:num_running_reqs 7\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"1000\"} 1\nother 1\n";
+        let trt = "trtllm_num_requests_waiting 1\ntrtllm_num_requests_running 2\ntrtllm_kv_cache_utilization 0.25\ntrtllm_kv_cache_tokens_per_block 32\ntrtllm_kv_cache_max_blocks 512\nother 1\n";
+        for (engine, text) in [(EngineKind::Sglang, sglang), (EngineKind::TrtLlm, trt)] {
+            let read = crate::scrape::prom_text::parse_wanted(text, |n| engine.reads(n));
+            let lines = text.lines().count();
+            assert_eq!(
+                read.samples.len(),
+                lines - 1,
+                "{engine:?} reads all but `other`"
+            );
+            assert_eq!(
+                engine.extract(&read.samples),
+                engine.extract(&parse(text).samples)
+            );
+        }
     }
 
     #[test]

@@ -269,14 +269,14 @@ async fn scrape_with_start_time(
         .await
         .map_err(|_| ScrapeError::Timeout)??;
     let text = std::str::from_utf8(&body).map_err(|e| ScrapeError::Body(e.to_string()))?;
-    let exposition = prom_text::parse(text);
+    let exposition = prom_text::parse_wanted(text, |name| engine.reads(name));
     if let Some((line, error)) = exposition.first_error {
         tracing::debug!(%pod, line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
     }
     let start_time = exposition
         .samples
         .iter()
-        .find(|s| s.name == "process_start_time_seconds" && s.value.is_finite() && s.value > 0.0)
+        .find(|s| s.name == super::engine::START_TIME && s.value.is_finite() && s.value > 0.0)
         .map(|s| s.value);
     Ok((engine.extract(&exposition.samples)?, start_time))
 }
