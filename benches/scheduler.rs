@@ -213,7 +213,10 @@ fn scrape_parse() {
         println!("scrape parse: {} not found, skipped", path.display());
         return;
     };
-    println!("scrape parse + extract, real vLLM /metrics ({} bytes)", text.len());
+    println!(
+        "scrape parse + extract, real vLLM /metrics ({} bytes)",
+        text.len()
+    );
     let (a50, a99) = measure(
         |_| (),
         |_, ()| {
@@ -228,7 +231,10 @@ fn scrape_parse() {
             black_box(EngineKind::Vllm.extract(&read.samples).ok());
         },
     );
-    println!("       {:<26} {w50:>10.1?} {w99:>10.1?}", "the lines it reads");
+    println!(
+        "       {:<26} {w50:>10.1?} {w99:>10.1?}",
+        "the lines it reads"
+    );
 }
 
 fn main() {
