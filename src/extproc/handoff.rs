@@ -34,6 +34,7 @@ use std::net::SocketAddr;
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
+use super::mutations::string_value;
 use crate::telemetry::RequestLabels;
 
 /// Dynamic-metadata namespace of the hand-off.
@@ -81,17 +82,14 @@ fn number(value: f64) -> Value {
     }
 }
 
-fn string(value: &str) -> Value {
-    Value {
-        kind: Some(Kind::StringValue(value.to_owned())),
-    }
-}
-
 impl PickHandoff {
     /// The hand-off as the value of [`PICK_NAMESPACE`] in a reply's dynamic metadata.
     pub fn to_value(&self) -> Value {
         let mut fields = std::collections::HashMap::with_capacity(10);
-        fields.insert("endpoint".to_owned(), string(&self.endpoint.to_string()));
+        fields.insert(
+            "endpoint".to_owned(),
+            string_value(&self.endpoint.to_string()),
+        );
         fields.insert("uncached".to_owned(), number(self.uncached_tokens));
         fields.insert("cached".to_owned(), number(self.cached_tokens));
         if let Some(ms) = self.predicted_ms {
@@ -103,10 +101,16 @@ impl PickHandoff {
                 kind: Some(Kind::BoolValue(self.streamed)),
             },
         );
-        fields.insert("model".to_owned(), string(&self.labels.model));
-        fields.insert("target_model".to_owned(), string(&self.labels.target_model));
-        fields.insert("fairness_id".to_owned(), string(&self.labels.fairness_id));
-        fields.insert("priority".to_owned(), string(&self.labels.priority));
+        fields.insert("model".to_owned(), string_value(&self.labels.model));
+        fields.insert(
+            "target_model".to_owned(),
+            string_value(&self.labels.target_model),
+        );
+        fields.insert(
+            "fairness_id".to_owned(),
+            string_value(&self.labels.fairness_id),
+        );
+        fields.insert("priority".to_owned(), string_value(&self.labels.priority));
         Value {
             kind: Some(Kind::StructValue(Struct { fields })),
         }
@@ -225,7 +229,7 @@ mod tests {
             PickHandoff::from_metadata(Some(&metadata))
         };
         assert_eq!(
-            edit("endpoint", Some(string("pod-a"))),
+            edit("endpoint", Some(string_value("pod-a"))),
             Err(HandoffError::Endpoint("pod-a".into()))
         );
         assert_eq!(edit("endpoint", None), Err(HandoffError::Field("endpoint")));
@@ -238,7 +242,7 @@ mod tests {
             Err(HandoffError::Range("cached"))
         );
         assert_eq!(
-            edit("cached", Some(string("12"))),
+            edit("cached", Some(string_value("12"))),
             Err(HandoffError::Field("cached"))
         );
         assert_eq!(
@@ -247,11 +251,14 @@ mod tests {
         );
         assert_eq!(edit("stream", None), Err(HandoffError::Field("stream")));
         assert_eq!(
-            edit("priority", Some(string("99999999999"))),
+            edit("priority", Some(string_value("99999999999"))),
             Err(HandoffError::Range("priority"))
         );
         assert_eq!(
-            edit("model", Some(string(&"m".repeat(MAX_LABEL_BYTES + 1)))),
+            edit(
+                "model",
+                Some(string_value(&"m".repeat(MAX_LABEL_BYTES + 1)))
+            ),
             Err(HandoffError::Field("model"))
         );
     }

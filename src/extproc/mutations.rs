@@ -37,7 +37,8 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-fn string_value(s: &str) -> Value {
+/// A protobuf `Value` holding the string `s` (dynamic metadata).
+pub(super) fn string_value(s: &str) -> Value {
     Value {
         kind: Some(Kind::StringValue(s.to_owned())),
     }

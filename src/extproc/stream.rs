@@ -654,15 +654,32 @@ impl RequestStream {
             return Ok(pick);
         }
         if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
-            self.in_flight = Some(primary.in_flight.start());
-            self.prefill = Some(primary.prefill.start(
+            self.count_on(
+                primary,
                 pick.expected.uncached_tokens.unwrap_or(0.0),
                 pick.expected.cached_tokens,
                 pick.expected.ttft_ms,
-                Instant::now(),
-            ));
+            );
         }
         Ok(pick)
+    }
+
+    /// Counts the request in flight on `endpoint` and its `uncached_tokens` in the endpoint's
+    /// prefill backlog until its first byte (both returned when the stream ends, however).
+    fn count_on(
+        &mut self,
+        endpoint: &crate::endpoints::EndpointState,
+        uncached_tokens: f64,
+        cached_tokens: f64,
+        predicted_ms: Option<f64>,
+    ) {
+        self.in_flight = Some(endpoint.in_flight.start());
+        self.prefill = Some(endpoint.prefill.start(
+            uncached_tokens,
+            cached_tokens,
+            predicted_ms,
+            Instant::now(),
+        ));
     }
 
     /// The decision's metrics, and what the response phase needs to know of it.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    ProcessingRequest, ProtocolConfiguration, processing_request::Request,
+    ProcessingRequest, processing_request::Request,
 };
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
@@ -26,18 +26,9 @@ fn completion_headers() -> Request {
 
 /// A routing stream as Envoy opens it when the response goes to another filter.
 async fn routed_in_split_mode(h: &mut Harness, request: &[u8]) -> (Stream, String, Struct) {
-    let mut s = h.open().await;
-    s.tx.send(ProcessingRequest {
-        request: Some(completion_headers()),
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-            response_body_mode: BodySendMode::None as i32,
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .expect("send");
+    let mut s = h
+        .open_in_mode(completion_headers(), BodySendMode::None)
+        .await;
     s.send(body(request, true)).await;
     let reply = s.recv().await;
     let destination = decision(&reply).destination;

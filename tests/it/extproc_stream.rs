@@ -9,10 +9,11 @@ use std::time::Duration;
 use support::extproc::{headers, streamed_body};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
-    processing_request::Request, processing_response::Response,
+    ProtocolConfiguration, processing_request::Request, processing_response::Response,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::EndpointState;
@@ -148,6 +149,28 @@ impl Harness {
             tx,
             rx: response.into_inner(),
         }
+    }
+
+    /// A stream whose first message, `request_headers`, carries the `protocol_config` Envoy
+    /// sends: request bodies FULL_DUPLEX_STREAMED, response bodies in `response_body_mode`.
+    pub(crate) async fn open_in_mode(
+        &mut self,
+        request_headers: Request,
+        response_body_mode: BodySendMode,
+    ) -> Stream {
+        let s = self.open().await;
+        s.tx.send(ProcessingRequest {
+            request: Some(request_headers),
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                response_body_mode: response_body_mode as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("send");
+        s
     }
 
     pub(crate) fn in_flight_total(&self) -> u64 {
@@ -815,22 +838,11 @@ async fn streamed_mode_stream(
     rewrite: Option<&str>,
     request_body: &[u8],
 ) -> (Stream, Vec<String>) {
-    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-    use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
     let mut request_headers = vec![(":method", "POST"), (":path", "/v1/completions")];
     request_headers.extend(rewrite.map(|model| ("x-gateway-model-name-rewrite", model)));
-    let mut s = h.open().await;
-    s.tx.send(ProcessingRequest {
-        request: Some(headers(&request_headers, false)),
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-            response_body_mode: BodySendMode::Streamed as i32,
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .expect("send");
+    let mut s = h
+        .open_in_mode(headers(&request_headers, false), BodySendMode::Streamed)
+        .await;
     s.send(body(request_body, true)).await;
     decision(&s.recv().await);
     streamed_body(&s.recv().await);

@@ -2,8 +2,6 @@
 //! request headers carry the routing stream's hand-off, and from then on the stream counts
 //! the request in flight and awaiting its first byte on the picked pod.
 
-use std::time::Instant;
-
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 
 use super::{Phase, RequestStream, Routed};
@@ -62,13 +60,12 @@ impl RequestStream {
             tracing::debug!(%pod, "observing stream: the picked pod left the pool");
             return Observed::UnknownEndpoint;
         };
-        self.in_flight = Some(endpoint.in_flight.start());
-        self.prefill = Some(endpoint.prefill.start(
+        self.count_on(
+            endpoint,
             pick.uncached_tokens,
             pick.cached_tokens,
             pick.predicted_ms,
-            Instant::now(),
-        ));
+        );
         self.streamed = pick.streamed;
         self.routed = Some(Routed {
             pod,
