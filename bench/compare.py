@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
 from kvbench.stats import counters_delta, fleet_summary, kv_lookups, placement_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
-from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config, fleet_topic  # noqa: E402
+from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config, add_kvpick_flags, fleet_topic  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -395,6 +395,9 @@ def main(argv=None):
                         "filter (observability_mode) or the routing filter (one filter, FULL_DUPLEX_STREAMED)")
     p.add_argument("--kvpick-config", action="append", default=[], metavar="NAME=FILE",
                    help="add system kvpick-NAME: kvpick with this EndpointPickerConfig (repeatable)")
+    p.add_argument("--kvpick-flags", action="append", default=[], metavar="NAME=FLAGS",
+                   help="add system kvpick-NAME: kvpick with these extra serve flags, e.g. "
+                        "'slow=--recommended-profile --scrape-interval 200ms' (repeatable)")
     p.add_argument("--system-header", action="append", default=[], metavar="SYSTEM:NAME=VALUE",
                    help="a request header inference-perf sends to one system only (repeatable)")
     p.add_argument("--pods", type=int)
@@ -430,6 +433,14 @@ def main(argv=None):
             p.error(f"--kvpick-config wants NAME=FILE, got {spec!r}")
         try:
             add_kvpick_config(name, path)
+        except ValueError as e:
+            p.error(str(e))
+    for spec in args.kvpick_flags:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            p.error(f"--kvpick-flags wants NAME=FLAGS, got {spec!r}")
+        try:
+            add_kvpick_flags(name, flags)
         except ValueError as e:
             p.error(str(e))
     try:

@@ -200,6 +200,20 @@ class ScenarioTest(unittest.TestCase):
             systems.add_kvpick_config("gone", f.name)
         self.assertNotIn("kvpick-gone", systems.SYSTEMS)
 
+    def test_kvpick_flags_become_a_system_and_harness_flags_are_refused(self):
+        from kvbench import systems
+
+        try:
+            name = systems.add_kvpick_flags("slow", "--recommended-profile --scrape-interval 200ms")
+            self.assertEqual(name, "kvpick-slow")
+            self.assertIn("--scrape-interval 200ms", systems.SYSTEMS[name]["flags"])
+        finally:
+            systems.SYSTEMS.pop("kvpick-slow", None)
+        for bad in ("", "--grpc-port 1", "--metrics-port=9"):
+            with self.assertRaises(ValueError):
+                systems.add_kvpick_flags("bad", bad)
+        self.assertNotIn("kvpick-bad", systems.SYSTEMS)
+
     def test_system_headers_go_to_their_system_only(self):
         import compare
 

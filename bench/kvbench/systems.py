@@ -131,12 +131,14 @@ def _replicated(ctx, procs, start_one):
     return _start_envoy(ctx, procs, upstreams=[u.split("://", 1)[1] for u in urls])
 
 
-def _start_kvpick(ctx, procs, recommended, config_file=None):
+def _start_kvpick(ctx, procs, recommended, config_file=None, extra_args=()):
     n = getattr(ctx, "replicas", 1)
     # Active-active replicas tell each other their routing records and in-flight counts
     # through the replica exchange (README, Kubernetes: HA modes), as a deployment would.
     exchange = ctx.ports(n) if n > 1 else []
-    replicas = [_start_kvpick_process(ctx, procs, recommended, i, config_file, exchange) for i in range(n)]
+    replicas = [
+        _start_kvpick_process(ctx, procs, recommended, i, config_file, exchange, extra_args) for i in range(n)
+    ]
     return _start_envoy(ctx, procs, replicas)
 
 
@@ -153,7 +155,33 @@ def add_kvpick_config(name, path):
     return f"kvpick-{name}"
 
 
-def _start_kvpick_process(ctx, procs, recommended, index, config_file=None, exchange=()):
+# Flags the harness sets itself on every kvpick it starts; a variant may not override them.
+_HARNESS_FLAGS = (
+    "--bind-address", "--endpoints-file", "--grpc-port", "--grpc-health-port", "--metrics-port",
+    "--debug-port", "--replica-exchange-port", "--replica-peers",
+)
+
+
+def add_kvpick_flags(name, flags):
+    """Registers `kvpick-NAME`: kvpick with these extra `serve` flags (a shell-quoted string,
+    e.g. `--recommended-profile --scrape-interval 200ms`), for A/B runs of flags in one
+    comparison. The profile is whatever the flags choose (GIE's default without any)."""
+    import shlex
+
+    argv = shlex.split(flags)
+    if not argv:
+        raise ValueError(f"--kvpick-flags {name}=: no flags")
+    taken = [a for a in argv if a.split("=", 1)[0] in _HARNESS_FLAGS]
+    if taken:
+        raise ValueError(f"--kvpick-flags {name}: the harness sets {', '.join(taken)} itself")
+    SYSTEMS[f"kvpick-{name}"] = {
+        "start": lambda ctx, procs: _start_kvpick(ctx, procs, recommended=False, extra_args=argv),
+        "flags": f"Envoy + kvpick serve {flags} --tokenizer assets/tokenizer, KV events + replay",
+    }
+    return f"kvpick-{name}"
+
+
+def _start_kvpick_process(ctx, procs, recommended, index, config_file=None, exchange=(), extra_args=()):
     grpc, health, metrics, debug = ctx.ports(4)
     pool = os.path.join(ctx.run_dir, "pool.yaml")
     with open(pool, "w") as f:
@@ -170,6 +198,7 @@ def _start_kvpick_process(ctx, procs, recommended, index, config_file=None, exch
         argv.append("--recommended-profile")
     if config_file:
         argv += ["--config-file", config_file]
+    argv += list(extra_args)
     if exchange:
         peers = [f"127.0.0.1:{p}" for i, p in enumerate(exchange) if i != index]
         argv += ["--replica-exchange-port", str(exchange[index]), "--replica-peers", ",".join(peers)]

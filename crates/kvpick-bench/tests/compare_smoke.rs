@@ -34,7 +34,19 @@ fn harness_unit_tests_pass_on_known_inputs() {
         .expect("run the harness's unit tests");
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench/test_kvbench.py failed:\n{log}");
-    assert!(log.contains("Ran 31 tests"), "{log}");
+    // Every test the file defines ran (a test lost to a name clash or an import error would
+    // otherwise pass unnoticed).
+    let source = std::fs::read_to_string(paths::repo_root().join("bench/test_kvbench.py"))
+        .expect("read bench/test_kvbench.py");
+    let defined = source
+        .lines()
+        .filter(|line| line.trim_start().starts_with("def test_"))
+        .count();
+    assert!(
+        defined >= 30,
+        "only {defined} tests found in bench/test_kvbench.py"
+    );
+    assert!(log.contains(&format!("Ran {defined} tests")), "{log}");
     // The venv has inference-perf, so the seeded-arrivals test must have run, not skipped.
     assert!(!log.contains("skipped"), "{log}");
 }
