@@ -177,6 +177,9 @@ pub async fn serve(
     for warning in &config.picker.warnings {
         tracing::warn!(%warning, "scheduler config");
     }
+    for warning in &config.flag_warnings {
+        tracing::warn!(%warning, "flags");
+    }
     let scheduler = Arc::new(
         ConfiguredScheduler::new(
             config.picker.scheduler.clone(),
@@ -307,6 +310,7 @@ pub async fn serve(
         max_body_bytes: config.max_body_bytes,
         timeouts: config.stream_timeouts,
         conformance_hooks: config.conformance_hooks,
+        endpoint_subset_filter: config.endpoint_subset_filter,
     });
     // The same bound per HTTP/2 connection keeps one client from opening more h2 streams
     // than the service would take, before the service even sees them.
@@ -316,7 +320,7 @@ pub async fn serve(
         grpc_listener,
         ExtProcService::new(ctx)
             .with_max_streams(config.max_extproc_streams)
-            .into_server(),
+            .into_server(config.grpc_message_limits),
         extproc_server::Settings {
             threads: config.extproc_threads,
             max_streams: h2_streams,
@@ -510,7 +514,7 @@ fn ext_proc_tls(
         (None, _) => tracing::info!("ext-proc serves TLS with a self-signed certificate"),
     }
     Ok(Some((
-        crate::tls::server_config(Arc::clone(&resolver))?,
+        crate::tls::server_config(Arc::clone(&resolver), tls.tls13_only)?,
         metrics,
         resolver,
     )))

@@ -12,9 +12,10 @@ use kvpick::config::ServeArgs;
     about = "KV-cache-aware endpoint picker for LLM inference"
 )]
 struct Cli {
-    /// Log filter (RUST_LOG syntax), e.g. `info` or `kvpick=debug`.
-    #[arg(long, global = true, env = "RUST_LOG", default_value = "info")]
-    log: String,
+    /// Log filter (RUST_LOG syntax), e.g. `info` or `kvpick=debug`; wins over llm-d's `-v`
+    /// and `--zap-log-level`. Default: info.
+    #[arg(long, global = true, env = "RUST_LOG")]
+    log: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -27,18 +28,28 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = log_filter(&cli.log);
-    // Colours only on a terminal: a pod's log (a pipe) stays plain text for collectors.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&filter)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off")),
-        )
-        .init();
     let Command::Serve(args) = cli.command;
+    // llm-d's `-v`/`--zap-*` decide the level and format unless RUST_LOG/--log names one.
+    let settings = match args.llmd.log_settings() {
+        Ok(settings) => settings,
+        Err(error) => {
+            eprintln!("kvpick: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let filter = log_filter(cli.log.as_deref().or(settings.level).unwrap_or("info"));
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off"));
+    let logs = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    if settings.json {
+        logs.json().init();
+    } else {
+        // Colours only on a terminal: a pod's log (a pipe) stays plain text for collectors.
+        logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init();
+    }
     let config = match args.validate() {
         Ok(config) => config,
         Err(error) => {

@@ -3,7 +3,9 @@
 //! Everything downstream takes the typed config; nothing re-reads flags or re-validates.
 
 mod duration;
+mod error;
 mod handler;
+pub mod llmd_flags;
 pub mod picker_config;
 mod picker_doc;
 mod plugins;
@@ -17,6 +19,7 @@ use std::time::Duration;
 use clap::Args;
 
 pub use duration::{DurationError, parse_duration};
+pub use error::ConfigError;
 pub use source::EndpointSource;
 
 /// Flags of `kvpick serve` (GIE-compatible names and defaults where GIE has them).
@@ -185,8 +188,9 @@ pub struct ServeArgs {
     /// reading pauses (TCP pushes back) until the index catches up.
     #[arg(long, default_value_t = 256 * 1024 * 1024)]
     pub kv_events_buffer_bytes: usize,
-    /// Interval between scrapes of each endpoint's /metrics.
-    #[arg(long, default_value = "50ms", value_parser = parse_duration)]
+    /// Interval between scrapes of each endpoint's /metrics (llm-d:
+    /// `--refresh-metrics-interval`).
+    #[arg(long, visible_alias = "refresh-metrics-interval", default_value = "50ms", value_parser = parse_duration)]
     pub scrape_interval: Duration,
     /// Longest one /metrics scrape may take.
     #[arg(long, default_value = "1000ms", value_parser = parse_duration)]
@@ -232,6 +236,9 @@ pub struct ServeArgs {
     /// priority (higher is more important; negative is sheddable). `NAME=PRIORITY`, repeatable.
     #[arg(long = "objective", value_name = "NAME=PRIORITY", value_parser = parse_objective)]
     pub objectives: Vec<(String, i32)>,
+    /// The llm-d EPP's flags kvpick has none of its own for ([`llmd_flags`]).
+    #[command(flatten)]
+    pub llmd: llmd_flags::LlmdFlags,
 }
 
 fn parse_objective(value: &str) -> Result<(String, i32), String> {
@@ -275,72 +282,6 @@ fn kv_events_config(
         central_budget_bytes: buffer_bytes,
         ..defaults
     }
-}
-
-/// Why the flags do not make a runnable configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// No source of endpoints was given.
-    #[error(
-        "no endpoint source: pass --endpoints-file FILE, --pool-name NAME or --endpoint-selector K=V,..."
-    )]
-    NoEndpointSource,
-    /// More than one source of endpoints was given.
-    #[error("{0} are given together: pass exactly one endpoint source")]
-    ConflictingSources(String),
-    /// A Kubernetes discovery flag is invalid or given without its source.
-    #[error("--{flag}: {reason}")]
-    Discovery {
-        /// The flag.
-        flag: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// Two servers would bind the same port.
-    #[error("--{first} and --{second} both use port {port}")]
-    PortClash {
-        /// First flag.
-        first: &'static str,
-        /// Second flag.
-        second: &'static str,
-        /// The shared port.
-        port: u16,
-    },
-    /// The EndpointPickerConfig cannot be read or is invalid.
-    #[error("scheduler config: {0}")]
-    Picker(String),
-    /// The model rewrite file cannot be read or is invalid.
-    #[error("--model-rewrites {path}: {reason}")]
-    ModelRewrites {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The bearer token file cannot be used.
-    #[error("--metrics-bearer-token-file: {0}")]
-    BearerToken(#[from] crate::admin::auth::TokenError),
-    /// A TLS flag is given without the flag it refines.
-    #[error("--{flag}: {reason}")]
-    Tls {
-        /// The flag.
-        flag: &'static str,
-        /// What is wrong.
-        reason: &'static str,
-    },
-    /// A replica-exchange flag is invalid.
-    #[error(transparent)]
-    Replica(#[from] crate::replica::config::ReplicaFlagError),
-    /// A size flag is out of range.
-    #[error("--{flag} must be at least {min} (got {value})")]
-    TooSmall {
-        /// The flag.
-        flag: &'static str,
-        /// Its minimum.
-        min: usize,
-        /// What was given.
-        value: usize,
-    },
 }
 
 /// The validated configuration of `kvpick serve`.
@@ -398,6 +339,15 @@ pub struct ServeConfig {
     pub tls: Option<crate::tls::TlsConfig>,
     /// The replica exchange (`--replica-exchange-port`), when on.
     pub replica: Option<crate::replica::ReplicaConfig>,
+    /// Largest ext-proc gRPC message accepted and sent (`--grpc-max-recv-msg-size`,
+    /// `--grpc-max-send-msg-size`).
+    pub grpc_message_limits: crate::extproc::MessageLimits,
+    /// Whether the gateway's subset hint restricts the pick (`--disable-endpoint-subset-filter`
+    /// turns it off).
+    pub endpoint_subset_filter: bool,
+    /// What start-up should warn about once logging is up (flags accepted that do nothing
+    /// here).
+    pub flag_warnings: Vec<String>,
 }
 
 impl ServeArgs {
@@ -417,7 +367,10 @@ impl ServeArgs {
             tls: self.replica_exchange_tls,
             shared_cert: self.secure_serving && self.cert_path.is_some(),
         })?;
-        let tls = self.tls_config()?;
+        let llmd = self
+            .llmd
+            .overrides(self.metrics_bearer_token_file.is_some())?;
+        let tls = self.tls_config(llmd.tls13_only)?;
         let ports = [
             ("grpc-port", self.grpc_port),
             ("grpc-health-port", self.grpc_health_port),
@@ -534,6 +487,27 @@ impl ServeArgs {
         if self.recommended_profile {
             picker.scheduler = crate::scheduling::SchedulerConfig::kvpick_recommended();
         }
+        // llm-d applies `--feature-gates` after the config's `featureGates`, and its
+        // `--metrics-staleness-threshold` is the one staleness every check reads.
+        for (gate, on) in &llmd.feature_gates {
+            if gate == picker_doc::FLOW_CONTROL_GATE {
+                picker.scheduler.flow_control = *on;
+            } else {
+                picker
+                    .warnings
+                    .push(format!("--feature-gates: unknown gate `{gate}`; ignored"));
+            }
+        }
+        if let Some(staleness) = llmd.metrics_staleness {
+            picker.scheduler.saturation.metrics_staleness = staleness;
+        }
+        let mut flag_warnings = Vec::new();
+        if llmd.tracing_asked {
+            flag_warnings.push(
+                "--tracing=true: kvpick exports no OpenTelemetry traces (its per-request stage timings are metrics)"
+                    .to_owned(),
+            );
+        }
         let metrics_bearer_token = self
             .metrics_bearer_token_file
             .as_deref()
@@ -577,11 +551,19 @@ impl ServeArgs {
                 timeout: self.scrape_timeout,
                 // One source of truth: the saturation detector's staleness threshold.
                 staleness: picker.scheduler.saturation.metrics_staleness,
+                path: llmd.metrics_path.unwrap_or_else(|| "/metrics".to_owned()),
+                port: llmd.metrics_port,
                 ..Default::default()
             },
             model_rewrites,
             objectives: self.objectives.into_iter().collect(),
             picker,
+            grpc_message_limits: crate::extproc::MessageLimits::new(
+                llmd.grpc_max_recv,
+                llmd.grpc_max_send,
+            ),
+            endpoint_subset_filter: llmd.endpoint_subset_filter,
+            flag_warnings,
         })
     }
 }
@@ -590,8 +572,14 @@ impl ServeArgs {
     /// `--secure-serving` and its refinements; a refinement without it is an error (kvpick
     /// serves plaintext by default, unlike llm-d, so a lone `--cert-path` would silently
     /// not do what an llm-d user means).
-    fn tls_config(&self) -> Result<Option<crate::tls::TlsConfig>, ConfigError> {
+    fn tls_config(&self, tls13_only: bool) -> Result<Option<crate::tls::TlsConfig>, ConfigError> {
         if !self.secure_serving {
+            if tls13_only {
+                return Err(ConfigError::Tls {
+                    flag: "tls-min-version",
+                    reason: "needs --secure-serving (kvpick serves plaintext unless it is given)",
+                });
+            }
             if self.cert_path.is_some() {
                 return Err(ConfigError::Tls {
                     flag: "cert-path",
@@ -615,6 +603,7 @@ impl ServeArgs {
         Ok(Some(crate::tls::TlsConfig {
             cert_path: self.cert_path.clone(),
             reload: self.enable_cert_reload,
+            tls13_only,
         }))
     }
 }

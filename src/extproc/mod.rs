@@ -29,5 +29,5 @@ pub mod subset;
 pub mod usage;
 
 pub use budget::BodyBudget;
-pub use service::ExtProcService;
+pub use service::{ExtProcService, MessageLimits};
 pub use stream::{RequestStream, StreamContext, StreamTimeouts};

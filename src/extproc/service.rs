@@ -47,11 +47,40 @@ impl ExtProcService {
         self
     }
 
-    /// The tonic server wrapper, with message limits that fit a full 62 KB chunk and more.
-    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+    /// The tonic server wrapper, with these message limits.
+    pub fn into_server(self, limits: MessageLimits) -> ExternalProcessorServer<Self> {
         ExternalProcessorServer::new(self)
-            .max_decoding_message_size(8 * 1024 * 1024)
-            .max_encoding_message_size(8 * 1024 * 1024)
+            .max_decoding_message_size(limits.recv)
+            .max_encoding_message_size(limits.send)
+    }
+}
+
+/// Largest gRPC messages the ext-proc service accepts and sends (llm-d's
+/// `--grpc-max-recv-msg-size` / `--grpc-max-send-msg-size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageLimits {
+    /// Largest message accepted, bytes.
+    pub recv: usize,
+    /// Largest message sent, bytes.
+    pub send: usize,
+}
+
+impl MessageLimits {
+    /// Room for a full 62 KB body chunk and far more: a gateway's messages stay well below.
+    pub const DEFAULT_BYTES: usize = 8 * 1024 * 1024;
+
+    /// The given limits, the default where none is given.
+    pub fn new(recv: Option<usize>, send: Option<usize>) -> Self {
+        Self {
+            recv: recv.unwrap_or(Self::DEFAULT_BYTES),
+            send: send.unwrap_or(Self::DEFAULT_BYTES),
+        }
+    }
+}
+
+impl Default for MessageLimits {
+    fn default() -> Self {
+        Self::new(None, None)
     }
 }
 
@@ -182,6 +211,13 @@ impl Driver {
                     }
                 },
                 Ok(None) => return None,
+                // A message over `--grpc-max-recv-msg-size` (tonic checks the declared length
+                // before buffering it): the gateway is told why its stream ends.
+                Err(status) if status.code() == tonic::Code::OutOfRange => {
+                    tracing::warn!(%status, "ext-proc message over the receive limit; closing the stream");
+                    self.finished = true;
+                    return Some(Err(status));
+                }
                 Err(status) => {
                     tracing::debug!(%status, "ext-proc stream broke");
                     return None;

@@ -80,6 +80,9 @@ pub struct StreamContext {
     /// Whether GIE's conformance hooks are on (`--enable-conformance-hooks`:
     /// [`super::conformance`]).
     pub conformance_hooks: bool,
+    /// Whether the gateway's subset hint restricts the pick (off with llm-d's
+    /// `--disable-endpoint-subset-filter`).
+    pub endpoint_subset_filter: bool,
 }
 
 /// How long each part of the request may take to arrive (see the module docs).
@@ -302,7 +305,7 @@ impl RequestStream {
 
     /// Handles one inbound message.
     pub fn on_message(&mut self, message: ProcessingRequest) -> Result<Step, ProtocolError> {
-        if self.subset.is_none() {
+        if self.subset.is_none() && self.ctx.endpoint_subset_filter {
             self.subset = subset_hint(message.metadata_context.as_ref());
         }
         if let Some(config) = &message.protocol_config {

@@ -37,6 +37,11 @@ pub struct ScrapeConfig {
     pub staleness: Duration,
     /// Largest `/metrics` body read.
     pub max_body_bytes: usize,
+    /// The URL path scraped (llm-d `--model-server-metrics-path`).
+    pub path: String,
+    /// The port scraped on the endpoint's IP, when not the endpoint's own (llm-d
+    /// `--model-server-metrics-port`).
+    pub port: Option<u16>,
 }
 
 impl Default for ScrapeConfig {
@@ -46,6 +51,8 @@ impl Default for ScrapeConfig {
             timeout: Duration::from_millis(1000),
             staleness: Duration::from_millis(200),
             max_body_bytes: 8 * 1024 * 1024,
+            path: "/metrics".to_owned(),
+            port: None,
         }
     }
 }
@@ -251,7 +258,11 @@ async fn scrape_with_start_time(
     config: &ScrapeConfig,
 ) -> Result<(PodMetrics, Option<f64>), ScrapeError> {
     let fetch = async {
-        let uri: hyper::Uri = format!("http://{pod}/metrics")
+        let mut addr = pod.addr();
+        if let Some(port) = config.port {
+            addr.set_port(port);
+        }
+        let uri: hyper::Uri = format!("http://{addr}{}", config.path)
             .parse()
             .map_err(|e: hyper::http::uri::InvalidUri| ScrapeError::Http(e.to_string()))?;
         let response = client.get(uri).await.map_err(|e| request_error(&e))?;
@@ -561,6 +572,11 @@ mod tests {
     /// A pod whose every `GET` is answered with the real vLLM metrics fixture (one request
     /// per connection).
     async fn metrics_pod() -> std::net::SocketAddr {
+        metrics_pod_at(None).await
+    }
+
+    /// [`metrics_pod`], answering 404 to any path but `path` when one is given.
+    async fn metrics_pod_at(path: Option<&'static str>) -> std::net::SocketAddr {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let body = std::fs::read(
             crate::test_paths::fixtures().join("vllm-0.32-kv-events/metrics-load.txt"),
@@ -582,8 +598,13 @@ mod tests {
                             Ok(n) => request.extend_from_slice(&buf[..n]),
                         }
                     }
+                    let wanted = path.is_none_or(|path| {
+                        request.starts_with(format!("GET {path} HTTP/1.1\r\n").as_bytes())
+                    });
+                    let body = if wanted { body } else { Vec::new() };
+                    let status = if wanted { "200 OK" } else { "404 Not Found" };
                     let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
                         body.len()
                     );
                     let _ = socket.write_all(head.as_bytes()).await;
@@ -592,6 +613,47 @@ mod tests {
             }
         });
         addr
+    }
+
+    #[tokio::test]
+    async fn the_configured_path_and_port_are_scraped() {
+        // The model server's metrics on another port and path than its API
+        // (llm-d's --model-server-metrics-port / -path).
+        let metrics = metrics_pod_at(Some("/stats/prometheus")).await;
+        let api = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port");
+        let pod = PodId(api);
+        let moved = ScrapeConfig {
+            path: "/stats/prometheus".to_owned(),
+            port: Some(metrics.port()),
+            ..ScrapeConfig::default()
+        };
+        let scraped = scrape_once(&client(), pod, EngineKind::default(), &moved)
+            .await
+            .expect("scraped at the configured path and port");
+        assert!(
+            scraped.block_size.is_some(),
+            "the fixture's cache_config_info was read"
+        );
+        // The default path on that port is not where the metrics are; the API port has none.
+        let wrong_path = ScrapeConfig {
+            port: Some(metrics.port()),
+            ..ScrapeConfig::default()
+        };
+        assert_eq!(
+            scrape_once(&client(), pod, EngineKind::default(), &wrong_path).await,
+            Err(ScrapeError::Status(404))
+        );
+        let api_port = scrape_once(
+            &client(),
+            pod,
+            EngineKind::default(),
+            &ScrapeConfig::default(),
+        )
+        .await
+        .expect_err("nothing listens on the API port");
+        assert!(matches!(api_port, ScrapeError::Connect(_)), "{api_port:?}");
     }
 
     #[tokio::test]

@@ -27,6 +27,8 @@ pub struct TlsConfig {
     pub cert_path: Option<PathBuf>,
     /// `--enable-cert-reload`: watch the files and use a new pair when they change.
     pub reload: bool,
+    /// `--tls-min-version=VersionTLS13`: TLS 1.3 only (otherwise 1.2 and 1.3).
+    pub tls13_only: bool,
 }
 
 /// Why TLS could not be set up.
@@ -96,11 +98,19 @@ pub fn initial_pair(config: &TlsConfig) -> Result<CertifiedKey, TlsError> {
 
 /// A rustls server config that takes its certificate from `resolver` and speaks HTTP/2
 /// (gRPC) over ALPN.
-pub fn server_config(resolver: Arc<CertResolver>) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+pub fn server_config(
+    resolver: Arc<CertResolver>,
+    tls13_only: bool,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let versions: &[&rustls::SupportedProtocolVersion] = if tls13_only {
+        &[&rustls::version::TLS13]
+    } else {
+        rustls::DEFAULT_VERSIONS
+    };
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
-    .with_safe_default_protocol_versions()
+    .with_protocol_versions(versions)
     .map_err(|e| TlsError::Key(e.to_string()))?
     .with_no_client_auth()
     .with_cert_resolver(resolver);

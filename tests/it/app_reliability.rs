@@ -123,7 +123,7 @@ async fn sigterm_under_steady_traffic_loses_no_request() {
     );
 }
 
-mod raw {
+pub(crate) mod raw {
     //! Raw ext-proc gRPC clients against the kvpick binary (no Envoy in between).
 
     use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;

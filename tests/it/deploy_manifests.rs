@@ -400,6 +400,22 @@ fn the_values_schema_knows_exactly_kvpicks_flags() {
         })
         .filter(|flag| flag != "help")
         .collect();
+    // Other names of a flag (`[alias: --refresh-metrics-interval]`) are flags too.
+    for line in help.lines() {
+        let line = line.trim();
+        if let Some(names) = line
+            .strip_prefix("[alias: ")
+            .or_else(|| line.strip_prefix("[aliases: "))
+            .and_then(|l| l.strip_suffix(']'))
+        {
+            flags.extend(
+                names
+                    .split(", ")
+                    .filter_map(|name| name.strip_prefix("--"))
+                    .map(str::to_owned),
+            );
+        }
+    }
     flags.sort();
     let schema: Value = serde_json::from_str(
         &std::fs::read_to_string(repo().join("deploy/helm/kvpick/values.schema.json"))

@@ -122,6 +122,7 @@ pub(crate) async fn start(options: Options) -> Harness {
         max_body_bytes: options.max_body,
         timeouts: options.timeouts,
         conformance_hooks: false,
+        endpoint_subset_filter: true,
     });
     let client = support::extproc::serve(ctx).await;
     Harness {

@@ -38,6 +38,7 @@ mod kv_libzmq_interop;
 mod kv_speculative;
 mod kv_subscriber;
 mod layering;
+mod llmd_flags;
 mod mem_concurrency;
 mod quickstart;
 mod replica_exchange;

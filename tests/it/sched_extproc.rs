@@ -110,6 +110,7 @@ async fn start_with(
         max_body_bytes: 1 << 20,
         timeouts: StreamTimeouts::default(),
         conformance_hooks: false,
+        endpoint_subset_filter: true,
     });
     let client = support::extproc::serve(ctx).await;
     Harness {

@@ -75,13 +75,21 @@ impl ServerCertVerifier for Recorder {
 
 /// Handshakes with `port` and returns the certificate served and the ALPN protocol chosen.
 async fn handshake(port: u16) -> Result<(Vec<u8>, Option<Vec<u8>>), String> {
+    handshake_with(port, rustls::DEFAULT_VERSIONS).await
+}
+
+/// [`handshake`], offering only these TLS versions.
+async fn handshake_with(
+    port: u16,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Result<(Vec<u8>, Option<Vec<u8>>), String> {
     let provider = rustls::crypto::ring::default_provider();
     let recorder = Arc::new(Recorder {
         seen: Mutex::new(None),
         provider: provider.clone(),
     });
     let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(versions)
         .map_err(|e| e.to_string())?
         .dangerous()
         .with_custom_certificate_verifier(recorder.clone())
@@ -147,6 +155,28 @@ pub(crate) fn write_pair(dir: &Path) -> Vec<u8> {
     .expect("key");
     std::fs::write(dir.join("tls.crt"), pem("CERTIFICATE", &cert)).expect("cert");
     cert.to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_min_version_13_refuses_tls_12_clients() {
+    // llm-d's `--tls-min-version` (README "llm-d's flags").
+    let backend = Backend::start("127.0.0.1").await;
+    let pool = pool_yaml(&[&backend]);
+    let tls13 = Kvpick::start(
+        &pool,
+        &["--secure-serving", "--tls-min-version=VersionTLS13"],
+    )
+    .await;
+    let refused = handshake_with(tls13.grpc_port, &[&rustls::version::TLS12]).await;
+    assert!(refused.is_err(), "a TLS 1.2 client is refused: {refused:?}");
+    handshake_with(tls13.grpc_port, &[&rustls::version::TLS13])
+        .await
+        .expect("TLS 1.3 is served");
+    // Without the flag, TLS 1.2 is served too.
+    let default = Kvpick::start(&pool, &["--secure-serving"]).await;
+    handshake_with(default.grpc_port, &[&rustls::version::TLS12])
+        .await
+        .expect("TLS 1.2 is served by default");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

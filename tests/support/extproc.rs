@@ -18,7 +18,7 @@ pub async fn serve(ctx: Arc<StreamContext>) -> ExternalProcessorClient<Channel> 
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(ExtProcService::new(ctx).into_server())
+            .add_service(ExtProcService::new(ctx).into_server(Default::default()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     ExternalProcessorClient::connect(format!("http://{addr}"))
