@@ -51,7 +51,7 @@ pub enum PeerSource {
     Static(BTreeSet<String>),
     /// The ready pods matching these labels in kvpick's namespace, on the exchange port,
     /// this pod excluded (`--peer-selector`).
-    Selector(std::collections::BTreeMap<String, String>),
+    Selector(crate::discovery::kube::LabelSelector),
 }
 
 /// The validated configuration of the exchange (`--replica-exchange-port` and friends).
@@ -186,9 +186,9 @@ pub async fn start(
     let peers = match &config.peers {
         None => watch::channel(BTreeSet::new()).1,
         Some(PeerSource::Static(list)) => watch::channel(list.clone()).1,
-        Some(PeerSource::Selector(labels)) => {
+        Some(PeerSource::Selector(selector)) => {
             let (peers, task) = crate::discovery::kube::peers::watch_peers(
-                labels.clone(),
+                selector.query(),
                 config.namespace.clone(),
                 bound.port(),
                 background,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use fake_kube::{FakeKube, pool_resource};
 use serde_json::{Value, json};
 use support::http::send;
-use support::kvpick::{Kvpick, health};
+use support::kvpick::{Kvpick, health, serve_refused};
 use support::wait_until;
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -465,6 +465,62 @@ async fn v1alpha2_pools_and_the_standalone_selector() {
     )
     .await;
     wait_endpoints(&pooled, &["127.0.0.3:8000"], "v1alpha2 pod deleted").await;
+}
+
+/// llm-d's `--endpoint-selector` takes the API's full selector syntax: sets and existence
+/// requirements select the pods, and a label edit moves a pod in or out.
+#[tokio::test]
+async fn a_set_based_endpoint_selector_selects_by_sets_and_existence() {
+    let fake = FakeKube::start().await;
+    fake.apply("pods", pod("a", Some("127.0.0.2"), "vllm", true));
+    fake.apply("pods", pod("b", Some("127.0.0.3"), "vllm-canary", true));
+    fake.apply("pods", pod("c", Some("127.0.0.4"), "sglang", true));
+    let mut retired = pod("d", Some("127.0.0.5"), "vllm", true);
+    retired["metadata"]["labels"]["deprecated"] = json!("true");
+    fake.apply("pods", retired.clone());
+    let kubeconfig = fake.kubeconfig(NS);
+    let kvpick = Kvpick::start_kube(
+        &kubeconfig,
+        &[
+            "--endpoint-selector",
+            "app in (vllm, vllm-canary),!deprecated,llm-d.ai/role",
+            "--endpoint-target-ports",
+            "8000",
+            "--pool-namespace",
+            NS,
+        ],
+        &[],
+    )
+    .await;
+    wait_endpoints(
+        &kvpick,
+        &["127.0.0.2:8000", "127.0.0.3:8000"],
+        "set-based selector",
+    )
+    .await;
+    // The label that kept d out is removed: d is selected.
+    if let Some(labels) = retired["metadata"]["labels"].as_object_mut() {
+        labels.remove("deprecated");
+    }
+    fake.apply("pods", retired);
+    wait_endpoints(
+        &kvpick,
+        &["127.0.0.2:8000", "127.0.0.3:8000", "127.0.0.5:8000"],
+        "label removed",
+    )
+    .await;
+    // A selector the API would reject is refused at start with the reason.
+    let refused = serve_refused(
+        &[
+            "--endpoint-selector",
+            "app in (vllm",
+            "--endpoint-target-ports",
+            "8000",
+        ],
+        &[],
+    );
+    assert!(refused.contains("--endpoint-selector"), "{refused}");
+    assert!(refused.contains("parenthesis"), "{refused}");
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! semantics kube's watcher relies on: one resourceVersion counter across all objects, list
 //! responses carrying it, watches (`?watch=true&resourceVersion=N`) that replay every change
 //! after N and then stream new ones as chunked JSON lines (`ADDED`/`MODIFIED`/`DELETED`,
-//! periodic `BOOKMARK`s when asked), `labelSelector` (equality) and
+//! periodic `BOOKMARK`s when asked), `labelSelector` (the full syntax) and
 //! `fieldSelector=metadata.name=…` filtering, and a `410 Gone` ERROR event for a watch from
 //! a version older than the last compaction. The test drives it: create/update/delete
 //! objects, end every open watch, compact (so resuming watches get 410 and re-list), change
@@ -346,7 +346,8 @@ struct Shared {
 struct Query {
     resource: String,
     namespace: String,
-    labels: Vec<(String, String)>,
+    /// `labelSelector`, evaluated with kvpick's own parser (its unit tests pin the syntax).
+    labels: Option<kvpick::discovery::kube::LabelSelector>,
     name: Option<String>,
     watch: bool,
     resource_version: u64,
@@ -365,7 +366,7 @@ impl Query {
         let mut query = Query {
             resource,
             namespace: namespace.to_owned(),
-            labels: Vec::new(),
+            labels: None,
             name: None,
             watch: false,
             resource_version: 0,
@@ -381,11 +382,9 @@ impl Query {
                 "timeoutSeconds" => {
                     query.timeout = value.parse().ok().map(Duration::from_secs);
                 }
-                "labelSelector" => {
-                    for pair in value.split(',').filter(|p| !p.is_empty()) {
-                        let (k, v) = pair.split_once('=')?;
-                        query.labels.push((k.to_owned(), v.to_owned()));
-                    }
+                "labelSelector" if !value.is_empty() => {
+                    query.labels =
+                        Some(kvpick::discovery::kube::LabelSelector::parse(&value).ok()?);
                 }
                 "fieldSelector" => {
                     query.name = Some(value.strip_prefix("metadata.name=")?.to_owned());
@@ -403,10 +402,12 @@ impl Query {
                 .name
                 .as_deref()
                 .is_none_or(|name| object["metadata"]["name"] == name)
-            && self
-                .labels
-                .iter()
-                .all(|(k, v)| object["metadata"]["labels"][k] == v.as_str())
+            && self.labels.as_ref().is_none_or(|selector| {
+                let labels: std::collections::BTreeMap<String, String> =
+                    serde_json::from_value(object["metadata"]["labels"].clone())
+                        .unwrap_or_default();
+                selector.matches(&labels)
+            })
     }
 }
 

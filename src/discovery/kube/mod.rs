@@ -16,16 +16,17 @@ pub mod pod_endpoints;
 pub mod policy;
 pub mod policy_watch;
 pub mod pool_spec;
+pub mod selector;
 pub mod status;
 pub mod watch;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 pub use metrics::DiscoveryMetrics;
 pub use pod_endpoints::KvPorts;
 pub use policy_watch::{PolicyHealth, PolicyParts, run_policy};
 pub use pool_spec::{PoolGroup, PoolSpec};
+pub use selector::LabelSelector;
 pub use status::{NotReady, Readiness};
 pub use watch::{DiscoveryParts, run_discovery};
 
@@ -63,29 +64,10 @@ pub struct KubeDiscoveryConfig {
     pub leader: Option<leader::LeaderConfig>,
 }
 
-/// Parses `--endpoint-selector` (`k=v,k2=v2`).
-pub fn parse_selector(text: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut labels = BTreeMap::new();
-    for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (key, value) = pair
-            .split_once('=')
-            .ok_or_else(|| format!("`{pair}` is not KEY=VALUE"))?;
-        let (key, value) = (key.trim(), value.trim());
-        pool_spec::check_label(key, value)?;
-        if labels.insert(key.to_owned(), value.to_owned()).is_some() {
-            return Err(format!("label `{key}` is given twice"));
-        }
-    }
-    if labels.is_empty() {
-        return Err("is empty (it would select every pod of the namespace)".to_owned());
-    }
-    if labels.len() > pool_spec::MAX_SELECTOR_LABELS {
-        return Err(format!(
-            "has more than {} labels",
-            pool_spec::MAX_SELECTOR_LABELS
-        ));
-    }
-    Ok(labels)
+/// Parses `--endpoint-selector` / `--peer-selector` (the API's `labelSelector` syntax:
+/// [`selector`]).
+pub fn parse_selector(text: &str) -> Result<LabelSelector, String> {
+    LabelSelector::parse(text)
 }
 
 /// The namespace when `--pool-namespace` is not given: the service account's, else `default`.

@@ -35,18 +35,13 @@ fn own_pod() -> Option<String> {
 /// The set of the peer pods' exchange addresses (empty until the first list) and the task
 /// that watches them (for the caller to run supervised, stopped by `background`).
 pub async fn watch_peers(
-    labels: BTreeMap<String, String>,
+    selector: String,
     namespace: String,
     port: u16,
     background: &CancellationToken,
 ) -> Result<(watch::Receiver<BTreeSet<String>>, PeerTask), KubeError> {
     let client = super::client().await?;
     let api: Api<Pod> = Api::namespaced(client, &namespace);
-    let selector = labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
     let (tx, rx) = watch::channel(BTreeSet::new());
     let tx = Arc::new(tx);
     let own = own_pod();

@@ -86,11 +86,7 @@ pub fn build(
         // The server filtered by the selector; check again, since a stale watch (or a
         // selector edit racing the re-watch) can still deliver pods of the old selector.
         let labels = pod.metadata.labels.clone().unwrap_or_default();
-        if !spec
-            .selector
-            .iter()
-            .all(|(k, v)| labels.get(k).is_some_and(|have| have == v))
-        {
+        if !spec.selector.matches(&labels) {
             continue;
         }
         if !is_serving(pod) {
@@ -204,7 +200,9 @@ mod tests {
 
     fn spec(ports: &[u16]) -> PoolSpec {
         PoolSpec {
-            selector: [("app".to_owned(), "vllm".to_owned())].into(),
+            selector: super::super::LabelSelector::from_labels(
+                &[("app".to_owned(), "vllm".to_owned())].into(),
+            ),
             target_ports: ports.to_vec(),
         }
     }

@@ -54,8 +54,8 @@ impl PoolGroup {
 /// What kvpick uses of a pool: which pods, and which ports of each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolSpec {
-    /// Pods whose labels include all of these are the pool's.
-    pub selector: BTreeMap<String, String>,
+    /// Pods this selects are the pool's (a pool's `matchLabels`, or `--endpoint-selector`).
+    pub selector: super::LabelSelector,
     /// Each ready pod × each port is one endpoint (several ports: data-parallel ranks).
     pub target_ports: Vec<u16>,
 }
@@ -63,12 +63,7 @@ pub struct PoolSpec {
 impl PoolSpec {
     /// The selector in the API's `labelSelector` syntax (`k=v,k2=v2`).
     pub fn label_selector(&self) -> String {
-        let pairs: Vec<String> = self
-            .selector
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        pairs.join(",")
+        self.selector.query()
     }
 }
 
@@ -111,7 +106,7 @@ pub fn parse_spec(group: PoolGroup, object: &Value) -> Result<PoolSpec, SpecErro
         )?],
     };
     Ok(PoolSpec {
-        selector,
+        selector: super::LabelSelector::from_labels(&selector),
         target_ports,
     })
 }
