@@ -100,7 +100,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let registry = prometheus::Registry::new();
-    let metrics = Arc::new(EppMetrics::new(&registry)?);
+    let metrics = Arc::new(EppMetrics::with_fairness_id_limit(
+        &registry,
+        config.fairness_id_label_limit,
+    )?);
     let datastore = Arc::new(Datastore::new());
     let background = CancellationToken::new();
     let mut supervisor = Supervisor::new(metrics.subsystem_failures.clone());

@@ -6,6 +6,7 @@
 //! - **applied**: it does here what it does there (`--refresh-metrics-interval` is an alias of
 //!   `--scrape-interval` in [`super::ServeArgs`]; `-v`, `--zap-*` set the log level and
 //!   format; the gRPC message sizes, `--metrics-staleness-threshold`, `--feature-gates`,
+//!   `--fairness-id-metric-label-limit`,
 //!   `--disable-endpoint-subset-filter`, `--tls-min-version`, `--model-server-metrics-path`
 //!   and `-port`);
 //! - **accepted, nothing to do**: what it switches is always on or has no counterpart in
@@ -74,8 +75,8 @@ pub struct LlmdFlags {
     /// is left to reap.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub plugin_state_staleness_threshold: Option<Duration>,
-    /// Metrics older than this are stale (the fresh-metrics filter, the saturation detector):
-    /// replaces the EndpointPickerConfig's `saturationDetector.metricsStalenessThreshold`.
+    /// Metrics older than this are stale (the fresh-metrics filter, the saturation detector),
+    /// unless the EndpointPickerConfig sets `saturationDetector.metricsStalenessThreshold`.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub metrics_staleness_threshold: Option<Duration>,
     /// llm-d: TokenReview on `/metrics`. kvpick's stand-in is `--metrics-bearer-token-file`;
@@ -89,6 +90,10 @@ pub struct LlmdFlags {
     /// Largest ext-proc gRPC message sent (as `--grpc-max-recv-msg-size`).
     #[arg(long, value_name = "SIZE")]
     pub grpc_max_send_msg_size: Option<String>,
+    /// Distinct fairness ids (`x-gateway-inference-fairness-id`) that get metric series of
+    /// their own; later ones are counted as `other` (0: all of them). Default 1000.
+    #[arg(long, value_name = "N")]
+    pub fairness_id_metric_label_limit: Option<usize>,
     /// Feature gates over the EndpointPickerConfig's `featureGates`, kubelet style:
     /// `flowControl`, `flowControl=true`, `flowControl=false`.
     #[arg(long, value_delimiter = ',', value_name = "GATES")]
@@ -193,6 +198,8 @@ pub struct LlmdOverrides {
     pub metrics_port: Option<u16>,
     /// `--tracing=true` was given: worth a warning, as kvpick exports no traces.
     pub tracing_asked: bool,
+    /// `--fairness-id-metric-label-limit` (default 1000).
+    pub fairness_id_label_limit: usize,
 }
 
 impl LlmdFlags {
@@ -300,6 +307,9 @@ impl LlmdFlags {
             metrics_path: self.model_server_metrics_path.clone(),
             metrics_port: self.model_server_metrics_port,
             tracing_asked: self.tracing == Some(true),
+            fairness_id_label_limit: self
+                .fairness_id_metric_label_limit
+                .unwrap_or(crate::telemetry::labels::MAX_LABEL_VALUES),
         })
     }
 
@@ -759,6 +769,22 @@ mod tests {
             .validate()
             .expect("valid");
         assert!(!off.picker.scheduler.flow_control);
+        // The config's own metricsStalenessThreshold (200ms in the recommended profile's file)
+        // wins over the flag, with a warning; without one, the flag sets it.
+        let both = parse(&["--config-text", gated, "--metrics-staleness-threshold=2s"])
+            .expect("parse")
+            .validate()
+            .expect("valid");
+        assert_eq!(
+            both.picker.scheduler.saturation.metrics_staleness,
+            Duration::from_millis(200)
+        );
+        assert_eq!(both.flag_warnings.len(), 1, "{:?}", both.flag_warnings);
+        let flag_only = parse(&["--recommended-profile", "--metrics-staleness-threshold=2s"])
+            .expect("parse")
+            .validate()
+            .expect("valid");
+        assert_eq!(flag_only.scrape.staleness, Duration::from_secs(2));
         // Go's boolean syntax: `--flag false` is not `--flag=false`.
         assert!(parse(&["--tracing", "maybe"]).is_err());
         // TLS 1.3 only needs TLS.

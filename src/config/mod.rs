@@ -348,6 +348,8 @@ pub struct ServeConfig {
     /// What start-up should warn about once logging is up (flags accepted that do nothing
     /// here).
     pub flag_warnings: Vec<String>,
+    /// Distinct fairness ids with metric series of their own.
+    pub fairness_id_label_limit: usize,
 }
 
 impl ServeArgs {
@@ -487,8 +489,10 @@ impl ServeArgs {
         if self.recommended_profile {
             picker.scheduler = crate::scheduling::SchedulerConfig::kvpick_recommended();
         }
-        // llm-d applies `--feature-gates` after the config's `featureGates`, and its
-        // `--metrics-staleness-threshold` is the one staleness every check reads.
+        let mut flag_warnings = Vec::new();
+        // llm-d applies `--feature-gates` after the config's `featureGates`.
+        // `--metrics-staleness-threshold` sets the one staleness every check reads, unless the
+        // config file sets it (per profile) itself.
         for (gate, on) in &llmd.feature_gates {
             if gate == picker_doc::FLOW_CONTROL_GATE {
                 picker.scheduler.flow_control = *on;
@@ -499,9 +503,15 @@ impl ServeArgs {
             }
         }
         if let Some(staleness) = llmd.metrics_staleness {
-            picker.scheduler.saturation.metrics_staleness = staleness;
+            if picker.metrics_staleness_configured {
+                flag_warnings.push(format!(
+                    "--metrics-staleness-threshold {staleness:?}: the config's saturationDetector.metricsStalenessThreshold ({:?}) wins",
+                    picker.scheduler.saturation.metrics_staleness
+                ));
+            } else {
+                picker.scheduler.saturation.metrics_staleness = staleness;
+            }
         }
-        let mut flag_warnings = Vec::new();
         if llmd.tracing_asked {
             flag_warnings.push(
                 "--tracing=true: kvpick exports no OpenTelemetry traces (its per-request stage timings are metrics)"
@@ -564,6 +574,7 @@ impl ServeArgs {
             ),
             endpoint_subset_filter: llmd.endpoint_subset_filter,
             flag_warnings,
+            fairness_id_label_limit: llmd.fairness_id_label_limit,
         })
     }
 }

@@ -67,6 +67,9 @@ pub struct ValidatedPickerConfig {
     pub scheduler: SchedulerConfig,
     /// Accepted-but-ignored settings (log them at start-up).
     pub warnings: Vec<String>,
+    /// The config set `saturationDetector.metricsStalenessThreshold` itself (it then wins
+    /// over llm-d's `--metrics-staleness-threshold` flag).
+    pub metrics_staleness_configured: bool,
 }
 
 /// GIE's default configuration, as YAML (what runs when no config is given).
@@ -101,6 +104,7 @@ pub fn load(text: Option<&str>) -> Result<ValidatedPickerConfig, PickerConfigErr
         None => Ok(ValidatedPickerConfig {
             scheduler: SchedulerConfig::gie_default(),
             warnings: Vec::new(),
+            metrics_staleness_configured: false,
         }),
         Some(text) => EndpointPickerConfig::from_yaml(text)?.validate(),
     }
@@ -172,6 +176,10 @@ impl EndpointPickerConfig {
         Ok(ValidatedPickerConfig {
             scheduler,
             warnings,
+            metrics_staleness_configured: self
+                .saturation_detector
+                .as_ref()
+                .is_some_and(|s| s.metrics_staleness_threshold.is_some()),
         })
     }
 }

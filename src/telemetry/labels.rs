@@ -70,13 +70,14 @@ impl LabelLimiter {
         })
     }
 
-    /// A limiter of the same bounds for another kind of value (its own distinct-value set),
-    /// counting into the same `kvpick_metric_label_values_bounded_total`.
-    pub fn for_kind(&self, kind: &'static str) -> Self {
+    /// A limiter for another kind of value (its own distinct-value set, at most `max_values`
+    /// of them, the same length bound), counting into the same
+    /// `kvpick_metric_label_values_bounded_total`.
+    pub fn for_kind(&self, kind: &'static str, max_values: usize) -> Self {
         Self {
             kind,
             max_bytes: self.max_bytes,
-            max_values: self.max_values,
+            max_values,
             seen: Mutex::new(HashSet::new()),
             warned: AtomicBool::new(false),
             truncated: self.truncated.clone(),
@@ -208,7 +209,7 @@ mod tests {
     fn another_kind_has_its_own_distinct_values_and_shares_the_counters() {
         let registry = Registry::new();
         let models = LabelLimiter::with_bounds(&registry, 5, 1).expect("limiter");
-        let tenants = models.for_kind("fairness ids");
+        let tenants = models.for_kind("fairness ids", 1);
         assert_eq!(models.bound("m"), "m");
         assert_eq!(
             tenants.bound("t"),
@@ -218,5 +219,9 @@ mod tests {
         assert_eq!(tenants.bound("u"), OVERFLOW_LABEL);
         assert_eq!(models.bound("n"), OVERFLOW_LABEL);
         assert_eq!(models.collapsed.get(), 2, "one counter for both kinds");
+        // A limit of 0 counts every value as `other` (llm-d's
+        // `--fairness-id-metric-label-limit=0`).
+        let none = models.for_kind("fairness ids", 0);
+        assert_eq!(none.bound("t"), OVERFLOW_LABEL);
     }
 }

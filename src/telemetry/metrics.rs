@@ -197,10 +197,19 @@ pub struct EppMetrics {
 impl EppMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        Self::with_fairness_id_limit(registry, super::labels::MAX_LABEL_VALUES)
+    }
+
+    /// [`Self::new`], with at most `fairness_ids` distinct fairness ids getting series of
+    /// their own (llm-d's `--fairness-id-metric-label-limit`; 0 counts them all as `other`).
+    pub fn with_fairness_id_limit(
+        registry: &Registry,
+        fairness_ids: usize,
+    ) -> prometheus::Result<Self> {
         // One limiter for every model label: the same client-chosen names feed them all.
         let models = Arc::new(LabelLimiter::new(registry)?);
         // Tenants come from a client header: their own bound, like llm-d's.
-        let tenants = Arc::new(models.for_kind("fairness ids"));
+        let tenants = Arc::new(models.for_kind("fairness ids", fairness_ids));
         let metrics = Self {
             requests: BoundedVec::new(
                 Arc::clone(&models),

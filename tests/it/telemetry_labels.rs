@@ -105,3 +105,40 @@ async fn huge_and_many_distinct_model_names_keep_metrics_small() {
         .unwrap_or(0.0);
     assert!(collapsed > 0.0, "collapses are counted");
 }
+
+/// llm-d's `--fairness-id-metric-label-limit`: past the limit, tenants are counted as `other`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fairness_id_label_limit_is_the_flags() {
+    let backend = Backend::start("127.0.0.1").await;
+    let pool = format!("endpoints:\n  - address: {}\n", backend.addr);
+    let kvpick = Kvpick::start(
+        &pool,
+        &[
+            "--objective",
+            "critical=7",
+            "--fairness-id-metric-label-limit=1",
+        ],
+    )
+    .await;
+    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let url = envoy.url("/v1/completions");
+    for tenant in ["tenant-a", "tenant-b", "tenant-c"] {
+        let reply = post_as(&url, "m", tenant).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+        .await
+        .expect("metrics")
+        .text();
+    let series = |tenant: &str| {
+        format!(
+            "llm_d_epp_request_total{{fairness_id=\"{tenant}\",model_name=\"m\",priority=\"7\",target_model_name=\"m\"}}"
+        )
+    };
+    assert!(
+        text.contains(&format!("{} 1", series("tenant-a"))),
+        "{text}"
+    );
+    assert!(text.contains(&format!("{} 2", series("other"))), "{text}");
+    assert!(!text.contains("fairness_id=\"tenant-b\""), "{text}");
+}

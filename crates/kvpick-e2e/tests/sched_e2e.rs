@@ -192,6 +192,9 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
             "request {i}: {cached} of {prompt_tokens} prompt tokens cached: not routed to the holder {holder}"
         );
     }
+    // Usage reaches kvpick on the observing stream, which the gateway does not wait for:
+    // once the holder's count shows the seven requests, the others' counts are final too.
+    wait_served(&kvpick, &holder, 6 * prompt_tokens).await;
     let others: u64 = served_by_others(&kvpick, &pods, &holder).await;
     assert_eq!(others, 0, "no shared-prefix request went to another pod");
     let metrics = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
@@ -211,6 +214,17 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
             "seven picks timed for {plugin}"
         );
     }
+}
+
+/// Waits until kvpick has counted at least `tokens` prompt tokens served by `address` (usage
+/// arrives on the observing ext_proc stream, shortly after the client has its answer).
+async fn wait_served(kvpick: &Kvpick, address: &str, tokens: u64) {
+    support::wait_until(
+        "the responses' usage to reach kvpick",
+        Duration::from_secs(10),
+        || async move { prompt_tokens_served(kvpick, address).await >= tokens },
+    )
+    .await;
 }
 
 async fn served_by_others(kvpick: &Kvpick, pods: &[FleetPod], except: &str) -> u64 {
@@ -281,7 +295,17 @@ async fn a_cache_owner_whose_queue_outgrows_the_savings_loses_new_requests() {
         0,
         "with the owner's queue costing more than the prefill it saves, the request went to an idle pod"
     );
-    assert!(served_by_others(&kvpick, &pods, &holder).await > 0);
+    // The usage of the request served elsewhere arrives on the observing stream, shortly
+    // after the client has its answer.
+    support::wait_until(
+        "the request served elsewhere to be counted",
+        Duration::from_secs(10),
+        || {
+            let (kvpick, pods, holder) = (&kvpick, &pods, holder.as_str());
+            async move { served_by_others(kvpick, pods, holder).await > 0 }
+        },
+    )
+    .await;
     for handle in load {
         assert_eq!(handle.await.expect("join").status, 200);
     }
@@ -406,12 +430,14 @@ async fn a_pod_whose_metrics_hang_gets_no_traffic_until_it_recovers() {
         .await;
         assert_eq!(reply.status, 200, "{}", reply.text());
     }
+    // Each of the 12 prompts has at least one token: once the healthy pod's count shows
+    // them all, the hung pod's count is final.
+    wait_served(&kvpick, &healthy, 12).await;
     assert_eq!(
         prompt_tokens_served(&kvpick, &hung).await,
         0,
         "the hung pod got no traffic"
     );
-    assert!(prompt_tokens_served(&kvpick, &healthy).await > 0);
 
     let ok = send("POST", &faults, &[], br#"{"metrics":"ok"}"#.to_vec())
         .await
