@@ -9,7 +9,10 @@ use kvpick::config::ServeArgs;
 #[command(
     name = "kvpick",
     version,
-    about = "KV-cache-aware endpoint picker for LLM inference"
+    about = "KV-cache-aware endpoint picker for LLM inference",
+    // A flag given twice takes its last value, as Go's flags do (a chart's default arguments
+    // followed by the user's), instead of being an error; repeatable flags still repeat.
+    args_override_self = true
 )]
 struct Cli {
     /// Log filter (RUST_LOG syntax), e.g. `info` or `kvpick=debug`; wins over llm-d's `-v`

@@ -21,6 +21,8 @@ pub enum DurationError {
 /// bare `0`) into a [`Duration`]. Negative durations are refused.
 pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
     let text = text.trim();
+    // Go takes a sign; a negative duration is refused below (its `-` is not a number).
+    let text = text.strip_prefix('+').unwrap_or(text);
     if text == "0" {
         return Ok(Duration::ZERO);
     }
@@ -101,6 +103,7 @@ mod tests {
         );
         assert_eq!(parse_duration("300\u{b5}s"), Ok(Duration::from_micros(300)));
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("+1s"), Ok(Duration::from_secs(1)));
         assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
         assert_eq!(
             parse_duration("0.1234567891s"),

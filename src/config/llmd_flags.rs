@@ -84,7 +84,7 @@ pub struct LlmdFlags {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub metrics_endpoint_auth: Option<bool>,
     /// Largest ext-proc gRPC message accepted, as a Kubernetes quantity (`10MiB`, `25MB`,
-    /// `4194304`; 0: the default, 8 MiB).
+    /// `1.5Mi`, `1e6`, `4194304`; 0: the default, 8 MiB).
     #[arg(long, value_name = "SIZE")]
     pub grpc_max_recv_msg_size: Option<String>,
     /// Largest ext-proc gRPC message sent (as `--grpc-max-recv-msg-size`).
@@ -122,7 +122,7 @@ pub struct LlmdFlags {
     /// Path scraped on each endpoint (default `/metrics`).
     #[arg(long, value_name = "PATH")]
     pub model_server_metrics_path: Option<String>,
-    /// Port scraped on each endpoint's IP instead of the endpoint's own port.
+    /// Port scraped on each endpoint's IP instead of the endpoint's own port (0: its own).
     #[arg(long, value_name = "PORT")]
     pub model_server_metrics_port: Option<u16>,
     /// Accepted with `http` (nothing to verify).
@@ -171,7 +171,10 @@ pub enum LlmdFlagError {
 /// How kvpick logs, from `-v` and `--zap-*`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LogSettings {
-    /// The level the flags ask for (`None`: kvpick's default, info).
+    /// The log filter the flags ask for (`None`: kvpick's default, info). Levels above info
+    /// apply to kvpick's own lines only (`info,kvpick=debug`): as llm-d's `-v` raises its own
+    /// logger's verbosity, not that of every library (h2 alone logs every HTTP/2 frame at
+    /// debug).
     pub level: Option<&'static str>,
     /// One JSON object per line instead of text.
     pub json: bool,
@@ -305,7 +308,8 @@ impl LlmdFlags {
             endpoint_subset_filter: !self.disable_endpoint_subset_filter,
             tls13_only,
             metrics_path: self.model_server_metrics_path.clone(),
-            metrics_port: self.model_server_metrics_port,
+            // llm-d: 0 (its default) means the endpoint's own port.
+            metrics_port: self.model_server_metrics_port.filter(|&port| port != 0),
             tracing_asked: self.tracing == Some(true),
             fairness_id_label_limit: self
                 .fairness_id_metric_label_limit
@@ -386,7 +390,7 @@ impl LlmdFlags {
 /// controller-runtime's `--zap-log-level` as a tracing level.
 fn zap_level(text: &str) -> Result<&'static str, LlmdFlagError> {
     match text.to_ascii_lowercase().as_str() {
-        "debug" => Ok("debug"),
+        "debug" => Ok("info,kvpick=debug"),
         "info" => Ok("info"),
         "warn" | "warning" => Ok("warn"),
         "error" | "dpanic" | "panic" | "fatal" => Ok("error"),
@@ -401,12 +405,12 @@ fn zap_level(text: &str) -> Result<&'static str, LlmdFlagError> {
     }
 }
 
-/// llm-d's verbosity levels (2 default, 3 verbose, 4 debug, 5 trace) as a tracing level.
+/// llm-d's verbosity levels (2 default, 3 verbose, 4 debug, 5 trace) as a log filter.
 fn verbosity_level(v: u8) -> Option<&'static str> {
     match v {
         0..=3 => None,
-        4 => Some("debug"),
-        _ => Some("trace"),
+        4 => Some("info,kvpick=debug"),
+        _ => Some("info,kvpick=trace"),
     }
 }
 
@@ -432,29 +436,46 @@ fn message_size(
         .strip_suffix(['B', 'b'])
         .filter(|rest| !rest.is_empty())
         .unwrap_or(trimmed);
+    const FORM: &str = "takes a number of bytes (`4194304`, `1.5Mi`, `1e6`) with an optional Ki, Mi, Gi, k, M or G suffix";
     let split = trimmed
-        .find(|c: char| !c.is_ascii_digit())
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(trimmed.len());
     let (number, suffix) = trimmed.split_at(split);
-    let number: u64 = number.parse().map_err(|_| {
-        invalid("takes a whole number of bytes with an optional Ki, Mi, Gi, k, M or G suffix")
-    })?;
-    let unit: u64 = match suffix {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "k" | "K" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        _ => {
-            return Err(invalid(
-                "takes a whole number of bytes with an optional Ki, Mi, Gi, k, M or G suffix",
-            ));
-        }
+    // A decimal exponent (`1e6`, `5E3`) is a quantity's other suffix.
+    let (unit, exponent): (u64, u32) = match suffix {
+        "" => (1, 0),
+        "Ki" => (1 << 10, 0),
+        "Mi" => (1 << 20, 0),
+        "Gi" => (1 << 30, 0),
+        "k" | "K" => (1, 3),
+        "M" => (1, 6),
+        "G" => (1, 9),
+        exp => match exp
+            .strip_prefix(['e', 'E'])
+            .and_then(|digits| digits.parse::<u32>().ok())
+        {
+            Some(e) if e <= 9 => (1, e),
+            _ => return Err(invalid(FORM)),
+        },
     };
-    let bytes = number
-        .checked_mul(unit)
+    // Exact arithmetic on the decimal digits: bytes = digits × unit × 10^exponent / 10^fraction.
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if (whole.is_empty() && fraction.is_empty()) || fraction.contains('.') || fraction.len() > 9 {
+        return Err(invalid(FORM));
+    }
+    let digits: u128 = format!("{whole}{fraction}")
+        .parse()
+        .map_err(|_| invalid(FORM))?;
+    let scaled = digits
+        .checked_mul(u128::from(unit))
+        .and_then(|v| v.checked_mul(10u128.pow(exponent)))
+        .ok_or_else(|| invalid("must be at most 1Gi"))?;
+    let divisor = 10u128.pow(u32::try_from(fraction.len()).unwrap_or(9));
+    if scaled % divisor != 0 {
+        return Err(invalid("must be a whole number of bytes"));
+    }
+    let bytes = u64::try_from(scaled / divisor)
+        .ok()
         .filter(|&b| b <= MAX_GRPC_MESSAGE_BYTES)
         .ok_or_else(|| invalid("must be at most 1Gi"))?;
     if bytes == 0 {
@@ -508,8 +529,14 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(v(2).log_settings().map(|s| s.level), Ok(None));
-        assert_eq!(v(4).log_settings().map(|s| s.level), Ok(Some("debug")));
-        assert_eq!(v(7).log_settings().map(|s| s.level), Ok(Some("trace")));
+        assert_eq!(
+            v(4).log_settings().map(|s| s.level),
+            Ok(Some("info,kvpick=debug"))
+        );
+        assert_eq!(
+            v(7).log_settings().map(|s| s.level),
+            Ok(Some("info,kvpick=trace"))
+        );
         let zap = |text: &str| LlmdFlags {
             zap_log_level: Some(text.to_owned()),
             verbosity: Some(5),
@@ -522,9 +549,12 @@ mod tests {
         );
         assert_eq!(
             zap("DEBUG").log_settings().map(|s| s.level),
-            Ok(Some("debug"))
+            Ok(Some("info,kvpick=debug"))
         );
-        assert_eq!(zap("4").log_settings().map(|s| s.level), Ok(Some("debug")));
+        assert_eq!(
+            zap("4").log_settings().map(|s| s.level),
+            Ok(Some("info,kvpick=debug"))
+        );
         for bad in ["0", "loud", "-1"] {
             assert!(
                 matches!(
@@ -563,14 +593,20 @@ mod tests {
         assert_eq!(size("4194304"), Ok(Some(4_194_304)));
         assert_eq!(size("512k"), Ok(Some(512_000)));
         assert_eq!(size("0"), Ok(None));
+        assert_eq!(size("1.5Mi"), Ok(Some(1_572_864)));
+        assert_eq!(size("1e6"), Ok(Some(1_000_000)));
+        assert_eq!(size("2.5k"), Ok(Some(2_500)));
         for bad in [
             "",
             "B",
             "10XB",
             "-1",
-            "1.5Mi",
             "2Gi",
             "99999999999999999999",
+            "1.0000000001Ki",
+            "0.5",
+            ".",
+            "1e99",
         ] {
             assert!(size(bad).is_err(), "{bad}");
         }
@@ -690,6 +726,7 @@ mod tests {
         use clap::Parser;
 
         #[derive(Parser)]
+        #[command(args_override_self = true)]
         struct Cli {
             #[command(flatten)]
             serve: super::super::ServeArgs,
@@ -785,6 +822,19 @@ mod tests {
             .validate()
             .expect("valid");
         assert_eq!(flag_only.scrape.staleness, Duration::from_secs(2));
+        // A flag given twice takes its last value, as in Go; repeatable ones still repeat.
+        let twice = parse(&[
+            "--v",
+            "3",
+            "--v=5",
+            "--tokenizer",
+            "a=/x",
+            "--tokenizer",
+            "b=/y",
+        ])
+        .expect("parse");
+        assert_eq!(twice.llmd.verbosity, Some(5));
+        assert_eq!(twice.tokenizers.len(), 2);
         // Go's boolean syntax: `--flag false` is not `--flag=false`.
         assert!(parse(&["--tracing", "maybe"]).is_err());
         // TLS 1.3 only needs TLS.

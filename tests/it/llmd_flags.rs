@@ -29,6 +29,9 @@ async fn an_llmd_deployments_arguments_start_kvpick_and_apply() {
     let kvpick = Kvpick::start(
         &pool,
         &[
+            // Given twice (a chart's default, then the user's): the last one counts, as in Go.
+            "--v",
+            "2",
             "--zap-encoder",
             "json",
             "--tracing=false",

@@ -346,8 +346,8 @@ struct Shared {
 struct Query {
     resource: String,
     namespace: String,
-    /// `labelSelector`, evaluated with kvpick's own parser (its unit tests pin the syntax).
-    labels: Option<kvpick::discovery::kube::LabelSelector>,
+    /// `labelSelector`, as requirements (evaluated here, not with kvpick's own parser).
+    labels: Vec<SelectorTerm>,
     name: Option<String>,
     watch: bool,
     resource_version: u64,
@@ -366,7 +366,7 @@ impl Query {
         let mut query = Query {
             resource,
             namespace: namespace.to_owned(),
-            labels: None,
+            labels: Vec::new(),
             name: None,
             watch: false,
             resource_version: 0,
@@ -382,10 +382,7 @@ impl Query {
                 "timeoutSeconds" => {
                     query.timeout = value.parse().ok().map(Duration::from_secs);
                 }
-                "labelSelector" if !value.is_empty() => {
-                    query.labels =
-                        Some(kvpick::discovery::kube::LabelSelector::parse(&value).ok()?);
-                }
+                "labelSelector" => query.labels = selector_terms(&value)?,
                 "fieldSelector" => {
                     query.name = Some(value.strip_prefix("metadata.name=")?.to_owned());
                 }
@@ -402,13 +399,76 @@ impl Query {
                 .name
                 .as_deref()
                 .is_none_or(|name| object["metadata"]["name"] == name)
-            && self.labels.as_ref().is_none_or(|selector| {
-                let labels: std::collections::BTreeMap<String, String> =
-                    serde_json::from_value(object["metadata"]["labels"].clone())
-                        .unwrap_or_default();
-                selector.matches(&labels)
-            })
+            && self
+                .labels
+                .iter()
+                .all(|term| term.matches(&object["metadata"]["labels"]))
     }
+}
+
+/// One requirement of a `labelSelector` (the API server's syntax, kept apart from kvpick's
+/// parser so the discovery tests check kvpick's selectors against an independent reading).
+#[derive(Debug)]
+enum SelectorTerm {
+    In(String, Vec<String>),
+    NotIn(String, Vec<String>),
+    Exists(String),
+    Absent(String),
+}
+
+impl SelectorTerm {
+    fn matches(&self, labels: &Value) -> bool {
+        let value = |key: &str| labels.get(key).and_then(Value::as_str);
+        match self {
+            Self::In(key, values) => value(key).is_some_and(|v| values.iter().any(|w| w == v)),
+            Self::NotIn(key, values) => value(key).is_none_or(|v| values.iter().all(|w| w != v)),
+            Self::Exists(key) => value(key).is_some(),
+            Self::Absent(key) => value(key).is_none(),
+        }
+    }
+}
+
+/// `a=b,c!=d,e in (f,g),h notin (i),j,!k`; `None` for what the API would answer 400 to.
+fn selector_terms(text: &str) -> Option<Vec<SelectorTerm>> {
+    let mut terms = Vec::new();
+    let mut rest = text.trim();
+    while !rest.is_empty() {
+        // A requirement ends at the first comma outside parentheses.
+        let mut depth = 0;
+        let end = rest
+            .char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                c == ',' && depth == 0
+            })
+            .map_or(rest.len(), |(i, _)| i);
+        let term = rest[..end].trim();
+        rest = rest.get(end + 1..).unwrap_or("").trim();
+        let set = |inner: &str| -> Vec<String> {
+            inner.split(',').map(|v| v.trim().to_owned()).collect()
+        };
+        terms.push(if let Some((key, value)) = term.split_once("!=") {
+            SelectorTerm::NotIn(key.trim().to_owned(), vec![value.trim().to_owned()])
+        } else if let Some((key, value)) = term.split_once('=') {
+            let value = value.strip_prefix('=').unwrap_or(value);
+            SelectorTerm::In(key.trim().to_owned(), vec![value.trim().to_owned()])
+        } else if let Some((key, inner)) = term.split_once(" notin (") {
+            SelectorTerm::NotIn(key.trim().to_owned(), set(inner.strip_suffix(')')?))
+        } else if let Some((key, inner)) = term.split_once(" in (") {
+            SelectorTerm::In(key.trim().to_owned(), set(inner.strip_suffix(')')?))
+        } else if let Some(key) = term.strip_prefix('!') {
+            SelectorTerm::Absent(key.trim().to_owned())
+        } else if !term.is_empty() && !term.contains(' ') {
+            SelectorTerm::Exists(term.to_owned())
+        } else {
+            return None;
+        });
+    }
+    Some(terms)
 }
 
 fn url_pairs(text: &str) -> Vec<(String, String)> {

@@ -183,9 +183,13 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
     let probe = completion(&format!("{system}Question 1?"), 4);
     let holder = wait_for_index(&kvpick, &probe, prompt_tokens / 16 - 2).await;
 
+    let mut sent = prompt_tokens;
     for i in 1..=6 {
         let reply = post_json(&url, &completion(&format!("{system}Question {i}?"), 4)).await;
         assert_eq!(reply.status, 200, "{}", reply.text());
+        sent += reply.json()["usage"]["prompt_tokens"]
+            .as_u64()
+            .expect("usage");
         let cached = cached_tokens(&reply.json());
         assert!(
             cached + 32 >= prompt_tokens,
@@ -193,8 +197,8 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
         );
     }
     // Usage reaches kvpick on the observing stream, which the gateway does not wait for:
-    // once the holder's count shows the seven requests, the others' counts are final too.
-    wait_served(&kvpick, &holder, 6 * prompt_tokens).await;
+    // once all seven answers' prompt tokens are counted, the per-pod counts are final.
+    wait_served(&kvpick, &pods, sent).await;
     let others: u64 = served_by_others(&kvpick, &pods, &holder).await;
     assert_eq!(others, 0, "no shared-prefix request went to another pod");
     let metrics = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
@@ -216,13 +220,20 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
     }
 }
 
-/// Waits until kvpick has counted at least `tokens` prompt tokens served by `address` (usage
-/// arrives on the observing ext_proc stream, shortly after the client has its answer).
-async fn wait_served(kvpick: &Kvpick, address: &str, tokens: u64) {
+/// Waits until kvpick has counted at least `tokens` prompt tokens served by all of `pods`
+/// together (usage arrives on the observing ext_proc stream, shortly after the client has
+/// its answer).
+async fn wait_served(kvpick: &Kvpick, pods: &[FleetPod], tokens: u64) {
     support::wait_until(
         "the responses' usage to reach kvpick",
         Duration::from_secs(10),
-        || async move { prompt_tokens_served(kvpick, address).await >= tokens },
+        || async move {
+            let mut total = 0;
+            for pod in pods {
+                total += prompt_tokens_served(kvpick, &pod.http.to_string()).await;
+            }
+            total >= tokens
+        },
     )
     .await;
 }
@@ -422,6 +433,7 @@ async fn a_pod_whose_metrics_hang_gets_no_traffic_until_it_recovers() {
         },
     )
     .await;
+    let mut sent = 0;
     for i in 0..12 {
         let reply = post_json(
             &url,
@@ -429,10 +441,13 @@ async fn a_pod_whose_metrics_hang_gets_no_traffic_until_it_recovers() {
         )
         .await;
         assert_eq!(reply.status, 200, "{}", reply.text());
+        sent += reply.json()["usage"]["prompt_tokens"]
+            .as_u64()
+            .expect("usage");
     }
-    // Each of the 12 prompts has at least one token: once the healthy pod's count shows
-    // them all, the hung pod's count is final.
-    wait_served(&kvpick, &healthy, 12).await;
+    // Once all twelve answers' prompt tokens are counted, the per-pod counts are final.
+    wait_served(&kvpick, &pods, sent).await;
+    assert!(prompt_tokens_served(&kvpick, &healthy).await >= sent);
     assert_eq!(
         prompt_tokens_served(&kvpick, &hung).await,
         0,

@@ -139,23 +139,48 @@ fn parse_labels(
     Ok(labels)
 }
 
-/// Checks one selector label the way the API server's label syntax allows; returns why not.
+/// Checks one selector label the way the API server validates labels (a key is an optional
+/// DNS-subdomain prefix and `/`, then a name of at most 63 characters; a value is empty or at
+/// most 63 characters; names and values begin and end alphanumeric, with `-`, `_`, `.`
+/// inside); returns why not.
 pub fn check_label(key: &str, value: &str) -> Result<(), String> {
-    let name = key.rsplit_once('/').map_or(key, |(_, name)| name);
-    let fine = |s: &str, max: usize| {
-        s.len() <= max
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
     };
-    if name.is_empty() || !fine(key, 317) || key.matches('/').count() > 1 {
+    let prefix_fine = prefix.is_none_or(|p| {
+        p.len() <= 253
+            && p.split('.').all(|part| {
+                !part.is_empty()
+                    && part
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !part.starts_with('-')
+                    && !part.ends_with('-')
+            })
+    });
+    if name.is_empty() || !label_name_fine(name) || !prefix_fine {
         return Err(format!("label key `{key}` is not a valid label key"));
     }
-    if !fine(value, 63) || value.contains('/') {
+    if !value.is_empty() && !label_name_fine(value) {
         return Err(format!(
             "label `{key}` has value `{value}`, not a valid label value"
         ));
     }
     Ok(())
+}
+
+/// A label name or non-empty value: at most 63 characters, alphanumeric at both ends, `-`,
+/// `_`, `.` and alphanumerics inside.
+fn label_name_fine(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 fn parse_target_ports(value: Option<&Value>) -> Result<Vec<u16>, SpecError> {

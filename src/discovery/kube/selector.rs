@@ -1,7 +1,8 @@
 //! Kubernetes label selectors: an InferencePool's `matchLabels`, and `--endpoint-selector` /
 //! `--peer-selector` in the API's full `labelSelector` syntax, as llm-d's `--endpoint-selector`
 //! takes it (`labels.Parse`): equality (`app=vllm`, `app==vllm`, `tier!=canary`), sets
-//! (`env in (prod,staging)`, `env notin (dev)`) and existence (`gpu`, `!deprecated`).
+//! (`env in (prod,staging)`, `env notin (dev)`) and existence (`gpu`, `!deprecated`). Not the
+//! numeric `>`/`<` requirements, nor `in ()` (refused at start-up rather than read as "").
 //!
 //! The selector is sent to the API server (`labelSelector`), which does the filtering, and
 //! checked again on every pod kvpick keeps (a stale watch can deliver pods of an old one).
@@ -88,16 +89,16 @@ impl LabelSelector {
     /// Parses the API's `labelSelector` syntax; an empty selector (every pod of the
     /// namespace) is refused.
     pub fn parse(text: &str) -> Result<Self, String> {
+        if text.trim().is_empty() {
+            return Err("is empty (it would select every pod of the namespace)".to_owned());
+        }
         let mut requirements = Vec::new();
         for part in split_top_level(text)? {
             let part = part.trim();
             if part.is_empty() {
-                continue;
+                return Err(format!("`{text}` has an empty requirement (a stray comma)"));
             }
             requirements.push(requirement(part)?);
-        }
-        if requirements.is_empty() {
-            return Err("is empty (it would select every pod of the namespace)".to_owned());
         }
         if requirements.len() > MAX_SELECTOR_LABELS {
             return Err(format!("has more than {MAX_SELECTOR_LABELS} requirements"));
@@ -259,6 +260,22 @@ mod tests {
     }
 
     #[test]
+    fn keys_and_values_follow_the_apis_label_rules() {
+        let name63 = "a".repeat(63);
+        for good in [
+            "app.kubernetes.io/name=vllm",
+            "llm-d.ai/role in (decode,both)",
+            "a_b.c-d=E_f.G-9",
+            "app=",
+        ] {
+            assert!(LabelSelector::parse(good).is_ok(), "{good}");
+        }
+        assert!(LabelSelector::parse(&format!("{name63}=x")).is_ok());
+        assert!(LabelSelector::parse(&format!("{name63}a=x")).is_err());
+        assert!(LabelSelector::parse(&format!("k={name63}a")).is_err());
+    }
+
+    #[test]
     fn match_labels_are_equality_requirements() {
         let selector = LabelSelector::from_labels(&labels(&[("app", "vllm"), ("tier", "a")]));
         assert_eq!(selector.query(), "app=vllm,tier=a");
@@ -270,6 +287,14 @@ mod tests {
         for bad in [
             "",
             " , ",
+            "app=vllm,",
+            ",app=vllm",
+            "app=-x",
+            "app=x.",
+            "-app=x",
+            "Example.COM/app=x",
+            "a/b/c=x",
+            "app=x y",
             "a b",
             "env in prod",
             "env in (prod",
