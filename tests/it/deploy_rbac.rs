@@ -120,11 +120,19 @@ async fn requested_and_granted(values: &str) -> (BTreeSet<Rule>, BTreeSet<Rule>)
         fake.watches("pods") > 0
     })
     .await;
+    // Some granted verbs come later than readiness: a leader renews its Lease (`update`) one
+    // retry period (2s) after taking it. Wait for what the Role grants to be used, up to the
+    // limit (a verb never used still fails `assert_all_used` below, after the wait).
+    let granted = granted(&objects);
+    let deadline = std::time::Instant::now() + LIMIT;
+    while std::time::Instant::now() < deadline && !granted.is_subset(&fake.requests()) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // NOTE: watches of other resources open concurrently; a moment more lets every one of
     // them reach the API (a request later than this is missed, never invented).
     tokio::time::sleep(Duration::from_secs(2)).await;
     drop(kvpick);
-    (fake.requests(), granted(&objects))
+    (fake.requests(), granted)
 }
 
 fn assert_allowed(requested: &BTreeSet<Rule>, granted: &BTreeSet<Rule>, values: &str) {
