@@ -326,17 +326,16 @@ impl LlmdFlags {
                 "kvpick does not call TokenReview; protect /metrics with --metrics-bearer-token-file, or pass --metrics-endpoint-auth=false",
             );
         }
-        if self.metrics_cert_dir.is_some() {
-            return refuse(
-                "metrics-cert-dir",
-                "kvpick serves /metrics without TLS; protect it with --metrics-bearer-token-file and a NetworkPolicy",
-            );
-        }
-        if self.metrics_client_ca_file.is_some() {
-            return refuse(
-                "metrics-client-ca-file",
-                "kvpick serves /metrics without TLS; protect it with --metrics-bearer-token-file and a NetworkPolicy",
-            );
+        for (flag, given) in [
+            ("metrics-cert-dir", &self.metrics_cert_dir),
+            ("metrics-client-ca-file", &self.metrics_client_ca_file),
+        ] {
+            if given.is_some() {
+                return refuse(
+                    flag,
+                    "kvpick serves /metrics without TLS; protect it with --metrics-bearer-token-file and a NetworkPolicy",
+                );
+            }
         }
         if !self.tls_cipher_suites.is_empty() {
             return refuse(

@@ -561,7 +561,9 @@ impl ServeArgs {
                 timeout: self.scrape_timeout,
                 // One source of truth: the saturation detector's staleness threshold.
                 staleness: picker.scheduler.saturation.metrics_staleness,
-                path: llmd.metrics_path.unwrap_or_else(|| "/metrics".to_owned()),
+                path: llmd
+                    .metrics_path
+                    .unwrap_or_else(|| crate::scrape::DEFAULT_METRICS_PATH.to_owned()),
                 port: llmd.metrics_port,
                 ..Default::default()
             },

@@ -26,8 +26,8 @@ impl ServeArgs {
     /// source, is an error naming the flags.
     pub(super) fn endpoint_source(&self) -> Result<EndpointSource, ConfigError> {
         use crate::discovery::kube::{
-            DiscoveryTarget, KubeDiscoveryConfig, KvPorts, PoolGroup, PoolSpec, default_namespace,
-            parse_selector,
+            DiscoveryTarget, KubeDiscoveryConfig, KvPorts, LabelSelector, PoolGroup, PoolSpec,
+            default_namespace,
         };
         let given: Vec<&str> = [
             (self.endpoints_file.is_some(), "--endpoints-file"),
@@ -92,7 +92,7 @@ impl ServeArgs {
                 }
             }
             (None, None, Some(selector)) => {
-                let selector = parse_selector(selector)
+                let selector = LabelSelector::parse(selector)
                     .map_err(|reason| invalid("endpoint-selector", &reason))?;
                 let ports = &self.endpoint_target_ports;
                 if ports.is_empty()

@@ -96,7 +96,7 @@ pub fn validate(flags: ReplicaFlags<'_>) -> Result<Option<ReplicaConfig>, Replic
         }
         (true, None) => None,
         (true, Some(selector)) => Some(PeerSource::Selector(
-            crate::discovery::kube::parse_selector(selector)
+            crate::discovery::kube::LabelSelector::parse(selector)
                 .map_err(|reason| fail("peer-selector", reason))?,
         )),
         (false, None) => {

@@ -10,5 +10,6 @@ pub mod scraper;
 
 pub use engine::{EngineKind, LoraState, PodMetrics};
 pub use scraper::{
-    MetricsStore, ScrapeConfig, ScrapeManager, ScrapeMetrics, ScrapeObserver, ScrapeStatus,
+    DEFAULT_METRICS_PATH, MetricsStore, ScrapeConfig, ScrapeManager, ScrapeMetrics, ScrapeObserver,
+    ScrapeStatus,
 };

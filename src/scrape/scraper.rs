@@ -26,6 +26,9 @@ use super::engine::{EngineKind, PodMetrics};
 use super::prom_text;
 use crate::endpoints::{ENGINE_TYPE_LABEL, Endpoint, EndpointState, PodId, PrefillLoad};
 
+/// The path scraped unless `--model-server-metrics-path` says otherwise.
+pub const DEFAULT_METRICS_PATH: &str = "/metrics";
+
 /// Scrape timing and limits.
 #[derive(Debug, Clone)]
 pub struct ScrapeConfig {
@@ -51,7 +54,7 @@ impl Default for ScrapeConfig {
             timeout: Duration::from_millis(1000),
             staleness: Duration::from_millis(200),
             max_body_bytes: 8 * 1024 * 1024,
-            path: "/metrics".to_owned(),
+            path: DEFAULT_METRICS_PATH.to_owned(),
             port: None,
         }
     }

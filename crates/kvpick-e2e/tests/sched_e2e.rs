@@ -151,12 +151,21 @@ async fn pod_view(kvpick: &Kvpick, address: &str) -> Value {
 
 /// kvpick's `kvpick_prompt_tokens_total` for one endpoint (0 before its first response).
 async fn prompt_tokens_served(kvpick: &Kvpick, address: &str) -> u64 {
-    let text = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
+    served_in(&metrics_text(kvpick).await, address)
+}
+
+async fn metrics_text(kvpick: &Kvpick) -> String {
+    send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
         .await
         .expect("metrics")
-        .text();
+        .text()
+}
+
+/// `kvpick_prompt_tokens_total` of `address` in a `/metrics` text (0 before any).
+fn served_in(metrics: &str, address: &str) -> u64 {
     let series = format!("kvpick_prompt_tokens_total{{endpoint=\"{address}\"}} ");
-    text.lines()
+    metrics
+        .lines()
         .find_map(|l| l.strip_prefix(series.as_str()))
         .and_then(|v| v.trim().parse::<f64>().ok())
         .map(|v| v as u64)
@@ -199,7 +208,7 @@ async fn shared_prefix_requests_land_on_the_pod_that_holds_the_prefix() {
     // Usage reaches kvpick on the observing stream, which the gateway does not wait for:
     // once all seven answers' prompt tokens are counted, the per-pod counts are final.
     wait_served(&kvpick, &pods, sent).await;
-    let others: u64 = served_by_others(&kvpick, &pods, &holder).await;
+    let others: u64 = tokens_served_by(&kvpick, &pods, Some(&holder)).await;
     assert_eq!(others, 0, "no shared-prefix request went to another pod");
     let metrics = send("GET", &kvpick.metrics_url("/metrics"), &[], Vec::new())
         .await
@@ -227,23 +236,20 @@ async fn wait_served(kvpick: &Kvpick, pods: &[FleetPod], tokens: u64) {
     support::wait_until(
         "the responses' usage to reach kvpick",
         Duration::from_secs(10),
-        || async move {
-            let mut total = 0;
-            for pod in pods {
-                total += prompt_tokens_served(kvpick, &pod.http.to_string()).await;
-            }
-            total >= tokens
-        },
+        || async move { tokens_served_by(kvpick, pods, None).await >= tokens },
     )
     .await;
 }
 
-async fn served_by_others(kvpick: &Kvpick, pods: &[FleetPod], except: &str) -> u64 {
-    let mut total = 0;
-    for pod in pods.iter().filter(|p| p.http.to_string() != except) {
-        total += prompt_tokens_served(kvpick, &pod.http.to_string()).await;
-    }
-    total
+/// Prompt tokens kvpick counted as served by `pods`, `except` one of them (one `/metrics`
+/// read).
+async fn tokens_served_by(kvpick: &Kvpick, pods: &[FleetPod], except: Option<&str>) -> u64 {
+    let metrics = metrics_text(kvpick).await;
+    pods.iter()
+        .map(|pod| pod.http.to_string())
+        .filter(|address| Some(address.as_str()) != except)
+        .map(|address| served_in(&metrics, &address))
+        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,7 +319,7 @@ async fn a_cache_owner_whose_queue_outgrows_the_savings_loses_new_requests() {
         Duration::from_secs(10),
         || {
             let (kvpick, pods, holder) = (&kvpick, &pods, holder.as_str());
-            async move { served_by_others(kvpick, pods, holder).await > 0 }
+            async move { tokens_served_by(kvpick, pods, Some(holder)).await > 0 }
         },
     )
     .await;
@@ -566,17 +572,16 @@ async fn wait_held_nowhere(kvpick: &Kvpick, body: &[u8]) {
 /// Sends `body` through Envoy and returns the pod that served it (whose prompt-token count
 /// kvpick saw grow).
 async fn served_by(kvpick: &Kvpick, pods: &[FleetPod], url: &str, body: &[u8]) -> String {
-    let mut before = Vec::new();
-    for pod in pods {
-        before.push(prompt_tokens_served(kvpick, &pod.http.to_string()).await);
-    }
+    let addresses: Vec<String> = pods.iter().map(|pod| pod.http.to_string()).collect();
+    let metrics = metrics_text(kvpick).await;
+    let before: Vec<u64> = addresses.iter().map(|a| served_in(&metrics, a)).collect();
     let reply = post_json(url, body).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     for _ in 0..400 {
-        for (pod, before) in pods.iter().zip(&before) {
-            let address = pod.http.to_string();
-            if prompt_tokens_served(kvpick, &address).await > *before {
-                return address;
+        let metrics = metrics_text(kvpick).await;
+        for (address, before) in addresses.iter().zip(&before) {
+            if served_in(&metrics, address) > *before {
+                return address.clone();
             }
         }
         tokio::time::sleep(Duration::from_millis(25)).await;

@@ -64,12 +64,6 @@ pub struct KubeDiscoveryConfig {
     pub leader: Option<leader::LeaderConfig>,
 }
 
-/// Parses `--endpoint-selector` / `--peer-selector` (the API's `labelSelector` syntax:
-/// [`selector`]).
-pub fn parse_selector(text: &str) -> Result<LabelSelector, String> {
-    LabelSelector::parse(text)
-}
-
 /// The namespace when `--pool-namespace` is not given: the service account's, else `default`.
 pub fn default_namespace() -> String {
     namespace_from(std::path::Path::new(SERVICE_ACCOUNT_NAMESPACE))

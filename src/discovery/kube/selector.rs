@@ -121,17 +121,6 @@ impl LabelSelector {
             .collect::<Vec<_>>()
             .join(",")
     }
-
-    /// The requirements, sorted.
-    pub fn requirements(&self) -> &[Requirement] {
-        &self.requirements
-    }
-}
-
-impl std::fmt::Display for LabelSelector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.query())
-    }
 }
 
 /// Splits at the commas outside parentheses.
