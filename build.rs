@@ -1,7 +1,18 @@
-//! Compiles the replica exchange's protocol (`proto/kvpick/replica/v1/replica.proto`) into
-//! Rust at build time. `protox` parses the file in Rust, so no `protoc` binary is needed.
+//! Compiles kvpick's gRPC protocols into Rust at build time. `protox` parses the `.proto`
+//! files in Rust, so no `protoc` binary is needed.
+//! - the replica exchange (`proto/kvpick/replica/v1/replica.proto`);
+//! - Envoy's external-processing API (`proto/vendor/`, vendored unchanged, README there):
+//!   only `envoy.*` and `xds.core.v3` become Rust (`src/pb.rs`); the annotation packages
+//!   carry options only, and Google's well-known types are `prost-types`'.
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+use std::error::Error;
+
+fn main() -> Result<(), Box<dyn Error>> {
+    replica()?;
+    ext_proc()
+}
+
+fn replica() -> Result<(), Box<dyn Error>> {
     let proto = "proto/kvpick/replica/v1/replica.proto";
     println!("cargo:rerun-if-changed={proto}");
     let descriptors = protox::compile([proto], ["proto"])?;
@@ -9,6 +20,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .emit_rerun_if_changed(false)
+        .compile_fds(descriptors)?;
+    Ok(())
+}
+
+fn ext_proc() -> Result<(), Box<dyn Error>> {
+    println!("cargo:rerun-if-changed=proto/vendor");
+    let mut descriptors = protox::compile(
+        ["envoy/service/ext_proc/v3/external_processor.proto"],
+        ["proto/vendor"],
+    )?;
+    // NOTE: the set holds every imported file; generating the option-only annotation
+    // packages (validate's ~40 rule messages among them) would only add compile time.
+    // Google's stay in the set (prost reads their messages' fields) but are not generated:
+    // they are `prost-types`' by prost's default extern path.
+    descriptors.file.retain(|file| {
+        let package = file.package();
+        package.starts_with("envoy.") && package != "envoy.annotations"
+            || package == "xds.core.v3"
+            || package == "google.protobuf"
+    });
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .emit_rerun_if_changed(false)
+        .disable_comments(["."])
+        .include_file("envoy_ext_proc.rs")
         .compile_fds(descriptors)?;
     Ok(())
 }

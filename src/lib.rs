@@ -25,6 +25,7 @@ pub mod extproc;
 pub mod kvcache;
 pub mod kvevents;
 pub mod live;
+pub mod pb;
 pub mod replica;
 pub mod request;
 pub mod scheduling;

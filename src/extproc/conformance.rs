@@ -14,8 +14,8 @@
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 
-use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::google::protobuf::value::Kind;
+use crate::pb::envoy::config::core::v3::Metadata;
+use crate::pb::google::protobuf::value::Kind;
 
 /// The request header naming the endpoints a conformance test allows.
 pub const SELECTION_HEADER: &str = "test-epp-endpoint-selection";
@@ -73,7 +73,7 @@ pub fn served_echo(metadata: Option<&Metadata>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::google::protobuf::{Struct, Value};
+    use crate::pb::google::protobuf::{Struct, Value};
 
     #[test]
     fn entries_are_ips_or_exact_ip_ports() {

@@ -31,8 +31,8 @@
 
 use std::net::SocketAddr;
 
-use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use crate::pb::envoy::config::core::v3::Metadata;
+use crate::pb::google::protobuf::{Struct, Value, value::Kind};
 
 use super::mutations::string_value;
 use crate::telemetry::RequestLabels;
@@ -85,7 +85,7 @@ fn number(value: f64) -> Value {
 impl PickHandoff {
     /// The hand-off as the value of [`PICK_NAMESPACE`] in a reply's dynamic metadata.
     pub fn to_value(&self) -> Value {
-        let mut fields = std::collections::HashMap::with_capacity(10);
+        let mut fields = std::collections::BTreeMap::new();
         fields.insert(
             "endpoint".to_owned(),
             string_value(&self.endpoint.to_string()),

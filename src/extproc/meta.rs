@@ -1,6 +1,6 @@
 //! What kvpick reads from the request headers: the path and its control headers.
 
-use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use crate::pb::envoy::config::core::v3::HeaderMap;
 
 /// Objective name → priority (`x-gateway-inference-objective`).
 pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
@@ -109,7 +109,7 @@ fn slo_ms(value: Option<&str>) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+    use crate::pb::envoy::config::core::v3::HeaderValue;
 
     fn header(key: &str, value: &str) -> HeaderValue {
         HeaderValue {

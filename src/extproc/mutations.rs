@@ -1,16 +1,16 @@
 //! Builders for the `ProcessingResponse` messages kvpick sends back to the gateway.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
-use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
-use envoy_types::pb::envoy::service::ext_proc::v3::{
+use crate::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use crate::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use crate::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
     ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
     processing_response::Response,
 };
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use crate::pb::envoy::r#type::v3::HttpStatus;
+use crate::pb::google::protobuf::{Struct, Value, value::Kind};
 
 /// Header (and `envoy.lb` metadata key) that names the destination endpoint(s).
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -61,9 +61,9 @@ pub fn request_headers_response(
     }
     present_control_headers.retain(|h| !extra.iter().any(|(key, _)| key == h));
     set_headers.extend(extra.iter().map(|(key, value)| set_header(key, value)));
-    let mut lb = HashMap::new();
+    let mut lb = BTreeMap::new();
     lb.insert(DESTINATION_HEADER.to_owned(), string_value(destination));
-    let mut namespaces = HashMap::new();
+    let mut namespaces = BTreeMap::new();
     namespaces.insert(
         DESTINATION_NAMESPACE.to_owned(),
         Value {

@@ -4,8 +4,8 @@
 use bytes::Bytes;
 
 use super::mutations;
+use crate::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 use crate::request::ResponseModelRewriter;
-use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 
 /// How the gateway sends response bodies (its `processing_mode.response_body_mode`, told in
 /// the first message's `protocol_config`).

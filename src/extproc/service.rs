@@ -10,10 +10,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+use crate::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
-use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use crate::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::Stream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status, Streaming};

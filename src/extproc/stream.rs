@@ -42,14 +42,14 @@ use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId, PrefillGuard, live_candidates};
 use crate::kvcache::PromptKeys;
 use crate::live::Live;
+use crate::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use crate::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
+};
 use crate::request::ModelRewriteRules;
 use crate::scheduling::{PendingRecord, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use crate::telemetry::{EppMetrics, RequestLabels, Stage};
 use crate::tokenize::{Tokenizers, TrimLater};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
-};
 use observe::Observed;
 
 /// Bodies up to this size are prepared on the stream's own task.

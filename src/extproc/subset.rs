@@ -4,8 +4,8 @@
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 
-use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::google::protobuf::value::Kind;
+use crate::pb::envoy::config::core::v3::Metadata;
+use crate::pb::google::protobuf::value::Kind;
 
 /// Filter-metadata namespace of the subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
@@ -61,10 +61,10 @@ pub fn subset_hint(metadata: Option<&Metadata>) -> Option<SubsetHint> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
+    use crate::pb::google::protobuf::{ListValue, Struct, Value};
 
     fn metadata(kind: Kind) -> Metadata {
-        let mut fields = std::collections::HashMap::new();
+        let mut fields = std::collections::BTreeMap::new();
         fields.insert(SUBSET_KEY.to_owned(), Value { kind: Some(kind) });
         let mut filter_metadata = std::collections::HashMap::new();
         filter_metadata.insert(SUBSET_NAMESPACE.to_owned(), Struct { fields });

@@ -126,10 +126,10 @@ async fn sigterm_under_steady_traffic_loses_no_request() {
 pub(crate) mod raw {
     //! Raw ext-proc gRPC clients against the kvpick binary (no Envoy in between).
 
-    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
+    use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use kvpick::pb::envoy::service::ext_proc::v3::processing_request::Request;
+    use kvpick::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use kvpick::pb::envoy::service::ext_proc::v3::{
         HttpBody, ProcessingRequest, ProcessingResponse,
     };
     use tokio::sync::mpsc;

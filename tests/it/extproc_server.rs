@@ -8,10 +8,10 @@ use support::extproc::streamed_body;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
+use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use kvpick::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use kvpick::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use kvpick::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
 use support::backend::{Backend, pool_yaml};

@@ -11,12 +11,10 @@ use crate::support::extproc::headers;
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    ProcessingRequest, processing_request::Request,
-};
-use envoy_types::pb::google::protobuf::{Struct, value::Kind};
+use kvpick::pb::envoy::config::core::v3::Metadata;
+use kvpick::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use kvpick::pb::envoy::service::ext_proc::v3::{ProcessingRequest, processing_request::Request};
+use kvpick::pb::google::protobuf::{Struct, value::Kind};
 
 const STREAMED_BODY: &[u8] = br#"{"model": "m", "prompt": "once upon a time", "stream": true}"#;
 

@@ -8,18 +8,18 @@ use std::sync::Arc;
 use std::time::Duration;
 use support::extproc::{headers, streamed_body};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
-    ProtocolConfiguration, processing_request::Request, processing_response::Response,
-};
-use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::endpoints::EndpointState;
 use kvpick::endpoints::{Datastore, Endpoint};
 use kvpick::extproc::admission::Admission;
 use kvpick::extproc::{BodyBudget, StreamContext, StreamTimeouts};
+use kvpick::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use kvpick::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use kvpick::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration, processing_request::Request, processing_response::Response,
+};
+use kvpick::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvpick::request::ModelRewriteRules;
 use kvpick::scheduling::{LeastInFlight, Pick, ScheduleError, Scheduler, SchedulingRequest};
 use kvpick::scheduling::{MetricsSource, SaturationConfig, SaturationDetector};
@@ -313,7 +313,7 @@ fn subset(entries: &[&str]) -> Metadata {
                 .collect(),
         })),
     };
-    let mut fields = HashMap::new();
+    let mut fields = std::collections::BTreeMap::new();
     fields.insert("x-gateway-destination-endpoint-subset".to_owned(), list);
     let mut filter_metadata = HashMap::new();
     filter_metadata.insert("envoy.lb.subset_hint".to_owned(), Struct { fields });
@@ -813,7 +813,7 @@ async fn model_rewrite_restores_the_name_in_streamed_responses_across_chunk_cuts
 /// What a reply to a response body chunk in Envoy's `STREAMED` mode does: `None` continues
 /// the chunk Envoy holds, `Some(bytes)` replaces it.
 fn streamed_mode_answer(reply: &ProcessingResponse) -> Option<Vec<u8>> {
-    use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+    use kvpick::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
     let Some(Response::ResponseBody(body)) = &reply.response else {
         panic!("expected a response body reply, got {reply:?}");
     };

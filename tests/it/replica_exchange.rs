@@ -7,12 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, ProcessingRequest, ProcessingResponse,
-};
+use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use kvpick::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use kvpick::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use kvpick::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingRequest, ProcessingResponse};
 use kvpick::replica::proto::replica_exchange_client::ReplicaExchangeClient;
 use kvpick::replica::proto::{Batch, EndpointLoad, RoutingRecord};
 use tokio::sync::mpsc;

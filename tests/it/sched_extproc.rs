@@ -9,17 +9,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::metrics::FakeMetrics;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, ProcessingRequest, ProcessingResponse, processing_request::Request,
-    processing_response::Response,
-};
-use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 use kvpick::config::picker_config::load;
 use kvpick::endpoints::{Datastore, Endpoint, EndpointState, PodId};
 use kvpick::extproc::admission::Admission;
 use kvpick::extproc::{BodyBudget, StreamContext, StreamTimeouts};
 use kvpick::kvcache::{IndexConfig, PrefixIndex, PromptKeys};
+use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use kvpick::pb::envoy::service::ext_proc::v3::{
+    HttpBody, ProcessingRequest, ProcessingResponse, processing_request::Request,
+    processing_response::Response,
+};
+use kvpick::pb::google::protobuf::{Struct, value::Kind};
 use kvpick::scheduling::{
     ConfiguredScheduler, MetricsSource, SaturationConfig, SaturationDetector, SchedulerConfig,
     SchedulerDeps, SchedulingRequest,

@@ -2,11 +2,11 @@
 
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use kvpick::extproc::{ExtProcService, StreamContext};
+use kvpick::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use kvpick::pb::envoy::service::ext_proc::v3::HttpHeaders;
+use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use kvpick::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use tonic::transport::Channel;
 
 /// Serves `ctx`'s ext-proc service on a random 127.0.0.1 port (for the rest of the test) and
@@ -57,10 +57,10 @@ pub fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
 /// The body and end-of-stream flag of a request- or response-body reply that streams a body
 /// back (FULL_DUPLEX_STREAMED); panics on any other reply.
 pub fn streamed_body(
-    reply: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse,
+    reply: &kvpick::pb::envoy::service::ext_proc::v3::ProcessingResponse,
 ) -> (Vec<u8>, bool) {
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{BodyResponse, body_mutation};
+    use kvpick::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use kvpick::pb::envoy::service::ext_proc::v3::{BodyResponse, body_mutation};
     let common = match &reply.response {
         Some(Response::RequestBody(BodyResponse { response: Some(c) }))
         | Some(Response::ResponseBody(BodyResponse { response: Some(c) })) => c,
@@ -79,10 +79,10 @@ pub fn streamed_body(
 /// The value a request-headers reply sets for header `name` (None: the reply does not set
 /// it); panics on any other reply or a value that is not UTF-8.
 pub fn set_header(
-    reply: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse,
+    reply: &kvpick::pb::envoy::service::ext_proc::v3::ProcessingResponse,
     name: &str,
 ) -> Option<String> {
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use kvpick::pb::envoy::service::ext_proc::v3::processing_response::Response;
     let Some(Response::RequestHeaders(headers)) = &reply.response else {
         panic!("expected a request headers reply, got {reply:?}");
     };

@@ -2,7 +2,7 @@
 //! request headers carry the routing stream's hand-off, and from then on the stream counts
 //! the request in flight and awaiting its first byte on the picked pod.
 
-use envoy_types::pb::envoy::config::core::v3::Metadata;
+use crate::pb::envoy::config::core::v3::Metadata;
 
 use super::{Phase, RequestStream, Routed};
 use crate::endpoints::PodId;
