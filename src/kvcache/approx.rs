@@ -28,6 +28,7 @@
 //! by the keys the runs were created with.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 
 use super::key::{BlockKey, PrehashedState};
 
@@ -94,11 +95,28 @@ pub(crate) struct LruBlocks {
 impl LruBlocks {
     /// Touches `keys`, a prompt's keys from block 0 (last to first); returns the keys newly
     /// added and those evicted to stay within `capacity`.
+    #[cfg(test)]
     pub(crate) fn touch(
         &mut self,
         keys: &[BlockKey],
         capacity: usize,
     ) -> (Vec<BlockKey>, Vec<BlockKey>) {
+        let (added, evicted) = self.touch_stretches(keys, capacity);
+        let added = added
+            .into_iter()
+            .flat_map(|stretch| keys.get(stretch).unwrap_or_default())
+            .copied()
+            .collect();
+        (added, evicted)
+    }
+
+    /// [`Self::touch`], returning the added keys as the stretches of `keys` they fill, in
+    /// order (normally one: the prompt's new tail), so a caller knows each one's predecessor.
+    pub(crate) fn touch_stretches(
+        &mut self,
+        keys: &[BlockKey],
+        capacity: usize,
+    ) -> (Vec<Range<usize>>, Vec<BlockKey>) {
         self.next_touch += 1;
         let touch = self.next_touch;
         let mut added = Vec::new();
@@ -247,7 +265,7 @@ impl LruBlocks {
     }
 
     /// Adds `keys` (blocks `base..`, none of them held) as a new run of `touch`.
-    fn add_run(&mut self, keys: &[BlockKey], base: u32, touch: u64, added: &mut Vec<BlockKey>) {
+    fn add_run(&mut self, keys: &[BlockKey], base: u32, touch: u64, added: &mut Vec<Range<usize>>) {
         let Some(last) = keys.len().checked_sub(1) else {
             return;
         };
@@ -267,7 +285,7 @@ impl LruBlocks {
         for (block, key) in (base..).zip(keys) {
             self.at.insert(*key, Place { run, block });
         }
-        added.extend_from_slice(keys);
+        added.push(base as usize..base as usize + keys.len());
         self.count(keys.len());
     }
 

@@ -364,7 +364,10 @@ impl PrefixIndex {
 
     pub(super) fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
         for key in state.approx.drain() {
-            self.remove_holder(key, entry.slot, Tier::Gpu);
+            let spans = &mut state.spans;
+            self.blocks.remove(key, entry.slot, Tier::Gpu, |span| {
+                spans.left(span, &entry.spans)
+            });
             state.entries = state.entries.saturating_sub(1);
         }
     }
@@ -377,11 +380,6 @@ impl PrefixIndex {
     /// Drops expired speculative entries (matching ignores them anyway; this frees memory).
     pub fn purge_expired_speculation(&self) {
         self.speculative.purge_expired(Instant::now());
-    }
-
-    /// Drops an approximate-mode holder (those have no span).
-    pub(super) fn remove_holder(&self, key: BlockKey, slot: u32, tier: Tier) {
-        self.blocks.remove(key, slot, tier, |_| {});
     }
 
     /// Drops the pod's entries in one tier (or all), keeping the pod registered.

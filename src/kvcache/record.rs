@@ -16,7 +16,6 @@ use super::index::{PodEntry, PrefixIndex};
 use super::key::{BlockKey, KeyContext};
 use super::matching::PrefixLookup;
 use super::prompt_keys::PromptKeys;
-use super::span::SpanRef;
 use crate::endpoints::PodId;
 use kvpick_kvevents_wire::Tier;
 
@@ -107,15 +106,38 @@ impl PrefixIndex {
         // Approximate mode: every block is touched, so the LRU order follows recency (whole
         // segments at a time: a warm record costs its new tail, `approx`).
         let capacity = state.approx_capacity;
-        let (added, evicted) = state.approx.touch(keys, capacity);
-        for key in &added {
-            // Approximate holders belong to no span: walks step over them one by one.
-            self.add_holder(*key, entry.slot, Tier::Gpu, SpanRef::NONE);
+        let (added, evicted) = state.approx.touch_stretches(keys, capacity);
+        let mut entries = state.entries;
+        for stretch in added {
+            // Approximate holders are placed in spans as a stored chain is (`span`): a new
+            // stretch continues the span of the block before it when that block is its tail,
+            // so walks gallop over a pod's approximate prefix as over an event-fed one. The
+            // LRU evicts a touch's blocks tail first, as vLLM does, which keeps spans intact.
+            let mut previous = stretch
+                .start
+                .checked_sub(1)
+                .and_then(|before| keys.get(before))
+                .and_then(|key| self.blocks.span_of(*key, entry.slot, Tier::Gpu));
+            for key in keys.get(stretch).unwrap_or_default() {
+                let next = state.spans.next_after(previous, &entry.spans);
+                let (refs, span) = self.add_holder(*key, entry.slot, Tier::Gpu, next);
+                if refs == 1 {
+                    state.spans.commit(span, &entry.spans);
+                    entries += 1;
+                }
+                previous = Some(span);
+            }
         }
         for key in &evicted {
-            self.remove_holder(*key, entry.slot, Tier::Gpu);
+            let spans = &mut state.spans;
+            if self.blocks.remove(*key, entry.slot, Tier::Gpu, |span| {
+                spans.left(span, &entry.spans)
+            }) == Some(0)
+            {
+                entries = entries.saturating_sub(1);
+            }
         }
-        state.entries = (state.entries + added.len()).saturating_sub(evicted.len());
+        state.entries = entries;
         entry.entries.store(state.entries as u64, Ordering::Relaxed);
     }
 }

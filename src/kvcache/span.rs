@@ -12,6 +12,10 @@
 //! (keys are chained: equal keys mean equal prefixes). A walk can thus verify a jump of many
 //! blocks with one probe (`matching::gallop`), exactly.
 //!
+//! A pod without events gets spans the same way from kvpick's own routing records (`record`):
+//! each record adds the prompt's new tail after the prefix the pod's approximate LRU set
+//! already holds, as a chain, and that set evicts a touch's blocks tail first.
+//!
 //! # Rules (kept by the index under the pod's mutex)
 //! - A newly held (block, pod, tier) continues the span of its chain predecessor when that
 //!   predecessor is the span's last block and the span is intact to its end; otherwise it

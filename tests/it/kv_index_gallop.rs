@@ -451,3 +451,114 @@ fn long_chains_are_galloped_over_not_walked() {
     assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
     assert_eq!(found.galloped_blocks(), 0);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, ..ProptestConfig::default() })]
+
+    /// Pods without events (kvpick's approximate LRU of what it routed): their holders are in
+    /// spans too, and with capacities small enough that routing evicts (tail first, older
+    /// touches first, across documents), galloping still answers what stepping answers.
+    #[test]
+    fn approximate_pods_gallop_and_answer_like_stepping_walks(
+        capacities in proptest::collection::vec(8..400usize, PODS),
+        routes in proptest::collection::vec((0..PODS, 0..DOCS, 1..=DOC_BLOCKS), 1..40),
+        requests in proptest::collection::vec((0..DOCS, 1..=DOC_BLOCKS, 1..(1usize << PODS)), 1..8),
+    ) {
+        let docs = documents();
+        let galloping = PrefixIndex::new(IndexConfig::default());
+        let stepping = PrefixIndex::new(IndexConfig { gallop: false, ..IndexConfig::default() });
+        for (p, capacity) in capacities.iter().enumerate() {
+            for index in [&galloping, &stepping] {
+                index.set_pod_capacity(pod(p), *capacity);
+                index.set_pod_block_size(pod(p), BLOCK as u32);
+            }
+        }
+        let context = KeyContext::model(MODEL);
+        let everyone: Vec<PodId> = (0..PODS).map(pod).collect();
+        let check = |doc: usize, blocks: usize, candidates: &[PodId]| {
+            let request = &docs[doc][..blocks * BLOCK];
+            let keys_a = PromptKeys::exact(context.clone(), request.to_vec());
+            let a = galloping.lookup(&keys_a, candidates);
+            let keys_b = PromptKeys::exact(context.clone(), request.to_vec());
+            let b = stepping.lookup(&keys_b, candidates);
+            assert_eq!(b.galloped_blocks(), 0);
+            (a, keys_a, b, keys_b)
+        };
+        for (p, doc, blocks) in routes {
+            let (a, keys_a, b, keys_b) = check(doc, blocks, &everyone);
+            prop_assert_eq!(&a.matches, &b.matches, "route doc {} blocks {}", doc, blocks);
+            galloping.record_routed(pod(p), &keys_a, Some(&a));
+            stepping.record_routed(pod(p), &keys_b, Some(&b));
+        }
+        for (doc, blocks, subset) in requests {
+            let candidates: Vec<PodId> =
+                (0..PODS).filter(|p| subset & (1 << p) != 0).map(pod).collect();
+            let (a, _, b, _) = check(doc, blocks, &candidates);
+            prop_assert_eq!(&a.matches, &b.matches, "doc {} blocks {}", doc, blocks);
+        }
+    }
+}
+
+#[test]
+fn an_approximate_pods_routed_prefix_is_galloped_over() {
+    let docs = documents();
+    let index = PrefixIndex::new(IndexConfig::default());
+    let context = KeyContext::model(MODEL);
+    // Pod 0 publishes no events: what kvpick routed there is its approximate holding.
+    index.set_pod_capacity(pod(0), 200);
+    index.set_pod_block_size(pod(0), BLOCK as u32);
+    let route = |doc: usize, blocks: usize| {
+        let keys = PromptKeys::exact(context.clone(), docs[doc][..blocks * BLOCK].to_vec());
+        let found = index.lookup(&keys, &[pod(0), pod(1)]);
+        index.record_routed(pod(0), &keys, Some(&found));
+        found
+    };
+    // The prefix arrives in three pieces (a growing conversation): each continues the span.
+    route(0, 40);
+    route(0, 80);
+    route(0, DOC_BLOCKS);
+    let found = route(0, DOC_BLOCKS);
+    let matched: Vec<usize> = found.matches.iter().map(|m| m.matched_blocks).collect();
+    assert_eq!(matched, vec![DOC_BLOCKS, 0]);
+    assert!(
+        found.galloped_blocks() > DOC_BLOCKS / 2,
+        "galloped {} of {DOC_BLOCKS}",
+        found.galloped_blocks()
+    );
+    // Two more documents (50 new blocks each) overflow the 200 blocks by 20: document 0's
+    // tail goes first (its head is shared with them and was touched since), and the walk
+    // stops where the tail went.
+    route(2, DOC_BLOCKS);
+    route(4, DOC_BLOCKS);
+    let keys = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    let found = index.lookup(&keys, &[pod(0)]);
+    assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS - 20);
+    assert!(found.galloped_blocks() > 0);
+}
+
+#[test]
+fn an_approximate_pods_evicted_spans_are_recycled() {
+    // More routed prompts than a pod has span ids (~131k): each takes a span and is evicted
+    // again (capacity 8 blocks); ids freed by evictions are reused, so a long prefix routed
+    // afterwards still gets spans and is galloped over.
+    let index = PrefixIndex::new(IndexConfig::default());
+    let context = KeyContext::model(MODEL);
+    index.set_pod_capacity(pod(0), 8);
+    index.set_pod_block_size(pod(0), BLOCK as u32);
+    for n in 0..140_000u32 {
+        let keys = PromptKeys::exact(context.clone(), vec![1_000_000 + n, n]);
+        index.record_routed(pod(0), &keys, None);
+    }
+    index.set_pod_capacity(pod(0), 2 * DOC_BLOCKS);
+    let docs = documents();
+    let keys = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    index.record_routed(pod(0), &keys, None);
+    let keys = PromptKeys::exact(context.clone(), docs[0].to_vec());
+    let found = index.lookup(&keys, &[pod(0)]);
+    assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
+    assert!(
+        found.galloped_blocks() > DOC_BLOCKS / 2,
+        "galloped {} of {DOC_BLOCKS}",
+        found.galloped_blocks()
+    );
+}
