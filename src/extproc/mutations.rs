@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use bytes::Bytes;
+
 use crate::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use crate::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use crate::pb::envoy::service::ext_proc::v3::{
@@ -98,7 +100,7 @@ pub fn request_headers_response(
     }
 }
 
-fn streamed_body(chunk: Vec<u8>, end_of_stream: bool) -> CommonResponse {
+fn streamed_body(chunk: Bytes, end_of_stream: bool) -> CommonResponse {
     CommonResponse {
         body_mutation: Some(BodyMutation {
             mutation: Some(body_mutation::Mutation::StreamedResponse(
@@ -113,25 +115,29 @@ fn streamed_body(chunk: Vec<u8>, end_of_stream: bool) -> CommonResponse {
     }
 }
 
-/// The request body as streamed chunks of at most [`MAX_BODY_CHUNK`] bytes; the last one
-/// carries `end_of_stream` (unless trailers follow). An empty body is one empty chunk.
-pub fn request_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+/// The request body as streamed chunks of at most [`MAX_BODY_CHUNK`] bytes (slices of `body`,
+/// not copies); the last one carries `end_of_stream` (unless trailers follow). An empty body
+/// is one empty chunk.
+pub fn request_body_chunks(body: Bytes, end_of_stream: bool) -> Vec<ProcessingResponse> {
     body_chunks(body, end_of_stream, Response::RequestBody)
 }
 
 /// A (possibly rewritten) response body as streamed chunks of at most [`MAX_BODY_CHUNK`].
-pub fn response_body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+pub fn response_body_chunks(body: Bytes, end_of_stream: bool) -> Vec<ProcessingResponse> {
     body_chunks(body, end_of_stream, Response::ResponseBody)
 }
 
 fn body_chunks(
-    body: &[u8],
+    body: Bytes,
     end_of_stream: bool,
     direction: fn(BodyResponse) -> Response,
 ) -> Vec<ProcessingResponse> {
-    let mut chunks: Vec<&[u8]> = body.chunks(MAX_BODY_CHUNK).collect();
+    let mut chunks: Vec<Bytes> = (0..body.len())
+        .step_by(MAX_BODY_CHUNK)
+        .map(|start| body.slice(start..body.len().min(start + MAX_BODY_CHUNK)))
+        .collect();
     if chunks.is_empty() {
-        chunks.push(&[]);
+        chunks.push(Bytes::new());
     }
     let last = chunks.len() - 1;
     chunks
@@ -139,7 +145,7 @@ fn body_chunks(
         .enumerate()
         .map(|(i, chunk)| ProcessingResponse {
             response: Some(direction(BodyResponse {
-                response: Some(streamed_body(chunk.to_vec(), end_of_stream && i == last)),
+                response: Some(streamed_body(chunk, end_of_stream && i == last)),
             })),
             ..Default::default()
         })
@@ -147,7 +153,7 @@ fn body_chunks(
 }
 
 /// Passes a response body chunk through unchanged.
-pub fn response_body_chunk(chunk: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+pub fn response_body_chunk(chunk: Bytes, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseBody(BodyResponse {
             response: Some(streamed_body(chunk, end_of_stream)),
@@ -158,7 +164,7 @@ pub fn response_body_chunk(chunk: Vec<u8>, end_of_stream: bool) -> ProcessingRes
 
 /// Answers one response body chunk Envoy sent in `STREAMED` mode: `None` lets Envoy forward
 /// the chunk it holds unchanged (no bytes come back); `Some(bytes)` replaces it.
-pub fn response_body_streamed_mode(replacement: Option<Vec<u8>>) -> ProcessingResponse {
+pub fn response_body_streamed_mode(replacement: Option<Bytes>) -> ProcessingResponse {
     let response = replacement.map(|body| CommonResponse {
         body_mutation: Some(BodyMutation {
             mutation: Some(body_mutation::Mutation::Body(body)),
@@ -228,7 +234,7 @@ pub fn immediate_error(status: u16, reason: &str) -> ProcessingResponse {
                 set_headers: vec![set_header("content-type", "text/plain; charset=utf-8")],
                 remove_headers: Vec::new(),
             }),
-            body: format!("inference error: {reason}").into_bytes(),
+            body: format!("inference error: {reason}").into(),
             details: format!("kvpick_{status}"),
             ..Default::default()
         })),
@@ -259,7 +265,7 @@ mod tests {
     #[test]
     fn chunks_are_bounded_and_reassemble() {
         let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        let chunks = request_body_chunks(&body, true);
+        let chunks = request_body_chunks(Bytes::from(body.clone()), true);
         assert_eq!(chunks.len(), 4);
         let mut joined = Vec::new();
         for (i, c) in chunks.iter().enumerate() {
@@ -269,10 +275,10 @@ mod tests {
             joined.extend_from_slice(bytes);
         }
         assert_eq!(joined, body);
-        let empty = request_body_chunks(&[], true);
+        let empty = request_body_chunks(Bytes::new(), true);
         assert_eq!(empty.len(), 1);
         assert_eq!(streamed(&empty[0]), (&[][..], true));
-        let before_trailers = request_body_chunks(b"x", false);
+        let before_trailers = request_body_chunks(Bytes::from_static(b"x"), false);
         assert!(!streamed(&before_trailers[0]).1);
     }
 }

@@ -60,7 +60,7 @@ impl ResponseBody {
     /// Handles one response chunk and returns the replies to send, in the gateway's mode.
     pub fn on_chunk(
         &mut self,
-        chunk: Vec<u8>,
+        chunk: Bytes,
         end_of_stream: bool,
         mode: ResponseBodyMode,
     ) -> Vec<ProcessingResponse> {
@@ -70,13 +70,12 @@ impl ResponseBody {
                 vec![mutations::response_body_chunk(chunk, end_of_stream)]
             }
             (ResponseBodyMode::FullDuplex, Some(out)) => {
-                mutations::response_body_chunks(&out, end_of_stream)
+                mutations::response_body_chunks(out, end_of_stream)
             }
             // One answer per chunk; a replacement equal to the chunk is none (Envoy
             // forwards the chunk it holds, and no bytes come back).
             (ResponseBodyMode::Streamed, out) => vec![mutations::response_body_streamed_mode(
-                out.filter(|out| out[..] != chunk[..])
-                    .map(|out| out.to_vec()),
+                out.filter(|out| out[..] != chunk[..]),
             )],
         }
     }

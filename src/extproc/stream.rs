@@ -25,6 +25,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 mod observe;
 
 use super::admission::Admission;
@@ -709,9 +711,11 @@ impl RequestStream {
         let destination = pick.header_value();
         tracing::debug!(%destination, bytes = self.body.len(), "picked");
         let has_body = self.end != RequestEnd::Bodyless;
+        // NOTE: the body goes back as slices of what was buffered (or of the rewrite), not
+        // copies; its memory lives until the chunks are sent.
         let forwarded = match prepared.and_then(|p| p.rewritten_body.as_ref()) {
-            Some(rewritten) => &rewritten[..],
-            None => &self.body[..],
+            Some(rewritten) => rewritten.clone(),
+            None => Bytes::from(std::mem::take(&mut self.body)),
         };
         let mut headers = mutations::request_headers_response(
             &destination,

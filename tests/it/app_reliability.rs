@@ -175,7 +175,7 @@ pub(crate) mod raw {
 
         pub async fn body(&self, bytes: &[u8], end_of_stream: bool) {
             self.send(Request::RequestBody(HttpBody {
-                body: bytes.to_vec(),
+                body: bytes.to_vec().into(),
                 end_of_stream,
                 ..Default::default()
             }))

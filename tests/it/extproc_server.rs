@@ -93,7 +93,7 @@ async fn routed(client: &mut ExternalProcessorClient<Channel>, tag: &str) -> (Op
     send(
         &open.tx,
         Request::RequestBody(HttpBody {
-            body: body.clone().into_bytes(),
+            body: body.clone().into_bytes().into(),
             end_of_stream: true,
             ..Default::default()
         }),
@@ -121,7 +121,7 @@ async fn one_request(client: &mut ExternalProcessorClient<Channel>, tag: &str) -
         send(
             &open.tx,
             Request::ResponseBody(HttpBody {
-                body: chunk.clone(),
+                body: chunk.clone().into(),
                 end_of_stream: last,
                 ..Default::default()
             }),

@@ -236,7 +236,7 @@ fn post_headers() -> Request {
 
 pub(crate) fn body(bytes: &[u8], end_of_stream: bool) -> Request {
     Request::RequestBody(HttpBody {
-        body: bytes.to_vec(),
+        body: bytes.to_vec().into(),
         end_of_stream,
         ..Default::default()
     })
@@ -244,7 +244,7 @@ pub(crate) fn body(bytes: &[u8], end_of_stream: bool) -> Request {
 
 pub(crate) fn response_body(bytes: &[u8], end_of_stream: bool) -> Request {
     Request::ResponseBody(HttpBody {
-        body: bytes.to_vec(),
+        body: bytes.to_vec().into(),
         end_of_stream,
         ..Default::default()
     })
@@ -296,7 +296,7 @@ fn immediate(reply: &ProcessingResponse) -> (i32, String) {
     match &reply.response {
         Some(Response::ImmediateResponse(i)) => (
             i.status.as_ref().map(|s| s.code).unwrap_or_default(),
-            String::from_utf8(i.body.clone()).expect("utf8"),
+            String::from_utf8(i.body.to_vec()).expect("utf8"),
         ),
         other => panic!("expected an immediate response, got {other:?}"),
     }
@@ -824,7 +824,7 @@ fn streamed_mode_answer(reply: &ProcessingResponse) -> Option<Vec<u8>> {
     {
         None => None,
         Some(mutation) => match &mutation.mutation {
-            Some(Mutation::Body(bytes)) => Some(bytes.clone()),
+            Some(Mutation::Body(bytes)) => Some(bytes.to_vec()),
             other => panic!("STREAMED mode takes whole-chunk replacements, got {other:?}"),
         },
     }

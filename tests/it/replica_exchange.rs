@@ -78,7 +78,7 @@ async fn route(client: &mut ExternalProcessorClient<Channel>, prompt: &str) -> R
             false,
         ),
         Request::RequestBody(HttpBody {
-            body: body.into_bytes(),
+            body: body.into_bytes().into(),
             end_of_stream: true,
             ..Default::default()
         }),

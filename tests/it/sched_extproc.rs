@@ -145,7 +145,7 @@ async fn send(
     let messages = [
         support::extproc::headers(&headers, false),
         Request::RequestBody(HttpBody {
-            body: body.to_vec(),
+            body: body.to_vec().into(),
             end_of_stream: true,
             ..Default::default()
         }),

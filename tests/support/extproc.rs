@@ -71,7 +71,7 @@ pub fn streamed_body(
         .as_ref()
         .and_then(|m| m.mutation.as_ref())
     {
-        Some(body_mutation::Mutation::StreamedResponse(s)) => (s.body.clone(), s.end_of_stream),
+        Some(body_mutation::Mutation::StreamedResponse(s)) => (s.body.to_vec(), s.end_of_stream),
         other => panic!("expected a streamed body, got {other:?}"),
     }
 }
