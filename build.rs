@@ -2,7 +2,7 @@
 //! files in Rust, so no `protoc` binary is needed.
 //! - the replica exchange (`proto/kvpick/replica/v1/replica.proto`);
 //! - Envoy's external-processing API (`proto/vendor/`, vendored unchanged, README there):
-//!   only `envoy.*` and `xds.core.v3` become Rust (`src/pb.rs`); the annotation packages
+//!   all but the option-only annotation packages become Rust (`src/pb.rs`); those
 //!   carry options only, and Google's well-known types are `prost-types`'.
 
 use std::error::Error;
@@ -34,12 +34,17 @@ fn ext_proc() -> Result<(), Box<dyn Error>> {
     // packages (validate's ~40 rule messages among them) would only add compile time.
     // Google's stay in the set (prost reads their messages' fields) but are not generated:
     // they are `prost-types`' by prost's default extern path.
-    descriptors.file.retain(|file| {
-        let package = file.package();
-        package.starts_with("envoy.") && package != "envoy.annotations"
-            || package == "xds.core.v3"
-            || package == "google.protobuf"
-    });
+    // An exclusion list: a newer vendored file that imports another package gets it generated
+    // (or fails on the missing .proto), not a build error deep in the generated code.
+    const OPTIONS_ONLY: [&str; 4] = [
+        "validate",
+        "udpa.annotations",
+        "xds.annotations.v3",
+        "envoy.annotations",
+    ];
+    descriptors
+        .file
+        .retain(|file| !OPTIONS_ONLY.contains(&file.package()));
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

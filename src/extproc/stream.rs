@@ -712,10 +712,17 @@ impl RequestStream {
         tracing::debug!(%destination, bytes = self.body.len(), "picked");
         let has_body = self.end != RequestEnd::Bodyless;
         // NOTE: the body goes back as slices of what was buffered (or of the rewrite), not
-        // copies; its memory lives until the chunks are sent.
+        // copies: it lives until the last chunk is encoded onto the connection, as the copies
+        // did, and the budget is returned below as it was for them. The buffer's growth
+        // slack is given back first (shrinking in place: no copy), so what stays pinned past
+        // the budget is the body's own bytes, not up to twice them.
         let forwarded = match prepared.and_then(|p| p.rewritten_body.as_ref()) {
             Some(rewritten) => rewritten.clone(),
-            None => Bytes::from(std::mem::take(&mut self.body)),
+            None => {
+                let mut body = std::mem::take(&mut self.body);
+                body.shrink_to_fit();
+                Bytes::from(body)
+            }
         };
         let mut headers = mutations::request_headers_response(
             &destination,

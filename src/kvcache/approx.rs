@@ -23,9 +23,11 @@
 //! shares with a run are a prefix of the run's segment it enters: one comparison at the end
 //! of a stretch (our key against the run's key at that block) proves the whole stretch.
 //!
-//! NOTE: two different prompts' keys colliding (64-bit chained hashes) can only make a block
-//! be skipped or a run keep an evicted key's slot until the run empties; memory stays bounded
-//! by the keys the runs were created with.
+//! NOTE: two different prompts' keys colliding (64-bit chained hashes) can make a block be
+//! skipped or a run keep an evicted key's slot until the run empties (memory stays bounded by
+//! the keys the runs were created with), and, as a collision in the block map can, make a
+//! routing record continue the colliding block's span, so a walk may credit blocks the pod
+//! was never sent: odds of 2⁻⁶⁴ per pair of keys, the same as any keyed prefix match.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;

@@ -365,10 +365,12 @@ impl PrefixIndex {
     pub(super) fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
         for key in state.approx.drain() {
             let spans = &mut state.spans;
-            self.blocks.remove(key, entry.slot, Tier::Gpu, |span| {
+            if self.blocks.remove(key, entry.slot, Tier::Gpu, |span| {
                 spans.left(span, &entry.spans)
-            });
-            state.entries = state.entries.saturating_sub(1);
+            }) == Some(0)
+            {
+                state.entries = state.entries.saturating_sub(1);
+            }
         }
     }
 

@@ -223,6 +223,13 @@ impl SpanBook {
         if span.offset + 1 == meta.len && was_intact >= u32::from(span.offset) {
             meta.len = span.offset;
         }
+        // Whatever order a tail left in (an approximate pod's LRU evicts a segment's blocks
+        // lowest first): once the members still held are exactly the intact head, the span
+        // ends there, and a re-stored tail continues it.
+        let now_intact = intact.intact(span.id);
+        if u32::from(meta.live) == now_intact && now_intact < u32::from(meta.len) {
+            meta.len = meta.live;
+        }
     }
 
     /// Forgets every span (the pod's blocks were all dropped).
@@ -312,5 +319,31 @@ mod tests {
         book.clear(&intact);
         assert_eq!(intact.intact(1), 0);
         assert!(!covers(&intact, SpanRef::NONE));
+    }
+
+    #[test]
+    fn a_tail_that_left_lowest_first_can_be_restored_as_the_continuation() {
+        let intact = SpanIntact::default();
+        let mut book = SpanBook::default();
+        let mut members = Vec::new();
+        let mut previous = None;
+        for _ in 0..10 {
+            let span = book.next_after(previous, &intact);
+            book.commit(span, &intact);
+            members.push(span);
+            previous = Some(span);
+        }
+        // An approximate pod's LRU evicts a segment's blocks lowest first: 5, 6, …, 9.
+        for span in &members[5..] {
+            book.left(*span, &intact);
+        }
+        assert_eq!(intact.intact(0), 5);
+        // The span now ends at the held head: block 4's successor continues it.
+        assert_eq!(book.next_after(Some(members[4]), &intact), members[5]);
+        // Not while a member past a hole is still held.
+        book.left(members[2], &intact);
+        book.commit(book.next_after(Some(members[4]), &intact), &intact);
+        assert_eq!(intact.intact(0), 2);
+        assert_ne!(book.next_after(Some(members[5]), &intact).id, 0);
     }
 }

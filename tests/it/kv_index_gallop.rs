@@ -1,7 +1,8 @@
 //! Differential property test for long prefixes, where walks gallop over spans: random
 //! event streams of long chains (stored in pieces, branching, evicted leaf-first or with holes
 //! in the middle, re-stored, offloaded to CPU, cleared) over several pods give the same
-//! matches as a naive reference that checks every block.
+//! matches as a naive reference that checks every block. Pods without events (kvpick's
+//! approximate LRU of what it routed) keep their blocks in spans too: the tests at the end.
 
 use kvpick::endpoints::PodId;
 use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys};
@@ -534,6 +535,16 @@ fn an_approximate_pods_routed_prefix_is_galloped_over() {
     let found = index.lookup(&keys, &[pod(0)]);
     assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS - 20);
     assert!(found.galloped_blocks() > 0);
+    // Routed again, the evicted tail comes back (as the continuation of the head's span:
+    // `span`'s unit tests) and the walk gallops to the end.
+    route(0, DOC_BLOCKS);
+    let found = route(0, DOC_BLOCKS);
+    assert_eq!(found.matches[0].matched_blocks, DOC_BLOCKS);
+    assert!(
+        found.galloped_blocks() > DOC_BLOCKS - 20,
+        "galloped {} of {DOC_BLOCKS}",
+        found.galloped_blocks()
+    );
 }
 
 #[test]
