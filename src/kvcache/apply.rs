@@ -303,10 +303,7 @@ impl PrefixIndex {
                 stats.unknown_removals += 1;
                 continue;
             };
-            let spans = &mut state.spans;
-            match self.blocks.remove(key, entry.slot, removed.tier, |span| {
-                spans.left(span, &entry.spans)
-            }) {
+            match self.remove_holder(entry, &mut state.spans, key, removed.tier) {
                 None => stats.unknown_removals += 1,
                 Some(0) => {
                     state.entries = state.entries.saturating_sub(1);

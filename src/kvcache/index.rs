@@ -362,13 +362,22 @@ impl PrefixIndex {
         added
     }
 
+    /// Drops one reference of the pod's holder of `key` in `tier`, leaving its span when the
+    /// holder goes; the references left (`None`: the pod was no holder).
+    pub(super) fn remove_holder(
+        &self,
+        entry: &PodEntry,
+        spans: &mut SpanBook,
+        key: BlockKey,
+        tier: Tier,
+    ) -> Option<u16> {
+        self.blocks
+            .remove(key, entry.slot, tier, |span| spans.left(span, &entry.spans))
+    }
+
     pub(super) fn drop_approx(&self, entry: &PodEntry, state: &mut PodBlocks) {
         for key in state.approx.drain() {
-            let spans = &mut state.spans;
-            if self.blocks.remove(key, entry.slot, Tier::Gpu, |span| {
-                spans.left(span, &entry.spans)
-            }) == Some(0)
-            {
+            if self.remove_holder(entry, &mut state.spans, key, Tier::Gpu) == Some(0) {
                 state.entries = state.entries.saturating_sub(1);
             }
         }

@@ -129,11 +129,7 @@ impl PrefixIndex {
             }
         }
         for key in &evicted {
-            let spans = &mut state.spans;
-            if self.blocks.remove(*key, entry.slot, Tier::Gpu, |span| {
-                spans.left(span, &entry.spans)
-            }) == Some(0)
-            {
+            if self.remove_holder(entry, &mut state.spans, *key, Tier::Gpu) == Some(0) {
                 entries = entries.saturating_sub(1);
             }
         }
