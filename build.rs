@@ -53,6 +53,8 @@ fn ext_proc() -> Result<(), Box<dyn Error>> {
         // Bodies as `Bytes`: decoded as slices of the received frame, and a reply's chunks
         // sent as slices of the request's body, instead of a copy each way.
         .bytes(".envoy.service.ext_proc.v3")
+        // Header values too: a header map's values are slices of the frame, not a `Vec` each.
+        .bytes(".envoy.config.core.v3.HeaderValue")
         .include_file("envoy_ext_proc.rs")
         .compile_fds(descriptors)?;
     Ok(())

@@ -19,7 +19,11 @@
 # ENVOY_RESPONSES="observe routing": per kvpick of KVPICK_BINS (same order), where its Envoy
 # sends the response: `observe` (the shipped config: the `kvpick-observe` filter in
 # observability_mode) or `routing` (one filter: the routing filter sends the response too,
-# FULL_DUPLEX_STREAMED, as before session 15). Default: observe for every kvpick.
+# FULL_DUPLEX_STREAMED, as before session 15) or `none` (the routing filter alone: kvpick never
+# sees the response; what the observing stream costs). Default: observe for every kvpick.
+# Each kvpick run also prints Envoy's view of its requests (medians, from an access log every
+# Envoy here writes): first request byte to upstream, and the routing ext_proc call's
+# turnaround (headers message sent to kvpick's answer), beside Envoy alone's.
 # SKIP_BUILD=1: use the release binaries as they are.
 # STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
 # (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
@@ -68,18 +72,38 @@ def one_filter(c):
         assert f"{mode}: {old}" in c, mode
         c = c.replace(f"{mode}: {old}", f"{mode}: {value}", 1)
     return c
+def timing_log(c, name):
+    # Per request, Envoy's view of where its time went (medians printed after each run):
+    # from the request's first byte to the upstream's first byte, and how long the routing
+    # ext_proc call took from its headers message to kvpick's answer (Envoy's filter state).
+    anchor = "                access_log:\n"
+    assert anchor in c
+    entry = (anchor
+        + "                  - name: envoy.access_loggers.file\n"
+        + "                    typed_config:\n"
+        + '                      "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog\n'
+        + f"                      path: {work}/timing-{name}.log\n"
+        + "                      log_format:\n"
+        + "                        text_format_source:\n"
+        + '                          inline_string: "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% '
+        + '%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_header_latency_us)%\\n"\n')
+    return c.replace(anchor, entry, 1)
+def route_only(c):
+    start = c.index("                  - name: kvpick-observe\n")
+    end = c.index("                  - name: envoy.filters.http.router\n")
+    return c[:start] + c[end:]
 for i in range(n):
     layout = responses[i] if i < len(responses) else "observe"
-    assert layout in ("observe", "routing"), layout
-    c = one_filter(config) if layout == "routing" else config
+    assert layout in ("observe", "routing", "none"), layout
+    c = {"routing": one_filter, "none": route_only}.get(layout, lambda c: c)(config)
     for port in (8081, 9901, 9002, 9003):
         c = c.replace(f"port_value: {port}", f"port_value: {port + 100 * i}")
-    open(f"{work}/envoy-kvpick{i}.yaml", "w").write(c)
+    open(f"{work}/envoy-kvpick{i}.yaml", "w").write(timing_log(c, f"kvpick{i}"))
 start = config.index("                  - name: envoy.filters.http.ext_proc\n")
 end = config.index("                  - name: envoy.filters.http.router\n")
 plain = config[:start] + config[end:]
 plain = plain.replace("port_value: 8081", "port_value: 8080").replace("port_value: 9901", "port_value: 9900")
-open(f"{work}/envoy-alone.yaml", "w").write(plain)
+open(f"{work}/envoy-alone.yaml", "w").write(timing_log(plain, "alone"))
 PY
 KVPICK_PIDS=()
 for i in "${!KVPICKS[@]}"; do
@@ -89,10 +113,10 @@ for i in "${!KVPICKS[@]}"; do
   RUST_LOG=error "${KVPICKS[$i]}" serve --bind-address 127.0.0.1 --endpoints-file "$WORK/pool.yaml" \
     --tokenizer assets/tokenizer --grpc-port $((9002 + o)) --grpc-health-port $((9003 + o)) \
     --metrics-port $((9090 + o)) --debug-port $((9091 + o)) & KVPICK_PIDS+=($!); PIDS+=($!)
-  .venv/bin/envoy -c "$WORK/envoy-kvpick$i.yaml" --disable-hot-restart --concurrency 1 -l error \
+  .venv/bin/envoy -c "$WORK/envoy-kvpick$i.yaml" --disable-hot-restart --concurrency 1 -l error --file-flush-interval-msec 100 \
     --base-id $((10 + i)) >"$WORK/envoy-kvpick$i.log" 2>&1 & PIDS+=($!)
 done
-.venv/bin/envoy -c "$WORK/envoy-alone.yaml" --disable-hot-restart --concurrency 1 -l error \
+.venv/bin/envoy -c "$WORK/envoy-alone.yaml" --disable-hot-restart --concurrency 1 -l error --file-flush-interval-msec 100 \
   --base-id 9 >"$WORK/envoy-alone.log" 2>&1 & PIDS+=($!)
 for i in "${!KVPICKS[@]}"; do
   admin=$((9901 + 100 * i)); grpc=$((9002 + 100 * i))
@@ -122,6 +146,20 @@ routed() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^inference_objective_r
 # ext-proc messages Envoy sent to kvpick (one per request/response headers, body chunk, trailers).
 messages() { curl -sf "http://127.0.0.1:$1/stats" | awk -F': ' '/ext_proc\.stream_msgs_sent:/ {n += $2} END {print n + 0}'; }
 stages() { curl -sf "http://127.0.0.1:$1/metrics" | grep '^kvpick_request_stage_seconds_\(sum\|count\)' || true; }
+# Envoy's timing log (see timing_log above): its length now, and the medians of the lines
+# written since a given length (to upstream; and the routing ext_proc call's turnaround).
+logged() { stat -c %s "$WORK/timing-$1.log" 2>/dev/null || echo 0; }
+timing() {
+  tail -c +$(($2 + 1)) "$WORK/timing-$1.log" 2>/dev/null | python3 -c '
+import statistics, sys
+rows = [line.split() for line in sys.stdin if line.strip()]
+def median(i):
+    values = [float(r[i]) for r in rows if len(r) > i and r[i] != "-"]
+    return f"{statistics.median(values):.0f}" if values else "-"
+print(median(0))
+if any(len(r) > 1 and r[1] != "-" for r in rows):
+    print(f"; ext_proc headers to kvpick answer {median(1)}")'
+}
 run() { # port path size variant pace seed [cpu-pid]
   local args=(--url "http://127.0.0.1:$1$2" --requests "$REQUESTS" --body-bytes "$3" --seed "$6")
   case $4 in
@@ -143,6 +181,7 @@ for r in $(seq "$ROUNDS"); do
   for size in $SIZES; do for variant in $VARIANTS; do for pace in $PACES; do
     path=/v1/chat/completions; [ "$variant" = fixed ] && path=/v1/completions
     seed=$((seed + 1))
+    alone_from=$(logged alone)
     alone=$(run 8080 $path "$size" "$variant" "$pace" $seed)
     for i in "${!KVPICKS[@]}"; do
       metrics=$((9090 + 100 * i))
@@ -153,7 +192,10 @@ for r in $(seq "$ROUNDS"); do
       read -r vol_before invol_before < <(switches "$pid")
       msgs_before=$(messages $((9901 + 100 * i)))
       read -r user_before sys_before < <(awk '{print $14, $15}' "/proc/$pid/stat")
+      from=$(logged "kvpick$i")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
+      sleep 0.5 # Envoy writes its access logs out every 100 ms (--file-flush-interval-msec)
+      echo "#   kvpick$i Envoy's view, median µs: first request byte to upstream $(timing "kvpick$i" "$from" | tr '\n' ' ')(Envoy alone: $(timing alone "$alone_from"))"
       after=$(stages $metrics); routed_after=$(routed $metrics)
       hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
       read -r vol_after invol_after < <(switches "$pid")

@@ -1,5 +1,7 @@
 //! What kvpick reads from the request headers: the path and its control headers.
 
+use std::borrow::Cow;
+
 use crate::pb::envoy::config::core::v3::HeaderMap;
 
 /// Objective name → priority (`x-gateway-inference-objective`).
@@ -49,25 +51,34 @@ impl RequestMeta {
         let mut meta = Self::default();
         let Some(headers) = headers else { return meta };
         for header in &headers.headers {
-            let key = header.key.to_ascii_lowercase();
+            // NOTE: nothing is allocated for the headers kvpick does not act on (most of
+            // them): gateways send keys in lower case already, and a value is copied only
+            // for a key that is read.
+            let key: Cow<'_, str> = if header.key.bytes().any(|b| b.is_ascii_uppercase()) {
+                Cow::Owned(header.key.to_ascii_lowercase())
+            } else {
+                Cow::Borrowed(&header.key)
+            };
             let raw = if header.raw_value.is_empty() {
                 header.value.as_bytes()
             } else {
                 &header.raw_value[..]
             };
-            let value = std::str::from_utf8(raw)
-                .ok()
-                .map(str::trim)
-                .filter(|v| !v.is_empty() && v.len() <= MAX_VALUE_BYTES)
-                .map(str::to_owned);
-            if super::scores::KVPICK_SET_HEADERS.contains(&key.as_str()) {
+            let value = || {
+                std::str::from_utf8(raw)
+                    .ok()
+                    .map(str::trim)
+                    .filter(|v| !v.is_empty() && v.len() <= MAX_VALUE_BYTES)
+                    .map(str::to_owned)
+            };
+            if super::scores::KVPICK_SET_HEADERS.contains(&key.as_ref()) {
                 // Never trusted from a client: removed, or overwritten by kvpick's own value.
-                if !meta.control_headers.contains(&key) {
-                    meta.control_headers.push(key);
+                if !meta.control_headers.iter().any(|known| *known == key) {
+                    meta.control_headers.push(key.into_owned());
                 }
                 continue;
             }
-            match key.as_str() {
+            match key.as_ref() {
                 ":path" => meta.path = String::from_utf8_lossy(raw).into_owned(),
                 super::conformance::SELECTION_HEADER => {
                     meta.endpoint_selection = std::str::from_utf8(raw)
@@ -75,23 +86,23 @@ impl RequestMeta {
                         .filter(|v| v.len() <= MAX_SELECTION_BYTES)
                         .map(str::to_owned);
                 }
-                OBJECTIVE_HEADER => meta.objective = value,
-                FAIRNESS_HEADER => meta.fairness_id = value,
-                MODEL_REWRITE_HEADER => meta.model_rewrite = value,
-                SESSION_HEADER => meta.session_id = value,
+                OBJECTIVE_HEADER => meta.objective = value(),
+                FAIRNESS_HEADER => meta.fairness_id = value(),
+                MODEL_REWRITE_HEADER => meta.model_rewrite = value(),
+                SESSION_HEADER => meta.session_id = value(),
                 SLO_TTFT_HEADER | "x-slo-ttft-ms" => {
-                    meta.slo.ttft_ms = slo_ms(value.as_deref()).or(meta.slo.ttft_ms);
+                    meta.slo.ttft_ms = slo_ms(value().as_deref()).or(meta.slo.ttft_ms);
                 }
                 SLO_TPOT_HEADER | "x-slo-tpot-ms" => {
-                    meta.slo.tpot_ms = slo_ms(value.as_deref()).or(meta.slo.tpot_ms);
+                    meta.slo.tpot_ms = slo_ms(value().as_deref()).or(meta.slo.tpot_ms);
                 }
                 _ => continue,
             }
             if matches!(
-                key.as_str(),
+                key.as_ref(),
                 OBJECTIVE_HEADER | FAIRNESS_HEADER | MODEL_REWRITE_HEADER
             ) {
-                meta.control_headers.push(key);
+                meta.control_headers.push(key.into_owned());
             }
         }
         meta
@@ -114,7 +125,7 @@ mod tests {
     fn header(key: &str, value: &str) -> HeaderValue {
         HeaderValue {
             key: key.to_owned(),
-            raw_value: value.as_bytes().to_vec(),
+            raw_value: bytes::Bytes::copy_from_slice(value.as_bytes()),
             ..Default::default()
         }
     }

@@ -707,7 +707,7 @@ pub(crate) fn response_headers() -> Request {
         headers: Some(HeaderMap {
             headers: vec![HeaderValue {
                 key: "content-length".into(),
-                raw_value: b"100".to_vec(),
+                raw_value: bytes::Bytes::from_static(b"100"),
                 ..Default::default()
             }],
         }),

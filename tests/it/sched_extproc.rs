@@ -189,7 +189,7 @@ fn reply(response: &ProcessingResponse) -> Reply {
         .map(|h| {
             (
                 h.key.clone(),
-                String::from_utf8(h.raw_value.clone()).expect("utf8"),
+                String::from_utf8(h.raw_value.to_vec()).expect("utf8"),
             )
         })
         .collect();

@@ -44,7 +44,7 @@ pub fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> Request {
                 .iter()
                 .map(|(k, v)| HeaderValue {
                     key: (*k).to_owned(),
-                    raw_value: v.as_bytes().to_vec(),
+                    raw_value: bytes::Bytes::copy_from_slice(v.as_bytes()),
                     ..Default::default()
                 })
                 .collect(),
@@ -94,5 +94,5 @@ pub fn set_header(
         .iter()
         .filter_map(|o| o.header.as_ref())
         .find(|h| h.key == name)
-        .map(|h| String::from_utf8(h.raw_value.clone()).expect("a UTF-8 header value"))
+        .map(|h| String::from_utf8(h.raw_value.to_vec()).expect("a UTF-8 header value"))
 }
