@@ -62,10 +62,12 @@ python3 - "$WORK" "${#KVPICKS[@]}" "${ENVOY_RESPONSES:-}" <<'PY'
 import sys
 work, n, responses = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 config = open("deploy/envoy/envoy.yaml").read()
-def one_filter(c):
+def route_only(c):
     start = c.index("                  - name: kvpick-observe\n")
     end = c.index("                  - name: envoy.filters.http.router\n")
-    c = c[:start] + c[end:]
+    return c[:start] + c[end:]
+def one_filter(c):
+    c = route_only(c)
     for mode, value in (("response_header_mode", "SEND"), ("response_body_mode", "FULL_DUPLEX_STREAMED"),
                         ("response_trailer_mode", "SEND")):
         old = {"response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"}[mode]
@@ -88,10 +90,6 @@ def timing_log(c, name):
         + '                          inline_string: "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% '
         + '%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_header_latency_us)%\\n"\n')
     return c.replace(anchor, entry, 1)
-def route_only(c):
-    start = c.index("                  - name: kvpick-observe\n")
-    end = c.index("                  - name: envoy.filters.http.router\n")
-    return c[:start] + c[end:]
 for i in range(n):
     layout = responses[i] if i < len(responses) else "observe"
     assert layout in ("observe", "routing", "none"), layout
@@ -194,13 +192,14 @@ for r in $(seq "$ROUNDS"); do
       read -r user_before sys_before < <(awk '{print $14, $15}' "/proc/$pid/stat")
       from=$(logged "kvpick$i")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
-      sleep 0.5 # Envoy writes its access logs out every 100 ms (--file-flush-interval-msec)
-      echo "#   kvpick$i Envoy's view, median µs: first request byte to upstream $(timing "kvpick$i" "$from" | tr '\n' ' ')(Envoy alone: $(timing alone "$alone_from"))"
       after=$(stages $metrics); routed_after=$(routed $metrics)
       hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
       read -r vol_after invol_after < <(switches "$pid")
       msgs_after=$(messages $((9901 + 100 * i)))
       read -r user_after sys_after < <(awk '{print $14, $15}' "/proc/$pid/stat")
+      # After the counters are read, so the wait adds no idle time to them.
+      sleep 0.5 # Envoy writes its access logs out every 100 ms (--file-flush-interval-msec)
+      echo "#   kvpick$i Envoy's view, median µs: first request byte to upstream $(timing "kvpick$i" "$from" | tr '\n' ' ')(Envoy alone: $(timing alone "$alone_from"))"
       case $variant in warm) warmup=50 ;; cold) warmup=20 ;; *) warmup=300 ;; esac
       sent=$((REQUESTS + warmup))
       echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"

@@ -31,7 +31,7 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_owned(),
-            raw_value: bytes::Bytes::copy_from_slice(value.as_bytes()),
+            raw_value: Bytes::copy_from_slice(value.as_bytes()),
             ..Default::default()
         }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
