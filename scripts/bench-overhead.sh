@@ -21,6 +21,10 @@
 # observability_mode) or `routing` (one filter: the routing filter sends the response too,
 # FULL_DUPLEX_STREAMED, as before session 15) or `none` (the routing filter alone: kvpick never
 # sees the response; what the observing stream costs). Default: observe for every kvpick.
+# ENVOY_REQUEST_BODY="full-duplex buffered": per kvpick (same order), how its Envoy's routing
+# filter sends the request body: `full-duplex` (the shipped FULL_DUPLEX_STREAMED: kvpick streams
+# the body back) or `buffered` (BUFFERED: Envoy holds the body, kvpick answers it with the pick
+# and no body bytes, one more round trip for the headers). Default: full-duplex for every kvpick.
 # Each kvpick run also prints Envoy's view of its requests (medians, from an access log every
 # Envoy here writes): first request byte to upstream, and the routing ext_proc call's
 # turnaround (headers message sent to kvpick's answer), beside Envoy alone's.
@@ -58,9 +62,9 @@ printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' 
 
 # Envoy configs: the shipped one per kvpick (kvpick i on ports 9002+100i…, Envoy listening
 # on 8081+100i) and the shipped one without the ext_proc filter (Envoy alone, 8080).
-python3 - "$WORK" "${#KVPICKS[@]}" "${ENVOY_RESPONSES:-}" <<'PY'
+python3 - "$WORK" "${#KVPICKS[@]}" "${ENVOY_RESPONSES:-}" "${ENVOY_REQUEST_BODY:-}" <<'PY'
 import sys
-work, n, responses = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+work, n, responses, request_bodies = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
 config = open("deploy/envoy/envoy.yaml").read()
 def route_only(c):
     start = c.index("                  - name: kvpick-observe\n")
@@ -88,12 +92,19 @@ def timing_log(c, name):
         + "                      log_format:\n"
         + "                        text_format_source:\n"
         + '                          inline_string: "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% '
-        + '%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_header_latency_us)%\\n"\n')
+        + '%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_header_latency_us)% '
+        + '%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:request_body_total_latency_us)%\\n"\n')
     return c.replace(anchor, entry, 1)
 for i in range(n):
     layout = responses[i] if i < len(responses) else "observe"
     assert layout in ("observe", "routing", "none"), layout
     c = {"routing": one_filter, "none": route_only}.get(layout, lambda c: c)(config)
+    request_body = request_bodies[i] if i < len(request_bodies) else "full-duplex"
+    assert request_body in ("full-duplex", "buffered"), request_body
+    if request_body == "buffered":
+        old = "request_body_mode: FULL_DUPLEX_STREAMED"
+        assert c.count(old) == 1
+        c = c.replace(old, "request_body_mode: BUFFERED")
     for port in (8081, 9901, 9002, 9003):
         c = c.replace(f"port_value: {port}", f"port_value: {port + 100 * i}")
     open(f"{work}/envoy-kvpick{i}.yaml", "w").write(timing_log(c, f"kvpick{i}"))
@@ -156,7 +167,10 @@ def median(i):
     return f"{statistics.median(values):.0f}" if values else "-"
 print(median(0))
 if any(len(r) > 1 and r[1] != "-" for r in rows):
-    print(f"; ext_proc headers to kvpick answer {median(1)}")'
+    print(f"; ext_proc headers to kvpick answer {median(1)}")
+# BUFFERED request bodies: the body is a second call (headers continued, then the pick).
+if any(len(r) > 2 and r[2] not in ("-", "0") for r in rows):
+    print(f", held body to kvpick answer {median(2)}")'
 }
 run() { # port path size variant pace seed [cpu-pid]
   local args=(--url "http://127.0.0.1:$1$2" --requests "$REQUESTS" --body-bytes "$3" --seed "$6")

@@ -99,6 +99,15 @@ pub enum ProtocolError {
     /// A `ProcessingRequest` with no request oneof set.
     #[error("processing request carries no message")]
     Empty,
+    /// The gateway sends request bodies in a mode kvpick cannot pick in
+    /// ([`super::request_body::RequestBodyMode`]).
+    #[error(
+        "request_body_mode {mode} is not supported: the pick needs the whole body before the headers go on (use FULL_DUPLEX_STREAMED or BUFFERED)"
+    )]
+    UnsupportedBodyMode {
+        /// The mode's name.
+        mode: String,
+    },
     /// The stream sent no request headers within `--request-headers-timeout`.
     #[error("no request headers within {limit:?}")]
     NoHeaders {
@@ -111,6 +120,9 @@ impl From<ProtocolError> for tonic::Status {
     fn from(error: ProtocolError) -> Self {
         match error {
             ProtocolError::NoHeaders { .. } => tonic::Status::deadline_exceeded(error.to_string()),
+            ProtocolError::UnsupportedBodyMode { .. } => {
+                tonic::Status::unimplemented(error.to_string())
+            }
             _ => tonic::Status::failed_precondition(error.to_string()),
         }
     }

@@ -3,6 +3,7 @@
 //! - [`stream`]: the per-request state machine (pure; every ordering rule lives here);
 //! - [`service`]: the tonic service that drives one state machine per gRPC stream;
 //! - [`mutations`]: the messages sent back (destination header + metadata, body chunks);
+//! - [`request_body`]: how the gateway sends request bodies, and so how a pick is answered;
 //! - [`meta`]: the request headers kvpick reads (path, control headers);
 //! - `prepare`: body parsing, model rewrite and tokenization (on the blocking pool);
 //! - `response`: the response path, restoring a rewritten model name;
@@ -21,6 +22,7 @@ pub mod handoff;
 pub mod meta;
 pub mod mutations;
 pub mod prepare;
+pub mod request_body;
 mod response;
 pub mod scores;
 pub mod service;

@@ -54,9 +54,59 @@ pub(super) fn string_value(s: &str) -> Value {
 pub fn request_headers_response(
     destination: &str,
     body_len: Option<usize>,
-    mut present_control_headers: Vec<String>,
+    present_control_headers: Vec<String>,
     extra: &[(&'static str, String)],
 ) -> ProcessingResponse {
+    let (common, metadata) = decision(destination, body_len, present_control_headers, extra);
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(common),
+        })),
+        dynamic_metadata: Some(metadata),
+        ..Default::default()
+    }
+}
+
+/// The answer to a whole request body Envoy held (`BUFFERED`) once the pick is made: the
+/// same header mutations and metadata as [`request_headers_response`] (Envoy still holds the
+/// headers), and the body replaced only when it was `rewritten` (with `content-length` set
+/// to match, which Envoy checks); otherwise Envoy forwards the body it holds.
+pub fn request_body_decision(
+    destination: &str,
+    rewritten: Option<Bytes>,
+    present_control_headers: Vec<String>,
+    extra: &[(&'static str, String)],
+) -> ProcessingResponse {
+    let body_len = rewritten.as_ref().map(Bytes::len);
+    let (mut common, metadata) = decision(destination, body_len, present_control_headers, extra);
+    common.body_mutation = rewritten.map(|body| BodyMutation {
+        mutation: Some(body_mutation::Mutation::Body(body)),
+    });
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(common),
+        })),
+        dynamic_metadata: Some(metadata),
+        ..Default::default()
+    }
+}
+
+/// Continues the request headers unchanged: Envoy holds them (`BUFFERED`) until the body's
+/// answer carries the pick.
+pub fn request_headers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// A pick's header mutations and dynamic metadata (see [`request_headers_response`]).
+fn decision(
+    destination: &str,
+    body_len: Option<usize>,
+    mut present_control_headers: Vec<String>,
+    extra: &[(&'static str, String)],
+) -> (CommonResponse, Struct) {
     let mut set_headers = vec![set_header(DESTINATION_HEADER, destination)];
     if let Some(len) = body_len {
         set_headers.push(set_header("content-length", &len.to_string()));
@@ -84,20 +134,15 @@ pub fn request_headers_response(
             },
         );
     }
-    ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(HeaderMutation {
-                    set_headers,
-                    remove_headers: present_control_headers,
-                }),
-                clear_route_cache: true,
-                ..Default::default()
-            }),
-        })),
-        dynamic_metadata: Some(Struct { fields: namespaces }),
+    let common = CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers,
+            remove_headers: present_control_headers,
+        }),
+        clear_route_cache: true,
         ..Default::default()
-    }
+    };
+    (common, Struct { fields: namespaces })
 }
 
 fn streamed_body(chunk: Bytes, end_of_stream: bool) -> CommonResponse {

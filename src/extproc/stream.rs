@@ -1,4 +1,5 @@
-//! The per-request ext-proc state machine (DESIGN §2, FULL_DUPLEX_STREAMED).
+//! The per-request ext-proc state machine (DESIGN §2: FULL_DUPLEX_STREAMED; BUFFERED request
+//! bodies too, [`super::request_body`]).
 //!
 //! One [`RequestStream`] lives for one gRPC stream, i.e. one HTTP request. Message handling
 //! ([`RequestStream::on_message`]) is synchronous and owns no I/O, so every ordering rule of
@@ -7,7 +8,9 @@
 //! blocking pool so a 400 KB prompt never stalls other streams.
 //!
 //! Phases: request headers → body buffered until end of stream → decide → (headers response
-//! with metadata, body chunks) → response headers/body/trailers passed through → done. When
+//! with metadata, body chunks; or, when Envoy holds the body, one answer to it carrying the
+//! same headers and metadata: `stream/reply.rs`) → response headers/body/trailers passed through →
+//! done. When
 //! the gateway splits the work over two filters ([`super::handoff`]), a routing stream is
 //! done at its decision and an observing stream ([`observe`]) goes from request headers
 //! (the hand-off) straight to the response, answering nothing.
@@ -25,20 +28,19 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
 mod observe;
+mod reply;
+mod response_path;
 
 use super::admission::Admission;
 use super::budget::{BodyBudget, Held};
 use super::conformance::{EndpointSelection, SERVED_ECHO_HEADER, served_echo};
 use super::error::{ProtocolError, Rejection};
-use super::handoff::{PICK_NAMESPACE, PickHandoff};
 use super::meta::RequestMeta;
 use super::mutations;
 use super::prepare::{Prepared, prepare};
+use super::request_body::RequestBodyMode;
 use super::response::{ResponseBody, ResponseBodyMode};
-use super::scores;
 use super::subset::{SubsetHint, subset_hint};
 use super::usage::UsageTail;
 use crate::endpoints::{Datastore, InFlightGuard, PodId, PrefillGuard, live_candidates};
@@ -204,6 +206,11 @@ pub struct RequestStream {
     split: bool,
     /// An observing stream (`observability_mode`): follows a pick's response, answers nothing.
     observing: bool,
+    /// How the gateway sends the request body (from the first message).
+    request_mode: RequestBodyMode,
+    /// A held body (`BUFFERED`) came without end of stream: the pick answered it, and the
+    /// request's trailers are still to come (and to be answered).
+    trailers_owed: bool,
 }
 
 struct Routed {
@@ -239,6 +246,8 @@ impl RequestStream {
             trim_later: None,
             split: false,
             observing: false,
+            request_mode: RequestBodyMode::FullDuplex,
+            trailers_owed: false,
         }
     }
 
@@ -267,7 +276,7 @@ impl RequestStream {
 
     /// Whether the request was answered or passed through to its end.
     pub fn is_done(&self) -> bool {
-        self.phase == Phase::Done
+        self.phase == Phase::Done && !self.trailers_owed
     }
 
     /// Until when the next inbound message may take: `None` once the request is in.
@@ -318,6 +327,7 @@ impl RequestStream {
                 ResponseBodyMode::FullDuplex
             };
             self.split = mode == BodySendMode::None;
+            self.request_mode = RequestBodyMode::from_config(config)?;
         }
         if message.observability_mode && self.phase == Phase::AwaitRequestHeaders {
             self.observing = true;
@@ -327,6 +337,10 @@ impl RequestStream {
             && matches!(message.request, Some(Request::ResponseHeaders(_))))
         .then(|| served_echo(message.metadata_context.as_ref()));
         let request = message.request.ok_or(ProtocolError::Empty)?;
+        if self.trailers_owed && matches!(request, Request::RequestTrailers(_)) {
+            self.trailers_owed = false;
+            return Ok(Step::Reply(vec![mutations::request_trailers_continue()]));
+        }
         if self.observing {
             match (&request, self.phase) {
                 (Request::RequestHeaders(_), Phase::AwaitRequestHeaders) => {
@@ -420,7 +434,11 @@ impl RequestStream {
         }
         self.phase = Phase::BufferBody;
         self.phase_started = tokio::time::Instant::now();
-        Step::Reply(Vec::new())
+        match self.request_mode {
+            // Envoy holds the headers until the body's answer, which carries the pick.
+            RequestBodyMode::Buffered => Step::Reply(vec![mutations::request_headers_continue()]),
+            RequestBodyMode::FullDuplex => Step::Reply(Vec::new()),
+        }
     }
 
     fn on_request_body(&mut self, body: HttpBody) -> Step {
@@ -432,6 +450,13 @@ impl RequestStream {
         }
         if body.end_of_stream {
             self.end = RequestEnd::Body;
+            self.phase = Phase::Deciding;
+            Step::Decide
+        } else if self.request_mode == RequestBodyMode::Buffered {
+            // NOTE: a held body is always whole: without end of stream, trailers follow, and
+            // they are sent only once this message is answered (the pick goes with it).
+            self.end = RequestEnd::Body;
+            self.trailers_owed = true;
             self.phase = Phase::Deciding;
             Step::Decide
         } else {
@@ -704,76 +729,6 @@ impl RequestStream {
         });
     }
 
-    /// The replies that send the request on to `pick`: the destination header (and score
-    /// headers), the body (rewritten or as received) and trailers; the response phase is
-    /// armed to restore a rewritten model name.
-    fn reply(&mut self, pick: &Pick, prepared: Option<&Prepared>) -> Vec<ProcessingResponse> {
-        let destination = pick.header_value();
-        tracing::debug!(%destination, bytes = self.body.len(), "picked");
-        let has_body = self.end != RequestEnd::Bodyless;
-        // NOTE: the body goes back as slices of what was buffered (or of the rewrite), not
-        // copies: it lives until the last chunk is encoded onto the connection, as the copies
-        // did, and the budget is returned below as it was for them. The buffer's growth
-        // slack is given back first (shrinking in place: no copy), so what stays pinned past
-        // the budget is the body's own bytes, not up to twice them.
-        let forwarded = match prepared.and_then(|p| p.rewritten_body.as_ref()) {
-            Some(rewritten) => rewritten.clone(),
-            None => {
-                let mut body = std::mem::take(&mut self.body);
-                body.shrink_to_fit();
-                Bytes::from(body)
-            }
-        };
-        let mut headers = mutations::request_headers_response(
-            &destination,
-            has_body.then_some(forwarded.len()),
-            std::mem::take(&mut self.meta.control_headers),
-            &scores::pick_headers(pick),
-        );
-        if let (true, Some(routed), Some(metadata)) = (
-            self.split,
-            self.routed.as_ref(),
-            headers.dynamic_metadata.as_mut(),
-        ) {
-            let handoff = PickHandoff {
-                endpoint: pick.primary.addr(),
-                uncached_tokens: pick.expected.uncached_tokens.unwrap_or(0.0),
-                cached_tokens: pick.expected.cached_tokens,
-                predicted_ms: pick.expected.ttft_ms,
-                streamed: self.streamed,
-                labels: routed.labels.clone(),
-            };
-            metadata
-                .fields
-                .insert(PICK_NAMESPACE.to_owned(), handoff.to_value());
-        }
-        let mut out = vec![headers];
-        if has_body {
-            out.extend(mutations::request_body_chunks(
-                forwarded,
-                self.end == RequestEnd::Body,
-            ));
-        }
-        if self.end == RequestEnd::Trailers {
-            out.push(mutations::request_trailers_continue());
-        }
-        if let Some(p) = prepared.filter(|p| p.rewritten_body.is_some()) {
-            self.response =
-                ResponseBody::restoring(&p.client_model, p.stream, self.ctx.max_body_bytes);
-        }
-        // NOTE: the budget is returned once the chunks are built; they wait only in the
-        // gateway-facing send path of this stream.
-        self.release_body();
-        // Split: the gateway closes this stream once the request is through, and the
-        // response half is the observing stream's.
-        self.phase = if self.split {
-            Phase::Done
-        } else {
-            Phase::AwaitResponse
-        };
-        out
-    }
-
     fn reject(&mut self, rejection: Rejection, model: Option<&str>) -> Vec<ProcessingResponse> {
         let status = rejection.http_status();
         tracing::debug!(status, %rejection, "request rejected");
@@ -791,59 +746,6 @@ impl RequestStream {
         self.release_body();
         self.phase = Phase::Done;
         vec![mutations::immediate_error(status, &rejection.to_string())]
-    }
-
-    /// Response bytes came: a streamed response's first chunk ends its prefill (and times
-    /// it), each later one times a decode step of its pod.
-    fn response_chunk(&mut self) {
-        // NOTE: a non-streamed response's first byte comes with its last token, which says
-        // nothing about its prefill; it holds its backlog share to the end instead.
-        if !self.streamed {
-            return;
-        }
-        let Some(guard) = self.prefill.as_mut() else {
-            return;
-        };
-        let now = Instant::now();
-        if let Some(seen) = guard.first_byte(now) {
-            self.ctx.metrics.ttft.observe(&seen);
-        } else {
-            let batch = self.in_flight.as_ref().map_or(1, InFlightGuard::current);
-            guard.chunk(now, batch);
-        }
-    }
-
-    fn end_response(&mut self) {
-        self.in_flight = None;
-        self.prefill = None;
-        self.phase = Phase::Done;
-        // Capacity freed: let a queued request go without waiting for the next tick.
-        if let Some(flow) = &self.ctx.admission.flow {
-            flow.completed();
-        }
-        if let (Some(routed), Some(usage)) = (&self.routed, self.usage.usage()) {
-            let metrics = &self.ctx.metrics;
-            let labels = routed.labels.values();
-            metrics
-                .input_tokens
-                .with_label_values(&labels)
-                .observe(usage.prompt_tokens as f64);
-            metrics
-                .output_tokens
-                .with_label_values(&labels)
-                .observe(usage.completion_tokens as f64);
-            let endpoint = routed.pod.to_string();
-            metrics
-                .prompt_tokens
-                .with_label_values(&[&endpoint])
-                .inc_by(usage.prompt_tokens);
-            if let Some(cached) = usage.cached_tokens {
-                metrics
-                    .cached_prompt_tokens
-                    .with_label_values(&[&endpoint])
-                    .inc_by(cached);
-            }
-        }
     }
 }
 

@@ -147,6 +147,95 @@ async fn a_gateway_in_streamed_response_mode_gets_answers_intact_and_models_rest
 }
 
 #[tokio::test]
+async fn a_gateway_that_holds_request_bodies_gets_them_routed_and_rewritten() {
+    let (a, b) = (
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rewrites.yaml");
+    std::fs::write(
+        &rules,
+        "rules: [{matches: [alias], targets: [{modelRewrite: served-model-v2, weight: 1}]}]\n",
+    )
+    .expect("write rules");
+    let rules = rules.display().to_string();
+    let kvpick = Kvpick::start(
+        &pool_yaml(&[&a, &b]),
+        &["--max-fallbacks", "0", "--model-rewrites", &rules],
+    )
+    .await;
+    // No fallback cluster: a request that failed open would get 503, not 200.
+    let envoy = Envoy::start(
+        &kvpick,
+        EnvoyOptions {
+            request_body_buffered: true,
+            echo_metadata: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let aliased = br#"{"model":"alias","prompt":"hello there"}"#;
+    for i in 0..6 {
+        let sent = if i % 2 == 0 { BODY } else { &aliased[..] };
+        let reply = send(
+            "POST",
+            &envoy.url("/v1/completions"),
+            &[
+                ("content-type", "application/json"),
+                ("x-gateway-destination-endpoint", "127.0.0.1:1"),
+                ("x-gateway-inference-objective", "critical"),
+            ],
+            sent.to_vec(),
+        )
+        .await
+        .expect("request");
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let served_by = reply.json()["backend"]
+            .as_str()
+            .expect("backend")
+            .to_owned();
+        assert_eq!(
+            reply.header(METADATA_ECHO_HEADER).as_deref(),
+            Some(served_by.as_str()),
+            "routed by kvpick's metadata"
+        );
+    }
+    let seen: Vec<_> = a.seen().into_iter().chain(b.seen()).collect();
+    assert_eq!(seen.len(), 6);
+    let rewritten = br#"{"model":"served-model-v2","prompt":"hello there"}"#;
+    for request in &seen {
+        let body = request.body.as_ref();
+        assert!(
+            body == BODY || body == &rewritten[..],
+            "body as sent, or with only its model rewritten: {}",
+            String::from_utf8_lossy(body)
+        );
+        assert_eq!(
+            request.headers.get("content-length").map(|v| v.as_bytes()),
+            Some(body.len().to_string().as_bytes()),
+            "content-length matches the body forwarded"
+        );
+        assert_ne!(
+            request.headers["x-gateway-destination-endpoint"],
+            "127.0.0.1:1"
+        );
+        assert!(
+            request
+                .headers
+                .get("x-gateway-inference-objective")
+                .is_none()
+        );
+    }
+    assert_eq!(
+        seen.iter()
+            .filter(|r| r.body.as_ref() == &rewritten[..])
+            .count(),
+        3
+    );
+}
+
+#[tokio::test]
 async fn bad_bodies_get_400_and_413_with_the_reason() {
     let a = Backend::start("127.0.0.1").await;
     let kvpick = Kvpick::start(&pool_yaml(&[&a]), &["--max-body-bytes", "65536"]).await;

@@ -48,6 +48,21 @@ fn metric(text: &str, prefix: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_220kb_and_400kb_chat_bodies_arrive_intact_at_the_picked_backend() {
+    concurrent_large_bodies_through(EnvoyOptions::default()).await;
+}
+
+/// The same with Envoy holding each body (`request_body_mode: BUFFERED`): kvpick answers the
+/// whole body with the pick and sends none of it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_large_bodies_held_by_envoy_arrive_intact_at_the_picked_backend() {
+    concurrent_large_bodies_through(EnvoyOptions {
+        request_body_buffered: true,
+        ..Default::default()
+    })
+    .await;
+}
+
+async fn concurrent_large_bodies_through(options: EnvoyOptions) {
     let (a, b) = (
         Backend::start("127.0.0.1").await,
         Backend::start("127.0.0.1").await,
@@ -60,7 +75,7 @@ async fn concurrent_220kb_and_400kb_chat_bodies_arrive_intact_at_the_picked_back
         &["--tokenizer", &tokenizer, "--max-fallbacks", "0"],
     )
     .await;
-    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    let envoy = Envoy::start(&kvpick, options).await;
     let url = envoy.url("/v1/chat/completions");
     let bodies: Vec<Vec<u8>> = (0..4)
         .map(|seed| chat_body(220_000, seed))

@@ -36,7 +36,7 @@ pub(crate) struct Harness {
     client: ExternalProcessorClient<Channel>,
     pub(crate) datastore: Arc<Datastore>,
     pub(crate) metrics: Arc<EppMetrics>,
-    budget: Arc<BodyBudget>,
+    pub(crate) budget: Arc<BodyBudget>,
 }
 
 pub(crate) struct Options {
@@ -159,11 +159,26 @@ impl Harness {
         request_headers: Request,
         response_body_mode: BodySendMode,
     ) -> Stream {
+        self.open_with_modes(
+            request_headers,
+            BodySendMode::FullDuplexStreamed,
+            response_body_mode,
+        )
+        .await
+    }
+
+    /// A stream whose first message, `request_headers`, announces these body modes.
+    pub(crate) async fn open_with_modes(
+        &mut self,
+        request_headers: Request,
+        request_body_mode: BodySendMode,
+        response_body_mode: BodySendMode,
+    ) -> Stream {
         let s = self.open().await;
         s.tx.send(ProcessingRequest {
             request: Some(request_headers),
             protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                request_body_mode: request_body_mode as i32,
                 response_body_mode: response_body_mode as i32,
                 ..Default::default()
             }),
@@ -184,7 +199,7 @@ impl Harness {
     }
 
     /// Waits (bounded) until the server has noticed a closed stream.
-    async fn settle(&self) {
+    pub(crate) async fn settle(&self) {
         for _ in 0..200 {
             if self.metrics.open_streams.get() == 0 {
                 return;
@@ -219,7 +234,7 @@ impl Stream {
             .expect("stream open")
     }
 
-    async fn recv_status(&mut self) -> tonic::Status {
+    pub(crate) async fn recv_status(&mut self) -> tonic::Status {
         match tokio::time::timeout(Duration::from_secs(5), self.rx.message())
             .await
             .expect("reply in time")
@@ -230,7 +245,7 @@ impl Stream {
     }
 }
 
-fn post_headers() -> Request {
+pub(crate) fn post_headers() -> Request {
     headers(&[(":method", "POST"), (":path", "/v1/completions")], false)
 }
 
@@ -255,7 +270,7 @@ pub(crate) struct Decision {
     pub(crate) destination: String,
     content_length: Option<String>,
     removed: Vec<String>,
-    metadata_destination: String,
+    pub(crate) metadata_destination: String,
     clear_route_cache: bool,
 }
 
@@ -323,7 +338,7 @@ fn subset(entries: &[&str]) -> Metadata {
     }
 }
 
-const BODY: &[u8] = br#"{"model":"m","prompt":"hello"}"#;
+pub(crate) const BODY: &[u8] = br#"{"model":"m","prompt":"hello"}"#;
 
 #[tokio::test]
 async fn full_request_and_response_round_trip() {

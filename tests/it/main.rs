@@ -20,6 +20,7 @@ mod deploy_monitoring;
 mod deploy_rbac;
 mod deploy_schema;
 mod envoy_e2e;
+mod extproc_buffered;
 mod extproc_large_bodies;
 mod extproc_server;
 mod extproc_split;

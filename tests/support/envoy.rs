@@ -52,6 +52,9 @@ pub struct EnvoyOptions {
     /// More kvpick replicas in the ext_proc cluster, as (gRPC port, health port): Envoy
     /// balances streams over all of them and health-checks each.
     pub extra_kvpicks: Vec<(u16, u16)>,
+    /// The routing filter's request bodies in `BUFFERED` mode (Envoy holds the body and sends
+    /// it whole; kvpick's answer carries no body back) instead of `FULL_DUPLEX_STREAMED`.
+    pub request_body_buffered: bool,
 }
 
 /// Header the test config adds to responses with the `envoy.lb` destination metadata.
@@ -227,6 +230,13 @@ impl Envoy {
                 &format!(
                     "{last}              - endpoint:\n                  address:\n                    socket_address: {{ address: 127.0.0.1, port_value: {grpc} }}\n                  health_check_config: {{ port_value: {health} }}\n"
                 ),
+            );
+        }
+        if options.request_body_buffered {
+            replace_once(
+                &mut config,
+                "request_body_mode: FULL_DUPLEX_STREAMED",
+                "request_body_mode: BUFFERED",
             );
         }
         let fallback = if options.fallback.is_empty() {
