@@ -9,11 +9,10 @@
 //!
 //! Phases: request headers → body buffered until end of stream → decide → (headers response
 //! with metadata, body chunks; or, when Envoy holds the body, one answer to it carrying the
-//! same headers and metadata: `stream/reply.rs`) → response headers/body/trailers passed through →
-//! done. When
-//! the gateway splits the work over two filters ([`super::handoff`]), a routing stream is
-//! done at its decision and an observing stream ([`observe`]) goes from request headers
-//! (the hand-off) straight to the response, answering nothing.
+//! same headers and metadata: `stream/reply.rs`) → response headers/body/trailers passed
+//! through → done. When the gateway splits the work over two filters ([`super::handoff`]), a
+//! routing stream is done at its decision and an observing stream ([`observe`]) goes from
+//! request headers (the hand-off) straight to the response, answering nothing.
 //! The request's in-flight unit ([`InFlightGuard`]) and its share of the body budget
 //! ([`Held`]) are fields: dropping the stream, for any reason, returns both.
 //!
@@ -745,6 +744,8 @@ impl RequestStream {
             .inc();
         self.release_body();
         self.phase = Phase::Done;
+        // The gateway sends nothing more after an immediate response, trailers included.
+        self.trailers_owed = false;
         vec![mutations::immediate_error(status, &rejection.to_string())]
     }
 }

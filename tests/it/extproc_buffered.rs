@@ -229,3 +229,25 @@ async fn modes_that_send_the_headers_before_the_body_is_in_are_refused_with_the_
     }
     assert_eq!(h.in_flight_total(), 0);
 }
+
+#[tokio::test]
+async fn a_refused_held_body_ends_the_stream_without_waiting_for_its_trailers() {
+    let mut h = start(Default::default()).await;
+    let mut s = h
+        .open_with_modes(post_headers(), BodySendMode::Buffered, BodySendMode::None)
+        .await;
+    assert_plain_continue(&s.recv().await);
+    // Trailers would follow, but the body is refused: Envoy sends nothing after a local reply.
+    s.send(body(b"{not json", false)).await;
+    match s.recv().await.response {
+        Some(Response::ImmediateResponse(reply)) => {
+            assert_eq!(reply.status.map(|s| s.code), Some(400));
+        }
+        other => panic!("expected 400, got {other:?}"),
+    }
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), s.rx.message())
+        .await
+        .expect("ended without trailers");
+    assert!(matches!(end, Ok(None)), "stream ended cleanly: {end:?}");
+    assert_eq!(h.metrics.buffered_bytes.get(), 0);
+}
