@@ -13,6 +13,34 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 const BODY: &[u8] = br#"{"model":"m","prompt":"hello"}"#;
 
+/// Posts `body` with a client's attempt at picking its destination and a control header
+/// (neither may reach the backend: the caller checks), and checks it was answered by the
+/// backend kvpick's `envoy.lb` metadata named.
+async fn send_routed_with_spoofed_headers(envoy: &Envoy, body: &[u8]) {
+    let reply = send(
+        "POST",
+        &envoy.url("/v1/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("x-gateway-destination-endpoint", "127.0.0.1:1"),
+            ("x-gateway-inference-objective", "critical"),
+        ],
+        body.to_vec(),
+    )
+    .await
+    .expect("request");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let served_by = reply.json()["backend"]
+        .as_str()
+        .expect("backend")
+        .to_owned();
+    assert_eq!(
+        reply.header(METADATA_ECHO_HEADER).as_deref(),
+        Some(served_by.as_str()),
+        "routed by kvpick's metadata"
+    );
+}
+
 #[tokio::test]
 async fn requests_reach_the_picked_backend_with_header_and_metadata_agreeing() {
     let (a, b) = (
@@ -31,28 +59,7 @@ async fn requests_reach_the_picked_backend_with_header_and_metadata_agreeing() {
     )
     .await;
     for _ in 0..10 {
-        let reply = send(
-            "POST",
-            &envoy.url("/v1/completions"),
-            &[
-                ("content-type", "application/json"),
-                // A client may not pick its destination, nor leak control headers upstream.
-                ("x-gateway-destination-endpoint", "127.0.0.1:1"),
-                ("x-gateway-inference-objective", "critical"),
-            ],
-            BODY.to_vec(),
-        )
-        .await
-        .expect("request");
-        assert_eq!(reply.status, 200, "{}", reply.text());
-        let served_by = reply.json()["backend"]
-            .as_str()
-            .expect("backend")
-            .to_owned();
-        assert_eq!(
-            reply.header(METADATA_ECHO_HEADER).as_deref(),
-            Some(served_by.as_str())
-        );
+        send_routed_with_spoofed_headers(&envoy, BODY).await;
     }
     let seen: Vec<_> = a.seen().into_iter().chain(b.seen()).collect();
     assert_eq!(seen.len(), 10);
@@ -178,28 +185,7 @@ async fn a_gateway_that_holds_request_bodies_gets_them_routed_and_rewritten() {
     let aliased = br#"{"model":"alias","prompt":"hello there"}"#;
     for i in 0..6 {
         let sent = if i % 2 == 0 { BODY } else { &aliased[..] };
-        let reply = send(
-            "POST",
-            &envoy.url("/v1/completions"),
-            &[
-                ("content-type", "application/json"),
-                ("x-gateway-destination-endpoint", "127.0.0.1:1"),
-                ("x-gateway-inference-objective", "critical"),
-            ],
-            sent.to_vec(),
-        )
-        .await
-        .expect("request");
-        assert_eq!(reply.status, 200, "{}", reply.text());
-        let served_by = reply.json()["backend"]
-            .as_str()
-            .expect("backend")
-            .to_owned();
-        assert_eq!(
-            reply.header(METADATA_ECHO_HEADER).as_deref(),
-            Some(served_by.as_str()),
-            "routed by kvpick's metadata"
-        );
+        send_routed_with_spoofed_headers(&envoy, sent).await;
     }
     let seen: Vec<_> = a.seen().into_iter().chain(b.seen()).collect();
     assert_eq!(seen.len(), 6);
