@@ -4,167 +4,239 @@
 //! tokenizers crate's `BPE::tokenize`: the byte-level mapped `String`, a vocab and a cache
 //! lookup keyed by that `String`, and a `Vec<Token>` with one `String` per token. This memo is
 //! keyed by the raw pre-token bytes and holds the ids inline, so a hit is one xxh3 of a few
-//! bytes, one shard read lock and one table probe, without allocating.
+//! bytes and one probe of a two-slot set (one cache line each), without allocating or
+//! writing anything shared.
 //!
 //! Exactness: a slot only ever holds what the crate returned for that very pre-token (BPE
 //! without dropout is a pure function of its input), so a hit equals a miss.
 //!
-//! Memory: at most `capacity` slots of 40 bytes, plus hashbrown's rounding of each shard up to
-//! a power-of-two bucket count (the default capacity fills its buckets exactly: 2.7 MB).
-//! Pre-tokens longer than [`MAX_WORD`] bytes or of more than [`MAX_IDS`] tokens are not memoised.
-//! A full shard is cleared before the next insert.
-//! NOTE: clearing instead of LRU keeps hits lock-light (no recency to update under the read
-//! lock); natural text re-warms a cleared shard within a few KB.
+//! Memory: a fixed table of `capacity` slots (rounded up to a power of two) of 64 bytes,
+//! allocated once: 4 MiB for the default capacity. Pre-tokens longer than [`MAX_WORD`] bytes
+//! or of more than [`MAX_IDS`] tokens are not memoised. A word goes to one of the two slots of
+//! its set (by its hash): an empty one, else it replaces the one its hash names.
 //!
-//! Concurrency: sharded `RwLock`s. Lookups take a shard's read lock; an insert only
-//! `try_write`s and skips memoising when the shard is busy, so no encode ever waits on another.
+//! Concurrency: every slot is a sequence lock over atomic words, so a lookup is plain loads —
+//! no lock, no read-modify-write. The `RwLock` shards this replaced spent about half of each
+//! hit on the lock's two atomic operations (`perf annotate`, docs/benchmarks.md session 19).
+//! A reader takes the slot's sequence number, reads the slot, and takes it again: if it was odd
+//! (a write in progress) or changed, the read is a miss, never a torn entry. A writer makes
+//! the number odd with a compare-and-swap (a slot another writer holds is skipped: memoising
+//! is best-effort, no encode ever waits on another), writes, and makes it even again.
 
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 
-use hashbrown::HashTable;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Longest pre-token (in bytes) that is memoised.
-pub const MAX_WORD: usize = 22;
+pub const MAX_WORD: usize = 24;
 /// Most token ids a memoised pre-token may encode to.
 pub const MAX_IDS: usize = 4;
-/// Default number of memoised pre-tokens per tokenizer: 1,792 per shard, which is exactly what
-/// hashbrown holds in 2,048 buckets (7/8), so a full cache is 32 × 2,048 × 41 B ≈ 2.7 MB.
-pub const DEFAULT_CAPACITY: usize = SHARDS * 1792;
+/// Default number of memoised pre-tokens per tokenizer (64 Ki slots of 64 bytes: 4 MiB).
+pub const DEFAULT_CAPACITY: usize = 1 << 16;
 
-const SHARDS: usize = 32;
+/// Slots per set: a word may live in either.
+const WAYS: usize = 2;
 
-/// One memoised pre-token: its bytes and ids, inline.
-#[derive(Clone, Copy)]
+/// One memoised pre-token, behind its sequence number (module docs). `meta` holds the word's
+/// length (0: empty) and its id count; `word` its bytes zero-padded, little-endian; `ids` two
+/// ids per word.
+#[repr(align(64))]
+#[derive(Default)]
 struct Slot {
-    word_len: u8,
-    ids_len: u8,
-    word: [u8; MAX_WORD],
-    ids: [u32; MAX_IDS],
+    seq: AtomicU64,
+    meta: AtomicU64,
+    word: [AtomicU64; 3],
+    ids: [AtomicU64; 2],
 }
 
-/// `word` zero-padded to the slot's width (callers check the length first).
-fn padded(word: &[u8]) -> [u8; MAX_WORD] {
-    let mut out = [0; MAX_WORD];
-    if let Some(head) = out.get_mut(..word.len()) {
-        head.copy_from_slice(word);
+/// A word as the slots store it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Key {
+    len: u64,
+    word: [u64; 3],
+}
+
+impl Key {
+    fn new(word: &[u8]) -> Option<Self> {
+        if word.is_empty() || word.len() > MAX_WORD {
+            return None;
+        }
+        let mut padded = [0u8; MAX_WORD];
+        padded.get_mut(..word.len())?.copy_from_slice(word);
+        let part = |i: usize| {
+            let mut bytes = [0u8; 8];
+            if let Some(chunk) = padded.get(i * 8..i * 8 + 8) {
+                bytes.copy_from_slice(chunk);
+            }
+            u64::from_le_bytes(bytes)
+        };
+        Some(Self {
+            len: word.len() as u64,
+            word: [part(0), part(1), part(2)],
+        })
     }
-    out
 }
 
 impl Slot {
-    /// Equal to a word of `len` bytes padded to `padded` (fixed-width compare, no memcmp call).
-    fn is(&self, len: usize, padded: &[u8; MAX_WORD]) -> bool {
-        usize::from(self.word_len) == len && self.word == *padded
+    /// The ids stored for `key`, read consistently; `None` on another word, an empty slot, or
+    /// a write in progress.
+    fn read(&self, key: &Key) -> Option<([u32; MAX_IDS], usize)> {
+        let before = self.seq.load(Ordering::Acquire);
+        if before & 1 == 1 {
+            return None;
+        }
+        let meta = self.meta.load(Ordering::Relaxed);
+        let word = [
+            self.word[0].load(Ordering::Relaxed),
+            self.word[1].load(Ordering::Relaxed),
+            self.word[2].load(Ordering::Relaxed),
+        ];
+        let ids = [
+            self.ids[0].load(Ordering::Relaxed),
+            self.ids[1].load(Ordering::Relaxed),
+        ];
+        // NOTE: the acquire fence keeps the reads above before the second sequence load: a
+        // reader that saw any byte of a later write sees that write's odd (or later) number.
+        fence(Ordering::Acquire);
+        if self.seq.load(Ordering::Relaxed) != before {
+            return None;
+        }
+        if meta & 0xff != key.len || word != key.word {
+            return None;
+        }
+        let count = ((meta >> 8) & 0xff) as usize;
+        let unpacked = [
+            ids[0] as u32,
+            (ids[0] >> 32) as u32,
+            ids[1] as u32,
+            (ids[1] >> 32) as u32,
+        ];
+        (count <= MAX_IDS).then_some((unpacked, count))
     }
-    fn word(&self) -> &[u8] {
-        self.word.get(..usize::from(self.word_len)).unwrap_or(&[])
+
+    /// Whether the slot holds `key` (or a write is in progress: then it is left alone).
+    fn holds_or_busy(&self, key: &Key) -> bool {
+        let seq = self.seq.load(Ordering::Acquire);
+        seq & 1 == 1 || self.read(key).is_some()
     }
-    fn ids(&self) -> &[u32] {
-        self.ids.get(..usize::from(self.ids_len)).unwrap_or(&[])
+
+    fn is_empty(&self) -> bool {
+        self.meta.load(Ordering::Relaxed) & 0xff == 0
+    }
+
+    /// Stores `key` → `ids` unless another writer holds the slot.
+    fn write(&self, key: &Key, ids: &[u32]) {
+        let seq = self.seq.load(Ordering::Relaxed);
+        if seq & 1 == 1
+            || self
+                .seq
+                .compare_exchange(seq, seq + 1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        // NOTE: the release fence keeps the odd number before the stores below, for a reader
+        // that sees any of them (module docs).
+        fence(Ordering::Release);
+        let id = |i: usize| u64::from(ids.get(i).copied().unwrap_or(0));
+        self.meta
+            .store(key.len | ((ids.len() as u64) << 8), Ordering::Relaxed);
+        for (slot, part) in self.word.iter().zip(key.word) {
+            slot.store(part, Ordering::Relaxed);
+        }
+        self.ids[0].store(id(0) | (id(1) << 32), Ordering::Relaxed);
+        self.ids[1].store(id(2) | (id(3) << 32), Ordering::Relaxed);
+        self.seq.store(seq + 2, Ordering::Release);
     }
 }
 
 /// The memo (see the module docs).
 pub struct WordCache {
-    shards: Box<[RwLock<HashTable<Slot>>]>,
-    per_shard: usize,
+    slots: Box<[Slot]>,
+    /// Sets minus one (the slot count is a power of two); unused when there are no slots.
+    set_mask: usize,
 }
 
 impl std::fmt::Debug for WordCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WordCache")
-            .field("capacity", &(self.per_shard * SHARDS))
+            .field("capacity", &self.slots.len())
             .field("len", &self.len())
             .finish()
     }
 }
 
 impl WordCache {
-    /// A memo of at most `capacity` pre-tokens (0 memoises nothing).
+    /// A memo of about `capacity` pre-tokens (rounded up to a power of two, at least one set;
+    /// 0 memoises nothing).
     pub fn new(capacity: usize) -> Self {
-        let per_shard = capacity.div_ceil(SHARDS);
+        let slots = if capacity == 0 {
+            0
+        } else {
+            capacity.next_power_of_two().max(WAYS)
+        };
         Self {
-            shards: (0..SHARDS).map(|_| RwLock::new(HashTable::new())).collect(),
-            per_shard,
+            slots: (0..slots).map(|_| Slot::default()).collect(),
+            set_mask: (slots / WAYS).saturating_sub(1),
         }
     }
 
-    fn shard(&self, hash: u64) -> Option<&RwLock<HashTable<Slot>>> {
-        // The top bits pick the shard; hashbrown uses the low bits and the top 7 inside it.
-        self.shards.get((hash >> 40) as usize % SHARDS)
+    /// The two slots `hash` may live in.
+    fn set(&self, hash: u64) -> &[Slot] {
+        let first = (hash as usize & self.set_mask) * WAYS;
+        self.slots.get(first..first + WAYS).unwrap_or(&[])
     }
 
     /// Appends the memoised ids of `word` to `out`; false on a miss.
     pub fn extend_ids(&self, word: &[u8], out: &mut Vec<u32>) -> bool {
-        if word.len() > MAX_WORD || self.per_shard == 0 {
+        if self.slots.is_empty() {
             return false;
         }
-        let hash = xxh3_64(word);
-        let Some(shard) = self.shard(hash) else {
+        let Some(key) = Key::new(word) else {
             return false;
         };
-        let key = padded(word);
-        // A poisoned lock only means a panic elsewhere while inserting plain data: still valid.
-        let table = shard.read().unwrap_or_else(|p| p.into_inner());
-        match table.find(hash, |s| s.is(word.len(), &key)) {
-            Some(slot) => {
-                out.extend_from_slice(slot.ids());
-                true
+        for slot in self.set(xxh3_64(word)) {
+            if let Some((ids, count)) = slot.read(&key) {
+                out.extend_from_slice(ids.get(..count).unwrap_or(&[]));
+                return true;
             }
-            None => false,
         }
+        false
     }
 
-    /// Memoises `ids` for `word` when it fits and the shard is free.
+    /// Memoises `ids` for `word` when it fits and its slot is free.
     pub fn insert(&self, word: &[u8], ids: &[u32]) {
-        if word.len() > MAX_WORD || ids.len() > MAX_IDS || self.per_shard == 0 {
+        if self.slots.is_empty() || ids.len() > MAX_IDS {
             return;
         }
-        let mut slot = Slot {
-            word_len: word.len() as u8,
-            ids_len: ids.len() as u8,
-            word: padded(word),
-            ids: [0; MAX_IDS],
+        let Some(key) = Key::new(word) else {
+            return;
         };
-        if let Some(i) = slot.ids.get_mut(..ids.len()) {
-            i.copy_from_slice(ids);
-        }
         let hash = xxh3_64(word);
-        let Some(shard) = self.shard(hash) else {
-            return;
-        };
-        let Ok(mut table) = shard.try_write() else {
-            return;
-        };
-        if table.find(hash, |s| s.is(word.len(), &slot.word)).is_some() {
+        let set = self.set(hash);
+        if set.iter().any(|slot| slot.holds_or_busy(&key)) {
             return;
         }
-        if table.len() >= self.per_shard {
-            table.clear();
+        // An empty slot of the set, else the one the hash's top bit names: a word's place
+        // does not depend on which words came before it.
+        let victim = set
+            .iter()
+            .find(|slot| slot.is_empty())
+            .or_else(|| set.get((hash >> 63) as usize));
+        if let Some(slot) = victim {
+            slot.write(&key, ids);
         }
-        table.insert_unique(hash, slot, |s| xxh3_64(s.word()));
     }
 
-    /// Bytes the shards' tables have allocated.
+    /// Memoised pre-tokens right now (a scan: for tests and the debug view).
+    pub fn len(&self) -> usize {
+        self.slots.iter().filter(|s| !s.is_empty()).count()
+    }
+
+    /// Bytes the table has allocated.
     #[cfg(test)]
     pub fn allocated_bytes(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| {
-                s.read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .allocation_size()
-            })
-            .sum()
-    }
-
-    /// Memoised pre-tokens right now.
-    pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.read().unwrap_or_else(|p| p.into_inner()).len())
-            .sum()
+        std::mem::size_of_val(&*self.slots)
     }
 }
 
@@ -181,38 +253,87 @@ mod tests {
         assert!(cache.extend_ids(b" hello", &mut out));
         assert_eq!(out, [7, 1, 2]);
         assert!(!cache.extend_ids(b" hell", &mut out));
+        assert!(
+            !cache.extend_ids(b" hello\0", &mut out),
+            "padding is not a match"
+        );
         let long = [b'a'; MAX_WORD + 1];
         cache.insert(&long, &[3]);
         assert!(!cache.extend_ids(&long, &mut out));
+        let longest = [b'b'; MAX_WORD];
+        cache.insert(&longest, &[u32::MAX, 0, 5, 1 << 31]);
+        let mut ids = Vec::new();
+        assert!(cache.extend_ids(&longest, &mut ids));
+        assert_eq!(ids, [u32::MAX, 0, 5, 1 << 31], "every id bit kept");
         cache.insert(b"many", &[1, 2, 3, 4, 5]);
         assert!(!cache.extend_ids(b"many", &mut out));
-        assert_eq!(cache.len(), 1);
+        cache.insert(b"none", &[]);
+        let mut empty = Vec::new();
+        assert!(cache.extend_ids(b"none", &mut empty) && empty.is_empty());
+        assert_eq!(cache.len(), 3);
     }
 
     #[test]
-    fn a_full_shard_is_cleared_and_the_total_stays_bounded() {
-        let cache = WordCache::new(SHARDS * 4);
+    fn a_full_table_replaces_words_and_stays_within_its_allocation() {
+        let cache = WordCache::new(64);
         for i in 0..10_000u32 {
             cache.insert(format!("w{i}").as_bytes(), &[i]);
-            assert!(cache.len() <= SHARDS * 4);
+            assert!(cache.len() <= 64);
         }
-        // The newest insert is always present, with its own ids.
+        // The newest insert is always present, with its own ids; a word either answers its
+        // own ids or misses.
         let mut out = Vec::new();
         assert!(cache.extend_ids(b"w9999", &mut out));
         assert_eq!(out, [9999]);
-        // The default cache, filled far past its capacity, stays within its documented size.
+        for i in 0..10_000u32 {
+            let mut out = Vec::new();
+            if cache.extend_ids(format!("w{i}").as_bytes(), &mut out) {
+                assert_eq!(out, [i]);
+            }
+        }
         let full = WordCache::new(DEFAULT_CAPACITY);
+        assert_eq!(full.allocated_bytes(), 4 << 20, "64 Ki slots of 64 bytes");
         for i in 0..(4 * DEFAULT_CAPACITY as u32) {
             full.insert(format!("{i:x}").as_bytes(), &[i]);
         }
         assert!(full.len() > DEFAULT_CAPACITY / 2, "{}", full.len());
-        assert!(
-            full.allocated_bytes() <= 2_750_000,
-            "{}",
-            full.allocated_bytes()
-        );
         let off = WordCache::new(0);
         off.insert(b"w", &[1]);
         assert_eq!(off.len(), 0);
+        assert!(!off.extend_ids(b"w", &mut out));
+    }
+
+    /// Readers racing writers on the same few slots only ever see a word's own ids or a miss.
+    #[test]
+    fn concurrent_writes_never_show_a_torn_entry() {
+        let cache = std::sync::Arc::new(WordCache::new(WAYS));
+        // Every word's ids are derived from it, so a torn read would show a mismatch.
+        let word = |i: u32| format!("word-{i:05}");
+        let ids = |i: u32| [i, i ^ 0xdead_beef, i.wrapping_mul(7), !i];
+        let writers: Vec<_> = (0..2)
+            .map(|t| {
+                let cache = std::sync::Arc::clone(&cache);
+                std::thread::spawn(move || {
+                    for round in 0..20_000u32 {
+                        let i = (round * 2 + t) % 64;
+                        cache.insert(word(i).as_bytes(), &ids(i));
+                        // Also replace: the set is full, so inserts evict each other.
+                    }
+                })
+            })
+            .collect();
+        let mut hits = 0;
+        for round in 0..200_000u32 {
+            let i = round % 64;
+            let mut out = Vec::new();
+            if cache.extend_ids(word(i).as_bytes(), &mut out) {
+                assert_eq!(out, ids(i), "word {i}");
+                hits += 1;
+            }
+        }
+        for w in writers {
+            w.join().expect("writer");
+        }
+        assert!(hits > 0, "some reads hit");
     }
 }
