@@ -316,8 +316,8 @@ mod tests {
                 std::thread::spawn(move || {
                     for round in 0..20_000u32 {
                         let i = (round * 2 + t) % 64;
+                        // The set holds two words: inserts keep evicting each other.
                         cache.insert(word(i).as_bytes(), &ids(i));
-                        // Also replace: the set is full, so inserts evict each other.
                     }
                 })
             })
@@ -333,6 +333,14 @@ mod tests {
         }
         for w in writers {
             w.join().expect("writer");
+        }
+        // Whatever the interleaving, the set ends holding words the writers wrote.
+        for i in 0..64 {
+            let mut out = Vec::new();
+            if cache.extend_ids(word(i).as_bytes(), &mut out) {
+                assert_eq!(out, ids(i), "word {i}");
+                hits += 1;
+            }
         }
         assert!(hits > 0, "some reads hit");
     }
