@@ -228,7 +228,7 @@ impl WordCache {
         }
     }
 
-    /// Memoised pre-tokens right now (a scan: for tests and the debug view).
+    /// Memoised pre-tokens right now (a scan of the table).
     pub fn len(&self) -> usize {
         self.slots.iter().filter(|s| !s.is_empty()).count()
     }
