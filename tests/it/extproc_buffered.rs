@@ -4,7 +4,7 @@
 //! body bytes back unless the model was rewritten (`src/extproc/request_body.rs`).
 
 use crate::extproc_stream::{
-    BODY, body, decision, post_headers, response_body, response_headers, start,
+    BODY, body, body_decision, decision, post_headers, response_body, response_headers, start,
 };
 use crate::support::extproc::headers;
 
@@ -13,40 +13,12 @@ use kvpick::pb::envoy::service::ext_proc::v3::{
     CommonResponse, HttpTrailers, ProcessingResponse, body_mutation, processing_request::Request,
     processing_response::Response,
 };
-use kvpick::pb::google::protobuf::value::Kind;
 
 /// The common part of an answer to a request body (panics on any other answer).
 fn body_answer(reply: &ProcessingResponse) -> &CommonResponse {
     match &reply.response {
         Some(Response::RequestBody(b)) => b.response.as_ref().expect("common response"),
         other => panic!("expected a request body answer, got {other:?}"),
-    }
-}
-
-fn set_header(common: &CommonResponse, name: &str) -> Option<String> {
-    common
-        .header_mutation
-        .as_ref()?
-        .set_headers
-        .iter()
-        .filter_map(|o| o.header.as_ref())
-        .find(|h| h.key == name)
-        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
-}
-
-fn metadata_destination(reply: &ProcessingResponse) -> Option<String> {
-    let lb = reply.dynamic_metadata.as_ref()?.fields.get("envoy.lb")?;
-    let Some(Kind::StructValue(lb)) = lb.kind.as_ref() else {
-        return None;
-    };
-    match lb
-        .fields
-        .get("x-gateway-destination-endpoint")?
-        .kind
-        .as_ref()
-    {
-        Some(Kind::StringValue(s)) => Some(s.clone()),
-        _ => None,
     }
 }
 
@@ -88,28 +60,21 @@ async fn a_held_body_is_answered_with_the_pick_and_no_bytes_back() {
     let big = format!(r#"{{"model":"m","prompt":"{filler}"}}"#).into_bytes();
     s.send(body(&big, true)).await;
     let reply = s.recv().await;
-    let answer = body_answer(&reply);
-    let destination = set_header(answer, "x-gateway-destination-endpoint").expect("destination");
-    assert_eq!(metadata_destination(&reply).as_deref(), Some(&*destination));
+    let d = body_decision(&reply);
+    assert_eq!(d.destination, d.metadata_destination);
     assert!(
         h.datastore
             .snapshot()
-            .get(destination.parse().expect("id"))
+            .get(d.destination.parse().expect("id"))
             .is_some()
     );
-    assert!(answer.clear_route_cache, "the route follows the header");
-    assert!(answer.body_mutation.is_none(), "no body bytes back");
-    assert_eq!(
-        set_header(answer, "content-length"),
-        None,
-        "the held body's length stands"
+    assert!(d.clear_route_cache, "the route follows the header");
+    assert!(
+        body_answer(&reply).body_mutation.is_none(),
+        "no body bytes back"
     );
-    let removed = &answer
-        .header_mutation
-        .as_ref()
-        .expect("mutation")
-        .remove_headers;
-    assert_eq!(removed, &["x-gateway-inference-objective"]);
+    assert_eq!(d.content_length, None, "the held body's length stands");
+    assert_eq!(d.removed, ["x-gateway-inference-objective"]);
     assert_eq!(h.in_flight_total(), 1, "counted from the pick");
     assert_eq!(h.metrics.buffered_bytes.get(), 0, "body budget returned");
     assert_eq!(h.budget.available(), 4 << 20);
@@ -160,7 +125,7 @@ async fn a_rewritten_model_replaces_the_held_body_with_a_matching_length() {
     }
     // Envoy refuses a replaced body whose content-length does not match.
     assert_eq!(
-        set_header(answer, "content-length"),
+        body_decision(&reply).content_length,
         Some(expected.len().to_string())
     );
     // Split (the response goes to the observing filter): the pick is handed over.
@@ -183,7 +148,8 @@ async fn trailers_after_a_held_body_are_answered_after_the_pick() {
     // Without end of stream: trailers follow, and Envoy sends them once this is answered.
     s.send(body(BODY, false)).await;
     let reply = s.recv().await;
-    assert!(set_header(body_answer(&reply), "x-gateway-destination-endpoint").is_some());
+    let d = body_decision(&reply);
+    assert_eq!(d.destination, d.metadata_destination);
     s.send(Request::RequestTrailers(HttpTrailers::default()))
         .await;
     assert!(matches!(

@@ -16,7 +16,7 @@ use kvpick::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use kvpick::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use kvpick::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use kvpick::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    CommonResponse, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
     ProtocolConfiguration, processing_request::Request, processing_response::Response,
 };
 use kvpick::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
@@ -265,22 +265,35 @@ pub(crate) fn response_body(bytes: &[u8], end_of_stream: bool) -> Request {
     })
 }
 
-/// The destination header, the removed headers and the `envoy.lb` metadata of a headers reply.
+/// The destination header, the removed headers and the `envoy.lb` metadata of a pick's
+/// answer.
 pub(crate) struct Decision {
     pub(crate) destination: String,
-    content_length: Option<String>,
-    removed: Vec<String>,
+    pub(crate) content_length: Option<String>,
+    pub(crate) removed: Vec<String>,
     pub(crate) metadata_destination: String,
-    clear_route_cache: bool,
+    pub(crate) clear_route_cache: bool,
 }
 
+/// The pick in a request-headers reply (panics on any other reply).
 pub(crate) fn decision(reply: &ProcessingResponse) -> Decision {
     let Some(Response::RequestHeaders(h)) = &reply.response else {
         panic!("expected a request headers reply, got {reply:?}");
     };
-    let common = h.response.as_ref().expect("common response");
+    decision_in(reply, h.response.as_ref().expect("common response"))
+}
+
+/// The pick in the answer to a held request body (`BUFFERED`; panics on any other reply).
+pub(crate) fn body_decision(reply: &ProcessingResponse) -> Decision {
+    let Some(Response::RequestBody(b)) = &reply.response else {
+        panic!("expected a request body answer, got {reply:?}");
+    };
+    decision_in(reply, b.response.as_ref().expect("common response"))
+}
+
+fn decision_in(reply: &ProcessingResponse, common: &CommonResponse) -> Decision {
     let mutation = common.header_mutation.as_ref().expect("mutation");
-    let header = |name: &str| support::extproc::set_header(reply, name);
+    let header = |name: &str| support::extproc::set_header_in(common, name);
     let lb = match reply
         .dynamic_metadata
         .as_ref()

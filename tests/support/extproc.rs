@@ -86,10 +86,18 @@ pub fn set_header(
     let Some(Response::RequestHeaders(headers)) = &reply.response else {
         panic!("expected a request headers reply, got {reply:?}");
     };
-    headers
-        .response
-        .as_ref()
-        .and_then(|c| c.header_mutation.as_ref())?
+    set_header_in(headers.response.as_ref()?, name)
+}
+
+/// The value an answer's common part sets for header `name` (None: it does not set it);
+/// panics on a value that is not UTF-8.
+pub fn set_header_in(
+    common: &kvpick::pb::envoy::service::ext_proc::v3::CommonResponse,
+    name: &str,
+) -> Option<String> {
+    common
+        .header_mutation
+        .as_ref()?
         .set_headers
         .iter()
         .filter_map(|o| o.header.as_ref())
