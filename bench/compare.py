@@ -390,9 +390,10 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="router replicas: N kvpick behind one Envoy, N smg/vllm-router behind an Envoy round-robin front")
     p.add_argument("--systems", help="comma-separated subset of: " + ", ".join(SYSTEMS))
-    p.add_argument("--envoy-responses", choices=["observe", "routing"], default="observe",
+    p.add_argument("--envoy-responses", choices=["observe", "routing", "observe-no-body"], default="observe",
                    help="where kvpick's Envoy sends the response: the shipped `kvpick-observe` "
-                        "filter (observability_mode) or the routing filter (one filter, FULL_DUPLEX_STREAMED)")
+                        "filter (observability_mode) or the routing filter (one filter, FULL_DUPLEX_STREAMED); observe-no-body: the shipped layout without "
+                        "response bodies (measures what the chunks cost; kvpick then sees no first bytes)")
     p.add_argument("--kvpick-config", action="append", default=[], metavar="NAME=FILE",
                    help="add system kvpick-NAME: kvpick with this EndpointPickerConfig (repeatable)")
     p.add_argument("--kvpick-flags", action="append", default=[], metavar="NAME=FLAGS",

@@ -77,6 +77,10 @@ def _envoy_config(repo, listen, admin, pods, kvpick=None, responses="observe"):
         ]
     if kvpick is not None and responses == "routing":
         _one_filter(hcm)
+    if kvpick is not None and responses == "observe-no-body":
+        for f in hcm["http_filters"]:
+            if f["name"] == "kvpick-observe":
+                f["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
     endpoints = [
         {"endpoint": {"address": {"socket_address": {"address": h.split(":")[0], "port_value": int(h.split(":")[1])}}}}
         for h in pods

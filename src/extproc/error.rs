@@ -108,6 +108,9 @@ pub enum ProtocolError {
         /// The mode's name.
         mode: String,
     },
+    /// The forwarded dynamic metadata is not an `envoy.config.core.v3.Metadata`.
+    #[error("metadata_context is not a Metadata message: {0}")]
+    BadMetadata(String),
     /// The stream sent no request headers within `--request-headers-timeout`.
     #[error("no request headers within {limit:?}")]
     NoHeaders {
@@ -120,6 +123,7 @@ impl From<ProtocolError> for tonic::Status {
     fn from(error: ProtocolError) -> Self {
         match error {
             ProtocolError::NoHeaders { .. } => tonic::Status::deadline_exceeded(error.to_string()),
+            ProtocolError::BadMetadata(_) => tonic::Status::invalid_argument(error.to_string()),
             ProtocolError::UnsupportedBodyMode { .. } => {
                 tonic::Status::unimplemented(error.to_string())
             }

@@ -9,6 +9,7 @@
 //! - `response`: the response path, restoring a rewritten model name;
 //! - [`scores`]: the score-tracing and prefill headers (and their `kvpick` metadata);
 //! - [`handoff`]: what a routing stream hands an observing stream (split filters);
+//! - [`dynamic_metadata`]: the metadata the gateway forwards, decoded where it is read;
 //! - [`subset`]: the gateway's subset hint;
 //! - [`budget`]: the shared body buffer budget and each stream's share of it;
 //! - [`admission`]: shedding and flow control before the pick;
@@ -17,6 +18,7 @@
 pub mod admission;
 pub mod budget;
 pub mod conformance;
+pub mod dynamic_metadata;
 pub mod error;
 pub mod handoff;
 pub mod meta;

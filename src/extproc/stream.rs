@@ -34,6 +34,7 @@ mod response_path;
 use super::admission::Admission;
 use super::budget::{BodyBudget, Held};
 use super::conformance::{EndpointSelection, SERVED_ECHO_HEADER, served_echo};
+use super::dynamic_metadata;
 use super::error::{ProtocolError, Rejection};
 use super::meta::RequestMeta;
 use super::mutations;
@@ -315,8 +316,13 @@ impl RequestStream {
 
     /// Handles one inbound message.
     pub fn on_message(&mut self, message: ProcessingRequest) -> Result<Step, ProtocolError> {
-        if self.subset.is_none() && self.ctx.endpoint_subset_filter {
-            self.subset = subset_hint(message.metadata_context.as_ref());
+        // The hint is set by a filter before this one, so the request headers carry it.
+        if self.subset.is_none()
+            && self.ctx.endpoint_subset_filter
+            && matches!(message.request, Some(Request::RequestHeaders(_)))
+        {
+            self.subset =
+                subset_hint(dynamic_metadata::decode(&message.metadata_context)?.as_ref());
         }
         if let Some(config) = &message.protocol_config {
             let mode = config.response_body_mode();
@@ -331,10 +337,16 @@ impl RequestStream {
         if message.observability_mode && self.phase == Phase::AwaitRequestHeaders {
             self.observing = true;
         }
-        let served = (self.ctx.conformance_hooks
+        let served = if self.ctx.conformance_hooks
             && !self.observing
-            && matches!(message.request, Some(Request::ResponseHeaders(_))))
-        .then(|| served_echo(message.metadata_context.as_ref()));
+            && matches!(message.request, Some(Request::ResponseHeaders(_)))
+        {
+            Some(served_echo(
+                dynamic_metadata::decode(&message.metadata_context)?.as_ref(),
+            ))
+        } else {
+            None
+        };
         let request = message.request.ok_or(ProtocolError::Empty)?;
         if self.trailers_owed && matches!(request, Request::RequestTrailers(_)) {
             self.trailers_owed = false;
@@ -343,7 +355,9 @@ impl RequestStream {
         if self.observing {
             match (&request, self.phase) {
                 (Request::RequestHeaders(_), Phase::AwaitRequestHeaders) => {
-                    self.observe_pick(message.metadata_context.as_ref());
+                    self.observe_pick(
+                        dynamic_metadata::decode(&message.metadata_context)?.as_ref(),
+                    );
                     return Ok(Step::Reply(Vec::new()));
                 }
                 // The request half is the routing stream's.

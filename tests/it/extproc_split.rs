@@ -54,7 +54,22 @@ async fn observe(s: &Stream, request: Request, handoff: Option<&Struct>) {
     });
     s.tx.send(ProcessingRequest {
         request: Some(request),
-        metadata_context: metadata,
+        metadata_context: metadata
+            .as_ref()
+            .map(kvpick::extproc::dynamic_metadata::encode)
+            .unwrap_or_default(),
+        observability_mode: true,
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+}
+
+/// Sends an observing stream's message with `metadata_context` as raw bytes.
+async fn observe_raw(s: &Stream, request: Request, metadata: &'static [u8]) {
+    s.tx.send(ProcessingRequest {
+        request: Some(request),
+        metadata_context: bytes::Bytes::from_static(metadata),
         observability_mode: true,
         ..Default::default()
     })
@@ -119,16 +134,22 @@ async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follow
     observe(&s, completion_headers(), Some(&handoff)).await;
     wait_in_flight(&h, 1).await;
     assert_eq!(observed(&h, "observed"), 1);
-    observe(&s, response_headers(), None).await;
+    // Envoy forwards the namespace with every message of the stream, as here.
+    observe(&s, response_headers(), Some(&handoff)).await;
     let first_bytes = h.metrics.ttft.observed.get_sample_count();
-    observe(&s, response_body(b"data: {\"x\":1}\n\n", false), None).await;
+    observe(
+        &s,
+        response_body(b"data: {\"x\":1}\n\n", false),
+        Some(&handoff),
+    )
+    .await;
     observe(
         &s,
         response_body(
             b"data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
             true,
         ),
-        None,
+        Some(&handoff),
     )
     .await;
     ends_silently(&mut s).await;
@@ -197,4 +218,50 @@ async fn an_observing_stream_that_breaks_mid_response_returns_what_it_counted() 
     wait_in_flight(&h, 1).await;
     drop(s);
     wait_in_flight(&h, 0).await;
+}
+
+/// Not a `Metadata`: field 1 (`filter_metadata`) claims 100 bytes and carries 2.
+const TRUNCATED_METADATA: &[u8] = &[0x0a, 100, 1, 2];
+
+#[tokio::test]
+async fn forwarded_metadata_is_read_where_it_is_used_and_a_broken_one_there_ends_the_stream() {
+    let mut h = start(Options::default()).await;
+    let (_routing, _, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+
+    // Request headers carry the hand-off: undecodable metadata there ends the stream with
+    // INVALID_ARGUMENT, and nothing is counted.
+    let mut s = h.open().await;
+    observe_raw(&s, completion_headers(), TRUNCATED_METADATA).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), s.rx.message())
+        .await
+        .expect("the stream ends");
+    match ended {
+        Err(status) => {
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+            assert!(status.message().contains("metadata_context"), "{status:?}");
+        }
+        other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+    }
+    assert_eq!(h.in_flight_total(), 0);
+
+    // A response chunk's copy of the metadata is not read: the response is followed to its
+    // end whatever the chunks carry.
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), Some(&handoff)).await;
+    wait_in_flight(&h, 1).await;
+    let first_bytes = h.metrics.ttft.observed.get_sample_count();
+    observe_raw(&s, response_headers(), TRUNCATED_METADATA).await;
+    observe_raw(
+        &s,
+        response_body(b"data: {\"x\":1}\n\ndata: [DONE]\n\n", true),
+        TRUNCATED_METADATA,
+    )
+    .await;
+    ends_silently(&mut s).await;
+    assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
+    assert_eq!(
+        h.metrics.ttft.observed.get_sample_count(),
+        first_bytes + 1,
+        "its first byte was timed"
+    );
 }

@@ -219,7 +219,10 @@ impl Stream {
         self.tx
             .send(ProcessingRequest {
                 request: Some(request),
-                metadata_context: metadata,
+                metadata_context: metadata
+                    .as_ref()
+                    .map(kvpick::extproc::dynamic_metadata::encode)
+                    .unwrap_or_default(),
                 ..Default::default()
             })
             .await
