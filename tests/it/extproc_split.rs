@@ -52,24 +52,22 @@ async fn observe(s: &Stream, request: Request, handoff: Option<&Struct>) {
             .insert("kvpick.pick".to_owned(), fields.clone());
         metadata
     });
-    s.tx.send(ProcessingRequest {
-        request: Some(request),
-        metadata_context: metadata
-            .as_ref()
-            .map(kvpick::extproc::dynamic_metadata::encode)
-            .unwrap_or_default(),
-        observability_mode: true,
-        ..Default::default()
-    })
-    .await
-    .expect("send");
+    let encoded = metadata
+        .as_ref()
+        .map(kvpick::extproc::dynamic_metadata::encode)
+        .unwrap_or_default();
+    send_observed(s, request, encoded).await;
 }
 
 /// Sends an observing stream's message with `metadata_context` as raw bytes.
 async fn observe_raw(s: &Stream, request: Request, metadata: &'static [u8]) {
+    send_observed(s, request, bytes::Bytes::from_static(metadata)).await;
+}
+
+async fn send_observed(s: &Stream, request: Request, metadata_context: bytes::Bytes) {
     s.tx.send(ProcessingRequest {
         request: Some(request),
-        metadata_context: bytes::Bytes::from_static(metadata),
+        metadata_context,
         observability_mode: true,
         ..Default::default()
     })
