@@ -316,13 +316,17 @@ impl RequestStream {
 
     /// Handles one inbound message.
     pub fn on_message(&mut self, message: ProcessingRequest) -> Result<Step, ProtocolError> {
-        // The hint is set by a filter before this one, so the request headers carry it.
-        if self.subset.is_none()
-            && self.ctx.endpoint_subset_filter
-            && matches!(message.request, Some(Request::RequestHeaders(_)))
-        {
-            self.subset =
-                subset_hint(dynamic_metadata::decode(&message.metadata_context)?.as_ref());
+        // What kvpick reads of the forwarded metadata comes with the request headers (the
+        // subset hint, set by a filter before this one; an observing stream's hand-off), so
+        // it is decoded there once; later messages' copies are not read.
+        let headers_metadata = match message.request {
+            Some(Request::RequestHeaders(_)) => {
+                dynamic_metadata::decode(&message.metadata_context)?
+            }
+            _ => None,
+        };
+        if self.subset.is_none() && self.ctx.endpoint_subset_filter {
+            self.subset = subset_hint(headers_metadata.as_ref());
         }
         if let Some(config) = &message.protocol_config {
             let mode = config.response_body_mode();
@@ -355,9 +359,7 @@ impl RequestStream {
         if self.observing {
             match (&request, self.phase) {
                 (Request::RequestHeaders(_), Phase::AwaitRequestHeaders) => {
-                    self.observe_pick(
-                        dynamic_metadata::decode(&message.metadata_context)?.as_ref(),
-                    );
+                    self.observe_pick(headers_metadata.as_ref());
                     return Ok(Step::Reply(Vec::new()));
                 }
                 // The request half is the routing stream's.
