@@ -227,7 +227,7 @@ fn scrape_parse() {
     let (w50, w99) = measure(
         |_| (),
         |_, ()| {
-            let read = parse_wanted(&text, |name| EngineKind::Vllm.reads(name));
+            let read = parse_wanted(&text, EngineKind::Vllm.read_names());
             black_box(EngineKind::Vllm.extract(&read.samples).ok());
         },
     );

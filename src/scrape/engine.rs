@@ -103,22 +103,35 @@ impl EngineKind {
         }
     }
 
-    /// Whether [`Self::extract`] (or the scraper's restart check) reads metric `name`: the
-    /// scraper parses only those lines.
-    pub fn reads(self, name: &str) -> bool {
-        let names = self.names();
-        name == names.waiting
-            || name == names.running
-            || names.kv_usage.contains(&name)
-            || name == START_TIME
-            || match self {
-                Self::Vllm => name == "vllm:cache_config_info" || name == LORA_INFO,
-                Self::Sglang => name == "sglang:cache_config_info",
-                Self::TrtLlm => {
-                    name == "trtllm_kv_cache_tokens_per_block"
-                        || name == "trtllm_kv_cache_max_blocks"
-                }
-            }
+    /// The metrics [`Self::extract`] (and the scraper's restart check) reads: the scraper
+    /// parses only their lines.
+    pub fn read_names(self) -> &'static [&'static str] {
+        match self {
+            Self::Vllm => &[
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_running",
+                "vllm:kv_cache_usage_perc",
+                "vllm:gpu_cache_usage_perc",
+                START_TIME,
+                "vllm:cache_config_info",
+                LORA_INFO,
+            ],
+            Self::Sglang => &[
+                "sglang:num_queue_reqs",
+                "sglang:num_running_reqs",
+                "sglang:token_usage",
+                START_TIME,
+                "sglang:cache_config_info",
+            ],
+            Self::TrtLlm => &[
+                "trtllm_num_requests_waiting",
+                "trtllm_num_requests_running",
+                "trtllm_kv_cache_utilization",
+                START_TIME,
+                "trtllm_kv_cache_tokens_per_block",
+                "trtllm_kv_cache_max_blocks",
+            ],
+        }
     }
 
     /// Reads the scheduling signals out of one exposition.
@@ -268,7 +281,7 @@ mod tests {
             )
             .expect("fixture");
             let all = parse(&text);
-            let read = crate::scrape::prom_text::parse_wanted(&text, |n| EngineKind::Vllm.reads(n));
+            let read = crate::scrape::prom_text::parse_wanted(&text, EngineKind::Vllm.read_names());
             assert_eq!(
                 EngineKind::Vllm.extract(&read.samples),
                 EngineKind::Vllm.extract(&all.samples),
@@ -292,7 +305,7 @@ mod tests {
         let sglang = "sglang:num_queue_reqs 3\nsglang:num_running_reqs 7\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"1000\"} 1\nother 1\n";
         let trt = "trtllm_num_requests_waiting 1\ntrtllm_num_requests_running 2\ntrtllm_kv_cache_utilization 0.25\ntrtllm_kv_cache_tokens_per_block 32\ntrtllm_kv_cache_max_blocks 512\nother 1\n";
         for (engine, text) in [(EngineKind::Sglang, sglang), (EngineKind::TrtLlm, trt)] {
-            let read = crate::scrape::prom_text::parse_wanted(text, |n| engine.reads(n));
+            let read = crate::scrape::prom_text::parse_wanted(text, engine.read_names());
             let lines = text.lines().count();
             assert_eq!(
                 read.samples.len(),

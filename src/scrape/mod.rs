@@ -2,9 +2,13 @@
 //!
 //! - [`prom_text`]: a tolerant Prometheus text parser;
 //! - [`engine`]: which series mean queue, running, KV usage, cache shape and LoRA per engine;
+//! - [`error`]: why a scrape failed;
+//! - [`connection`]: one pod's kept-alive HTTP/1.1 connection, driven by its scrape task;
 //! - [`scraper`]: the per-endpoint scrape tasks and the store scheduling reads.
 
+pub mod connection;
 pub mod engine;
+pub mod error;
 pub mod prom_text;
 pub mod scraper;
 

@@ -14,15 +14,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use tokio_util::sync::CancellationToken;
 
+use super::connection::MetricsConnection;
 use super::engine::{EngineKind, PodMetrics};
+pub use super::error::ScrapeError;
 use super::prom_text;
 use crate::endpoints::{ENGINE_TYPE_LABEL, Endpoint, EndpointState, PodId, PrefillLoad};
 
@@ -56,43 +53,6 @@ impl Default for ScrapeConfig {
             max_body_bytes: 8 * 1024 * 1024,
             path: DEFAULT_METRICS_PATH.to_owned(),
             port: None,
-        }
-    }
-}
-
-/// Why a scrape failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ScrapeError {
-    /// No answer within the timeout.
-    #[error("timed out")]
-    Timeout,
-    /// The connection was refused, reset or unroutable: nothing listens at the address
-    /// (a slow answer is [`Self::Timeout`], not this).
-    #[error("connection failed: {0}")]
-    Connect(String),
-    /// Any other connection or protocol failure.
-    #[error("request failed: {0}")]
-    Http(String),
-    /// A non-200 status.
-    #[error("HTTP status {0}")]
-    Status(u16),
-    /// The body is larger than the limit, not UTF-8, or cut off.
-    #[error("bad body: {0}")]
-    Body(String),
-    /// A needed metric is absent.
-    #[error(transparent)]
-    Missing(#[from] super::engine::MissingMetric),
-}
-
-impl ScrapeError {
-    fn reason(&self) -> &'static str {
-        match self {
-            Self::Timeout => "timeout",
-            Self::Connect(_) => "connect",
-            Self::Http(_) => "http",
-            Self::Status(_) => "status",
-            Self::Body(_) => "body",
-            Self::Missing(_) => "missing_metric",
         }
     }
 }
@@ -238,16 +198,24 @@ impl ScrapeMetrics {
     }
 }
 
-type HttpClient = Client<HttpConnector, Empty<Bytes>>;
-
-/// Fetches and parses one endpoint's metrics.
-pub async fn scrape_once(
-    client: &HttpClient,
+/// A connection to `pod`'s metrics endpoint (its own IP, at the configured port and path).
+pub fn metrics_connection(
     pod: PodId,
-    engine: EngineKind,
     config: &ScrapeConfig,
+) -> Result<MetricsConnection, ScrapeError> {
+    let mut target = pod.addr();
+    if let Some(port) = config.port {
+        target.set_port(port);
+    }
+    MetricsConnection::new(target, &config.path, config.timeout, config.max_body_bytes)
+}
+
+/// Fetches and parses one endpoint's metrics over `connection`.
+pub async fn scrape_once(
+    connection: &mut MetricsConnection,
+    engine: EngineKind,
 ) -> Result<PodMetrics, ScrapeError> {
-    scrape_with_start_time(client, pod, engine, config)
+    scrape_with_start_time(connection, engine)
         .await
         .map(|(metrics, _)| metrics)
 }
@@ -255,37 +223,14 @@ pub async fn scrape_once(
 /// [`scrape_once`], plus the process's `process_start_time_seconds` when it exports one (the
 /// Prometheus client libraries of vLLM, SGLang and TensorRT-LLM all do).
 async fn scrape_with_start_time(
-    client: &HttpClient,
-    pod: PodId,
+    connection: &mut MetricsConnection,
     engine: EngineKind,
-    config: &ScrapeConfig,
 ) -> Result<(PodMetrics, Option<f64>), ScrapeError> {
-    let fetch = async {
-        let mut addr = pod.addr();
-        if let Some(port) = config.port {
-            addr.set_port(port);
-        }
-        let uri: hyper::Uri = format!("http://{addr}{}", config.path)
-            .parse()
-            .map_err(|e: hyper::http::uri::InvalidUri| ScrapeError::Http(e.to_string()))?;
-        let response = client.get(uri).await.map_err(|e| request_error(&e))?;
-        if response.status() != hyper::StatusCode::OK {
-            return Err(ScrapeError::Status(response.status().as_u16()));
-        }
-        let body = Limited::new(response.into_body(), config.max_body_bytes)
-            .collect()
-            .await
-            .map_err(|e| ScrapeError::Body(e.to_string()))?
-            .to_bytes();
-        Ok(body)
-    };
-    let body = tokio::time::timeout(config.timeout, fetch)
-        .await
-        .map_err(|_| ScrapeError::Timeout)??;
+    let body = connection.get().await?;
     let text = std::str::from_utf8(&body).map_err(|e| ScrapeError::Body(e.to_string()))?;
-    let exposition = prom_text::parse_wanted(text, |name| engine.reads(name));
+    let exposition = prom_text::parse_wanted(text, engine.read_names());
     if let Some((line, error)) = exposition.first_error {
-        tracing::debug!(%pod, line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
+        tracing::debug!(target = %connection.target(), line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
     }
     let start_time = exposition
         .samples
@@ -314,49 +259,10 @@ fn restarted_between(previous: Option<f64>, now: Option<f64>) -> bool {
 /// What every scrape task of a manager shares.
 #[derive(Clone)]
 struct ScrapeContext {
-    client: HttpClient,
     config: ScrapeConfig,
     metrics: ScrapeMetrics,
     observer: Option<Arc<dyn ScrapeObserver>>,
     store: Arc<MetricsStore>,
-}
-
-/// Whether `error` (or what caused it) says nothing listens at the address: refused, reset,
-/// aborted or unroutable. Timeouts are not: a slow pod is not a gone pod.
-fn is_connection_failure(error: &(dyn std::error::Error + 'static)) -> bool {
-    use std::io::ErrorKind;
-    let mut current = Some(error);
-    while let Some(error) = current {
-        if let Some(io) = error.downcast_ref::<std::io::Error>() {
-            return matches!(
-                io.kind(),
-                ErrorKind::ConnectionRefused
-                    | ErrorKind::ConnectionReset
-                    | ErrorKind::ConnectionAborted
-                    | ErrorKind::NotConnected
-                    | ErrorKind::HostUnreachable
-                    | ErrorKind::NetworkUnreachable
-            );
-        }
-        current = error.source();
-    }
-    false
-}
-
-fn request_error(error: &hyper_util::client::legacy::Error) -> ScrapeError {
-    // The legacy client's Display says only "client error (Connect)"; the cause is below.
-    let mut message = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    if is_connection_failure(error) {
-        ScrapeError::Connect(message)
-    } else {
-        ScrapeError::Http(message)
-    }
 }
 
 async fn scrape_loop(
@@ -368,7 +274,6 @@ async fn scrape_loop(
     cancel: CancellationToken,
 ) {
     let ScrapeContext {
-        client,
         config,
         metrics,
         observer,
@@ -378,6 +283,15 @@ async fn scrape_loop(
     let mut state = ScrapeStatus::default();
     let label = pod.to_string();
     let mut start_time: Option<f64> = None;
+    let mut connection = match metrics_connection(pod, &config) {
+        Ok(connection) => connection,
+        Err(error) => {
+            // The path was checked when the configuration was read; this cannot come from
+            // a pod, so it is said once and the pod stays unscraped (saturated).
+            tracing::error!(%pod, %error, "cannot scrape this pod");
+            return;
+        }
+    };
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -389,7 +303,7 @@ async fn scrape_loop(
         let awaiting_before = own_load.awaiting();
         let result = tokio::select! {
             _ = cancel.cancelled() => return,
-            result = scrape_with_start_time(&client, pod, engine, &config) => result,
+            result = scrape_with_start_time(&mut connection, engine) => result,
         };
         metrics
             .duration
@@ -448,7 +362,6 @@ pub struct ScrapeManager {
     config: ScrapeConfig,
     store: Arc<MetricsStore>,
     metrics: ScrapeMetrics,
-    client: HttpClient,
     tasks: HashMap<PodId, (EngineKind, CancellationToken)>,
     parent: CancellationToken,
     observer: Option<Arc<dyn ScrapeObserver>>,
@@ -462,17 +375,10 @@ impl ScrapeManager {
         metrics: ScrapeMetrics,
         parent: CancellationToken,
     ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.timeout));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(1)
-            .build(connector);
         Self {
             config,
             store,
             metrics,
-            client,
             tasks: HashMap::new(),
             parent,
             observer: None,
@@ -505,7 +411,6 @@ impl ScrapeManager {
             }
             let cancel = self.parent.child_token();
             let context = ScrapeContext {
-                client: self.client.clone(),
                 config: self.config.clone(),
                 metrics: self.metrics.clone(),
                 observer: self.observer.clone(),
@@ -539,8 +444,14 @@ fn engine_of(endpoint: &Endpoint) -> EngineKind {
 mod tests {
     use super::*;
 
-    fn client() -> HttpClient {
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+    /// One scrape of `pod` on a new connection.
+    async fn scrape_once(
+        pod: PodId,
+        engine: EngineKind,
+        config: &ScrapeConfig,
+    ) -> Result<PodMetrics, ScrapeError> {
+        let mut connection = metrics_connection(pod, config).expect("a valid path");
+        super::scrape_once(&mut connection, engine).await
     }
 
     #[tokio::test]
@@ -550,7 +461,7 @@ mod tests {
             .and_then(|l| l.local_addr())
             .expect("port");
         let config = ScrapeConfig::default();
-        let error = scrape_once(&client(), PodId(closed), EngineKind::default(), &config)
+        let error = scrape_once(PodId(closed), EngineKind::default(), &config)
             .await
             .expect_err("nothing listens");
         assert!(matches!(error, ScrapeError::Connect(_)), "{error:?}");
@@ -565,7 +476,7 @@ mod tests {
             timeout: Duration::from_millis(100),
             ..ScrapeConfig::default()
         };
-        let error = scrape_once(&client(), PodId(addr), EngineKind::default(), &config)
+        let error = scrape_once(PodId(addr), EngineKind::default(), &config)
             .await
             .expect_err("no answer");
         assert_eq!(error, ScrapeError::Timeout);
@@ -632,7 +543,7 @@ mod tests {
             port: Some(metrics.port()),
             ..ScrapeConfig::default()
         };
-        let scraped = scrape_once(&client(), pod, EngineKind::default(), &moved)
+        let scraped = scrape_once(pod, EngineKind::default(), &moved)
             .await
             .expect("scraped at the configured path and port");
         assert!(
@@ -645,17 +556,12 @@ mod tests {
             ..ScrapeConfig::default()
         };
         assert_eq!(
-            scrape_once(&client(), pod, EngineKind::default(), &wrong_path).await,
+            scrape_once(pod, EngineKind::default(), &wrong_path).await,
             Err(ScrapeError::Status(404))
         );
-        let api_port = scrape_once(
-            &client(),
-            pod,
-            EngineKind::default(),
-            &ScrapeConfig::default(),
-        )
-        .await
-        .expect_err("nothing listens on the API port");
+        let api_port = scrape_once(pod, EngineKind::default(), &ScrapeConfig::default())
+            .await
+            .expect_err("nothing listens on the API port");
         assert!(matches!(api_port, ScrapeError::Connect(_)), "{api_port:?}");
     }
 
