@@ -93,7 +93,7 @@ impl MetricsConnection {
         let reused = self.open_or_reuse().await?;
         match self.exchange().await {
             Err(ScrapeError::Http(_) | ScrapeError::Connect(_)) if reused => {
-                tracing::debug!(target = %self.target, "metrics connection broke; retrying on a new one");
+                tracing::debug!(pod = %self.target, "metrics connection broke; retrying on a new one");
                 self.open = None;
                 self.open_or_reuse().await?;
                 self.exchange().await
