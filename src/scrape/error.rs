@@ -25,6 +25,16 @@ pub enum ScrapeError {
 }
 
 impl ScrapeError {
+    /// Every [`Self::reason`].
+    pub const REASONS: [&'static str; 6] = [
+        "timeout",
+        "connect",
+        "http",
+        "status",
+        "body",
+        "missing_metric",
+    ];
+
     /// The `reason` label of `kvpick_scrape_errors_total`.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -35,5 +45,24 @@ impl ScrapeError {
             Self::Body(_) => "body",
             Self::Missing(_) => "missing_metric",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reason_is_listed() {
+        let errors = [
+            ScrapeError::Timeout,
+            ScrapeError::Connect(String::new()),
+            ScrapeError::Http(String::new()),
+            ScrapeError::Status(500),
+            ScrapeError::Body(String::new()),
+            ScrapeError::Missing(super::super::engine::MissingMetric("m")),
+        ];
+        let reasons: Vec<_> = errors.iter().map(ScrapeError::reason).collect();
+        assert_eq!(reasons, ScrapeError::REASONS);
     }
 }

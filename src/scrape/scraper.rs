@@ -196,6 +196,16 @@ impl ScrapeMetrics {
         registry.register(Box::new(metrics.duration.clone()))?;
         Ok(metrics)
     }
+
+    /// Removes `pod`'s series (it left the pool): with pods replaced on every rollout, series
+    /// of gone pods would otherwise pile up for the life of the process.
+    fn forget(&self, pod: PodId) {
+        let label = pod.to_string();
+        let _ = self.duration.remove_label_values(&[&label]);
+        for reason in ScrapeError::REASONS {
+            let _ = self.errors.remove_label_values(&[&label, reason]);
+        }
+    }
 }
 
 /// A connection to `pod`'s metrics endpoint (its own IP, at the configured port and path).
@@ -282,6 +292,8 @@ async fn scrape_loop(
     // This task's own status; every scrape publishes a copy (cheap: the metrics are shared).
     let mut state = ScrapeStatus::default();
     let label = pod.to_string();
+    // (Looked up once: the series lives as long as this task.)
+    let duration = metrics.duration.with_label_values(&[&label]);
     let mut start_time: Option<f64> = None;
     let mut connection = match metrics_connection(pod, &config) {
         Ok(connection) => connection,
@@ -305,10 +317,7 @@ async fn scrape_loop(
             _ = cancel.cancelled() => return,
             result = scrape_with_start_time(&mut connection, engine) => result,
         };
-        metrics
-            .duration
-            .with_label_values(&[&label])
-            .observe(started.elapsed().as_secs_f64());
+        duration.observe(started.elapsed().as_secs_f64());
         match result {
             Ok((mut pod_metrics, started_at)) => {
                 // The engine counted its queue somewhere inside the round trip; of kvpick's
@@ -342,10 +351,15 @@ async fn scrape_loop(
                 state.consecutive_failures = 0;
             }
             Err(error) => {
-                metrics
-                    .errors
-                    .with_label_values(&[&label, error.reason()])
-                    .inc();
+                // NOTE: not once the pod left (the manager removed its series; this would
+                // bring one back for good). What is left is the instant between this check
+                // and the removal.
+                if !cancel.is_cancelled() {
+                    metrics
+                        .errors
+                        .with_label_values(&[&label, error.reason()])
+                        .inc();
+                }
                 if state.consecutive_failures == 0 {
                     tracing::warn!(%pod, %error, "metrics scrape failed; the pod counts as saturated until it recovers");
                 }
@@ -402,6 +416,7 @@ impl ScrapeManager {
             if !keep {
                 cancel.cancel();
                 self.store.remove(*pod);
+                self.metrics.forget(*pod);
             }
             keep
         });
@@ -608,6 +623,73 @@ mod tests {
         tokio::time::timeout(within, scraped_own(0.0))
             .await
             .expect("a later scrape with none awaiting");
+        cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_pod_that_leaves_takes_its_scrape_series_along() {
+        let answering = PodId(metrics_pod().await);
+        let refusing = PodId(
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("port"),
+        );
+        let endpoint = |pod: PodId| {
+            Arc::new(EndpointState {
+                endpoint: Endpoint::new(pod),
+                in_flight: Arc::default(),
+                prefill: Arc::default(),
+                liveness: Arc::default(),
+            })
+        };
+        let registry = Registry::new();
+        let metrics = ScrapeMetrics::new(&registry).expect("metrics");
+        let store = Arc::new(MetricsStore::default());
+        let cancel = CancellationToken::new();
+        let config = ScrapeConfig {
+            interval: Duration::from_millis(10),
+            ..ScrapeConfig::default()
+        };
+        let mut manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
+        // The endpoints named by each scrape series.
+        let series = || {
+            let mut named = std::collections::BTreeSet::new();
+            for family in registry.gather() {
+                for metric in family.get_metric() {
+                    for label in metric.get_label() {
+                        if label.name() == "endpoint" {
+                            named.insert((family.name().to_owned(), label.value().to_owned()));
+                        }
+                    }
+                }
+            }
+            named
+        };
+        let (a, b) = (answering.to_string(), refusing.to_string());
+        let both = [
+            ("kvpick_scrape_duration_seconds".to_owned(), a.clone()),
+            ("kvpick_scrape_duration_seconds".to_owned(), b.clone()),
+            ("kvpick_scrape_errors_total".to_owned(), b.clone()),
+        ];
+        manager.sync(&[endpoint(answering), endpoint(refusing)]);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !both.iter().all(|s| series().contains(s)) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("both pods scraped, one failing");
+        manager.sync(&[endpoint(answering)]);
+        let named = series();
+        assert!(named.contains(&both[0]), "the staying pod keeps its series");
+        assert!(
+            !named.iter().any(|(_, endpoint)| *endpoint == b),
+            "the leaving pod's series went: {named:?}"
+        );
+        manager.sync(&[]);
+        // A few intervals: a task finishing its last scrape brings nothing back.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(series(), Default::default());
         cancel.cancel();
     }
 
