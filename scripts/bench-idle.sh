@@ -25,31 +25,37 @@ RUN=$(mktemp -d)
 PIDS=()
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   rm -rf "$RUN"
 }
 trap cleanup EXIT
 
 # Free loopback ports: the pods' HTTP, events and replay ports (three runs of PODS), and
-# kvpick's gRPC, health and metrics ports.
+# kvpick's gRPC, health and metrics ports; a block below the kernel's ephemeral range, so
+# no outgoing connection takes one meanwhile.
 ports() {
   python3 - "$1" <<'PY'
-import socket, sys
+import random, socket, sys
 n = int(sys.argv[1])
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
 for _ in range(200):
-    socks, base = [], None
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); base = s.getsockname()[1]; s.close()
+    base = random.randrange(10000, max(10001, low - n))
+    socks = []
     try:
         for p in range(base, base + n):
             t = socket.socket(); t.bind(("127.0.0.1", p)); socks.append(t)
-    except OSError:
-        for t in socks: t.close()
+    except (OSError, OverflowError):
         continue
-    for t in socks: t.close()
+    finally:
+        for t in socks: t.close()
     print(base); break
 PY
 }
 BASE=$(ports $((PODS * 3 + 3)))
+if [ -z "$BASE" ]; then
+  echo "bench-idle: no block of $((PODS * 3 + 3)) free ports found" >&2
+  exit 1
+fi
 HTTP=$BASE
 EVENTS=$((BASE + PODS))
 REPLAY=$((BASE + 2 * PODS))
@@ -91,6 +97,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
       --grpc-port "$GRPC" --grpc-health-port $((GRPC + 1)) --metrics-port $((GRPC + 2)) \
       "${EXTRA[@]}" >"$RUN/kvpick.log" 2>&1 &
     pid=$!
+    PIDS+=("$pid")
     for ((i = 0; i < 100; i++)); do
       curl -sf "127.0.0.1:$((GRPC + 2))/metrics" >/dev/null && break
       sleep 0.1

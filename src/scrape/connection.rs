@@ -5,7 +5,8 @@
 //! each request to it and each response back (a pool checkout, channels, two tasks woken per
 //! scrape), for 20 scrapes a second per pod. A scrape task talks to one address, one request
 //! at a time, so it owns its connection and polls it while it waits for its answer; between
-//! scrapes nothing runs. `cargo bench --bench scrape` ("scrape over loopback") prices the two.
+//! scrapes nothing runs. `cargo bench --bench scrape` prices a scrape; docs/benchmarks.md
+//! (session 21) has it against the pooled client.
 //!
 //! Concurrency rules: a [`MetricsConnection`] belongs to one task and is used by `&mut`; a
 //! GET that does not end in a complete 200 answer (timeout, error, other status, body over
@@ -29,10 +30,11 @@ use super::error::ScrapeError;
 
 type Driver = http1::Connection<TokioIo<TcpStream>, Empty<Bytes>>;
 
-/// An open connection: the request half, and the future that reads and writes the socket.
+/// An open connection: the request half, and the future that reads and writes the socket
+/// (`None` once it ended: the connection is then used up by the GET in progress).
 struct Open {
     sender: http1::SendRequest<Empty<Bytes>>,
-    driver: Pin<Box<Driver>>,
+    driver: Option<Pin<Box<Driver>>>,
 }
 
 /// One pod's metrics endpoint and the connection to it, if one is open.
@@ -93,7 +95,7 @@ impl MetricsConnection {
         let reused = self.open_or_reuse().await?;
         match self.exchange().await {
             Err(ScrapeError::Http(_) | ScrapeError::Connect(_)) if reused => {
-                tracing::debug!(pod = %self.target, "metrics connection broke; retrying on a new one");
+                tracing::debug!(metrics_at = %self.target, "metrics connection broke; retrying on a new one");
                 self.open = None;
                 self.open_or_reuse().await?;
                 self.exchange().await
@@ -104,12 +106,15 @@ impl MetricsConnection {
 
     /// Makes sure a connection is open; whether it was one kept from an earlier GET.
     async fn open_or_reuse(&mut self) -> Result<bool, ScrapeError> {
-        if let Some(open) = &mut self.open {
+        if let Some(Open {
+            driver: Some(driver),
+            ..
+        }) = &mut self.open
+        {
             // One poll of the idle driver: an idle connection's driver only finishes (or
             // fails) when the pod closed or broke it.
             let alive =
-                std::future::poll_fn(|cx| Poll::Ready(open.driver.as_mut().poll(cx).is_pending()))
-                    .await;
+                std::future::poll_fn(|cx| Poll::Ready(driver.as_mut().poll(cx).is_pending())).await;
             if alive {
                 return Ok(true);
             }
@@ -118,15 +123,16 @@ impl MetricsConnection {
         let stream = TcpStream::connect(self.target)
             .await
             .map_err(|e| connection_error(&e, e.to_string()))?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| ScrapeError::Connect(e.to_string()))?;
+        if let Err(error) = stream.set_nodelay(true) {
+            // Only latency is at stake (as hyper's own connector treats it).
+            tracing::debug!(metrics_at = %self.target, %error, "metrics connection without TCP_NODELAY");
+        }
         let (sender, driver) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| hyper_error(&e))?;
         self.open = Some(Open {
             sender,
-            driver: Box::pin(driver),
+            driver: Some(Box::pin(driver)),
         });
         Ok(false)
     }
@@ -140,30 +146,34 @@ impl MetricsConnection {
             .header(hyper::header::HOST, self.host.clone())
             .body(Empty::new())
             .map_err(|e| ScrapeError::Http(e.to_string()))?;
-        let mut driver_ended = false;
+        let mut driver_error = None;
         let result = {
             let answer = fetch(sender, request, self.max_body_bytes);
             tokio::pin!(answer);
             loop {
-                tokio::select! {
+                let Some(running) = driver.as_mut() else {
+                    break answer.as_mut().await;
+                };
+                let ended = tokio::select! {
                     biased;
-                    result = &mut answer => break result,
-                    ended = driver.as_mut(), if !driver_ended => {
-                        // The pod closed the connection (after its answer, or before it:
-                        // then the answer fails); what it sent is still read out of the
-                        // answer.
-                        driver_ended = true;
-                        if let Err(error) = ended {
-                            break Err(hyper_error(&error));
-                        }
-                    }
+                    result = answer.as_mut() => break result,
+                    ended = running.as_mut() => ended,
+                };
+                // The connection is over: the pod closed or reset it, or sent bytes after its
+                // answer. Dropping the driver hands the outcome to the answer: one already read
+                // completes, one cut off (or never sent) fails at once instead of waiting out
+                // the timeout. A failed driver's error is kept: it names a reset as such.
+                *driver = None;
+                if let Err(error) = ended {
+                    driver_error = Some(hyper_error(&error));
                 }
             }
         };
-        if driver_ended {
+        let used_up = self.open.as_ref().is_none_or(|open| open.driver.is_none());
+        if used_up {
             self.open = None;
         }
-        result
+        result.map_err(|answer_error| driver_error.unwrap_or(answer_error))
     }
 }
 
@@ -252,6 +262,14 @@ mod tests {
         Raw(&'static str),
         /// Nothing: the connection closed unanswered.
         Hangup,
+        /// 200 with `body`, then a stray `\r\n`, kept.
+        Stray(&'static str),
+        /// 200 with `body`, then the connection reset (RST, not FIN).
+        Reset(&'static str),
+        /// 404 with a body, kept.
+        NotFound,
+        /// 200 with `body`, then the connection closed 50 ms later (while idle).
+        CloseIdle(&'static str),
     }
 
     /// A loopback server answering the `n`th request it gets (over all its connections) with
@@ -317,6 +335,22 @@ mod tests {
                             }
                             Answer::Raw(raw) => (raw.to_owned(), false),
                             Answer::Hangup => (String::new(), false),
+                            Answer::Stray(body) => (plain(body) + "\r\n", true),
+                            Answer::Reset(body) => {
+                                let _ = socket.write_all(plain(body).as_bytes()).await;
+                                let _ = socket.set_zero_linger();
+                                return;
+                            }
+                            Answer::CloseIdle(body) => {
+                                let _ = socket.write_all(plain(body).as_bytes()).await;
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                                return;
+                            }
+                            Answer::NotFound => (
+                                "HTTP/1.1 404 Not Found\r\ncontent-length: 4\r\n\r\nnope"
+                                    .to_owned(),
+                                true,
+                            ),
                         };
                         if socket.write_all(bytes.as_bytes()).await.is_err() || !keep {
                             return;
@@ -443,7 +477,62 @@ mod tests {
         assert_eq!(server.connections.load(Ordering::SeqCst), 5);
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_answer_read_whole_survives_what_the_connection_does_next() {
+        // Bytes after a complete answer break the connection, and so does a reset right
+        // after it; the answer was read, so the scrape succeeds (a reset must not make a
+        // live pod look gone) and the next one opens a new connection.
+        for script in [(|_| Answer::Stray("up 1\n")) as fn(usize) -> Answer, |_| {
+            Answer::Reset("up 1\n")
+        }] {
+            let server = server(script).await;
+            let mut connection = connection(&server);
+            for _ in 0..20 {
+                assert_eq!(connection.get().await, Ok(Bytes::from_static(b"up 1\n")));
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_close_that_lands_after_the_idle_check_fails_the_get_at_once() {
+        let server = server(|_| Answer::CloseIdle("up 1\n")).await;
+        let mut connection = connection(&server);
+        assert_eq!(connection.get().await.expect("body"), "up 1\n");
+        // The close arrives; the idle check before the next GET has not seen it (the race
+        // this reproduces: it lands between that check and the request).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(connection.open.is_some(), "kept after the first answer");
+        let started = std::time::Instant::now();
+        let result = tokio::time::timeout(Duration::from_secs(4), connection.exchange())
+            .await
+            .expect("the GET failed at once instead of waiting out its timeout");
+        assert!(
+            matches!(result, Err(ScrapeError::Http(_) | ScrapeError::Connect(_))),
+            "{result:?} after {:?}",
+            started.elapsed()
+        );
+        assert!(connection.open.is_none(), "the used-up connection went");
+        // And a GET (open, exchange) after it is served.
+        assert_eq!(connection.get().await.expect("body"), "up 1\n");
+    }
+
+    #[tokio::test]
+    async fn a_kept_alive_error_answer_does_not_keep_its_connection() {
+        let server = server(|n| {
+            if n == 0 {
+                Answer::NotFound
+            } else {
+                Answer::Keep("up 1\n")
+            }
+        })
+        .await;
+        let mut connection = connection(&server);
+        assert_eq!(connection.get().await, Err(ScrapeError::Status(404)));
+        assert_eq!(connection.get().await.expect("body"), "up 1\n");
+        assert_eq!(server.connections.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
     async fn a_pod_that_accepts_and_never_answers_is_a_timeout() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

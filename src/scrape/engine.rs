@@ -320,6 +320,21 @@ mod tests {
     }
 
     #[test]
+    fn every_signal_extract_reads_is_among_the_lines_the_scraper_parses() {
+        for engine in [EngineKind::Vllm, EngineKind::Sglang, EngineKind::TrtLlm] {
+            let names = engine.names();
+            let read = engine.read_names();
+            for name in [names.waiting, names.running]
+                .into_iter()
+                .chain(names.kv_usage.iter().copied())
+                .chain([START_TIME])
+            {
+                assert!(read.contains(&name), "{engine:?}: {name}");
+            }
+        }
+    }
+
+    #[test]
     fn reads_sglang_and_trtllm_names() {
         let sglang = parse(
             "sglang:num_queue_reqs{dp=\"0\"} 3\nsglang:num_queue_reqs{dp=\"1\"} 2\nsglang:num_running_reqs 7\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"1000\"} 1\n",

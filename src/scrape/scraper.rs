@@ -240,7 +240,7 @@ async fn scrape_with_start_time(
     let text = std::str::from_utf8(&body).map_err(|e| ScrapeError::Body(e.to_string()))?;
     let exposition = prom_text::parse_wanted(text, engine.read_names());
     if let Some((line, error)) = exposition.first_error {
-        tracing::debug!(pod = %connection.target(), line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
+        tracing::debug!(metrics_at = %connection.target(), line, %error, bad_lines = exposition.bad_lines, "skipped malformed metric lines");
     }
     let start_time = exposition
         .samples
