@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use criterion::Criterion;
 use kvpick::endpoints::PodId;
+use kvpick::scrape::connection::MetricsConnection;
 use kvpick::scrape::{EngineKind, ScrapeConfig, prom_text};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -76,6 +77,16 @@ fn cpu_time() -> Duration {
     time(usage.ru_utime) + time(usage.ru_stime)
 }
 
+/// `n` scrapes, one after the other.
+async fn scrapes(connection: &mut MetricsConnection, n: u64) {
+    for _ in 0..n {
+        let metrics = kvpick::scrape::scraper::scrape_once(connection, EngineKind::Vllm)
+            .await
+            .expect("scrape");
+        black_box(metrics);
+    }
+}
+
 fn main() {
     let page = vllm_page();
     let mut c = Criterion::default()
@@ -107,13 +118,7 @@ fn main() {
         b.iter_custom(|iterations| {
             runtime.block_on(async {
                 let started = std::time::Instant::now();
-                for _ in 0..iterations {
-                    let metrics =
-                        kvpick::scrape::scraper::scrape_once(&mut connection, EngineKind::Vllm)
-                            .await
-                            .expect("scrape");
-                    black_box(metrics);
-                }
+                scrapes(&mut connection, iterations).await;
                 started.elapsed()
             })
         })
@@ -136,13 +141,7 @@ fn main() {
             let connection = connection.clone();
             let scrapes = async move {
                 let mut connection = connection.lock().await;
-                for _ in 0..iterations {
-                    let metrics =
-                        kvpick::scrape::scraper::scrape_once(&mut connection, EngineKind::Vllm)
-                            .await
-                            .expect("scrape");
-                    black_box(metrics);
-                }
+                scrapes(&mut connection, iterations).await;
             };
             let before = cpu_time();
             let scrapes = runtime.spawn(scrapes);
