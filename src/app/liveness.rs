@@ -4,7 +4,9 @@
 //! One task, on the scrape interval: a verdict is at most one scrape plus one tick old, so a
 //! killed engine stops getting picks within ~2 scrape intervals. Each transition is logged
 //! with the pod and the cause, counted in `kvpick_endpoint_down_total`, and mirrored in the
-//! `kvpick_endpoint_down` gauge.
+//! `kvpick_endpoint_down` gauge. An endpoint that left the pool loses its per-endpoint series
+//! here (down gauge and transitions, prompt and cached tokens); the scrape series go with its
+//! scrape task (`scrape::scraper`).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -86,9 +88,101 @@ fn judge_pool(inputs: &LivenessInputs, exported: &HashSet<String>) -> HashSet<St
             .set(i64::from(down));
         now_exported.insert(label);
     }
-    // Endpoints that left the pool: their series go too.
+    // Endpoints that left the pool: their series go too (with pods replaced on every
+    // rollout, they would pile up for the life of the process).
     for gone in exported.difference(&now_exported) {
-        let _ = inputs.metrics.endpoint_down.remove_label_values(&[gone]);
+        let metrics = &inputs.metrics;
+        for series in [
+            &metrics.endpoint_down_total,
+            &metrics.prompt_tokens,
+            &metrics.cached_prompt_tokens,
+        ] {
+            let _ = series.remove_label_values(&[gone]);
+        }
+        let _ = metrics.endpoint_down.remove_label_values(&[gone]);
     }
     now_exported
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::Registry;
+
+    use super::*;
+    use crate::endpoints::{Endpoint, PodId};
+    use crate::kvcache::{IndexConfig, PrefixIndex};
+
+    #[tokio::test]
+    async fn an_endpoint_that_leaves_takes_its_series_along() {
+        let registry = Registry::new();
+        let metrics = Arc::new(EppMetrics::new(&registry).expect("metrics"));
+        let index =
+            Arc::new(PrefixIndex::with_registry(IndexConfig::default(), &registry).expect("index"));
+        let inputs = LivenessInputs {
+            datastore: Arc::new(Datastore::new()),
+            scrapes: Arc::default(),
+            kv_events: Arc::new(
+                KvEventsManager::new(index, Default::default(), &registry).expect("manager"),
+            ),
+            metrics: Arc::clone(&metrics),
+        };
+        let (stays, leaves): (PodId, PodId) = (
+            PodId("10.0.0.1:8000".parse().expect("addr")),
+            PodId("10.0.0.2:8000".parse().expect("addr")),
+        );
+        inputs
+            .datastore
+            .set_endpoints(vec![Endpoint::new(stays), Endpoint::new(leaves)]);
+        // What responses and a down transition leave behind for each.
+        for pod in [stays, leaves] {
+            let label = pod.to_string();
+            metrics.prompt_tokens.with_label_values(&[&label]).inc_by(7);
+            metrics
+                .cached_prompt_tokens
+                .with_label_values(&[&label])
+                .inc_by(5);
+            metrics
+                .endpoint_down_total
+                .with_label_values(&[&label])
+                .inc();
+        }
+        let endpoints = || {
+            let mut named = std::collections::BTreeSet::new();
+            for family in registry.gather() {
+                for metric in family.get_metric() {
+                    for label in metric.get_label() {
+                        if label.name() == "endpoint" {
+                            named.insert((family.name().to_owned(), label.value().to_owned()));
+                        }
+                    }
+                }
+            }
+            named
+        };
+        let exported = judge_pool(&inputs, &HashSet::new());
+        assert_eq!(
+            endpoints()
+                .iter()
+                .filter(|(_, e)| *e == leaves.to_string())
+                .count(),
+            4,
+            "down gauge, down transitions, prompt and cached tokens: {:?}",
+            endpoints()
+        );
+        inputs.datastore.set_endpoints(vec![Endpoint::new(stays)]);
+        judge_pool(&inputs, &exported);
+        let named = endpoints();
+        assert!(
+            !named.iter().any(|(_, e)| *e == leaves.to_string()),
+            "{named:?}"
+        );
+        assert_eq!(
+            named
+                .iter()
+                .filter(|(_, e)| *e == stays.to_string())
+                .count(),
+            4,
+            "{named:?}"
+        );
+    }
 }

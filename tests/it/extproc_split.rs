@@ -168,6 +168,40 @@ async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follow
 }
 
 #[tokio::test]
+async fn a_response_that_ends_after_its_pod_left_counts_no_tokens_for_it() {
+    let mut h = start(Options::default()).await;
+    let (_routing, _, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), Some(&handoff)).await;
+    wait_in_flight(&h, 1).await;
+    // The pod leaves the pool (a rollout) while its response drains.
+    h.datastore
+        .set_endpoints(vec![kvpick::endpoints::Endpoint::new(
+            "10.9.9.9:8000".parse().expect("addr"),
+        )]);
+    observe(&s, response_headers(), Some(&handoff)).await;
+    observe(
+        &s,
+        response_body(
+            b"data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+            true,
+        ),
+        Some(&handoff),
+    )
+    .await;
+    ends_silently(&mut s).await;
+    assert_eq!(h.in_flight_total(), 0, "the response's end still ends it");
+    // Its per-endpoint series were removed with it; counting would bring them back.
+    use prometheus::core::Collector;
+    let series: usize = [&h.metrics.prompt_tokens, &h.metrics.cached_prompt_tokens]
+        .iter()
+        .flat_map(|counter| counter.collect())
+        .map(|family| family.get_metric().len())
+        .sum();
+    assert_eq!(series, 0);
+}
+
+#[tokio::test]
 async fn observing_streams_without_a_usable_hand_off_are_counted_and_closed() {
     let mut h = start(Options::default()).await;
     let (_routing, _, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;

@@ -48,16 +48,21 @@ impl RequestStream {
                 .output_tokens
                 .with_label_values(&labels)
                 .observe(usage.completion_tokens as f64);
-            let endpoint = routed.pod.to_string();
-            metrics
-                .prompt_tokens
-                .with_label_values(&[&endpoint])
-                .inc_by(usage.prompt_tokens);
-            if let Some(cached) = usage.cached_tokens {
+            // NOTE: not for a pod that left the pool since the pick (responses drain during a
+            // rollout): its series were removed with it (`app::liveness`), and counting would
+            // bring them back for the life of the process.
+            if self.ctx.datastore.snapshot().get(routed.pod).is_some() {
+                let endpoint = routed.pod.to_string();
                 metrics
-                    .cached_prompt_tokens
+                    .prompt_tokens
                     .with_label_values(&[&endpoint])
-                    .inc_by(cached);
+                    .inc_by(usage.prompt_tokens);
+                if let Some(cached) = usage.cached_tokens {
+                    metrics
+                        .cached_prompt_tokens
+                        .with_label_values(&[&endpoint])
+                        .inc_by(cached);
+                }
             }
         }
     }
