@@ -146,19 +146,7 @@ mod tests {
                 .with_label_values(&[&label])
                 .inc();
         }
-        let endpoints = || {
-            let mut named = std::collections::BTreeSet::new();
-            for family in registry.gather() {
-                for metric in family.get_metric() {
-                    for label in metric.get_label() {
-                        if label.name() == "endpoint" {
-                            named.insert((family.name().to_owned(), label.value().to_owned()));
-                        }
-                    }
-                }
-            }
-            named
-        };
+        let endpoints = || crate::telemetry::series_with_label(&registry, "endpoint");
         let exported = judge_pool(&inputs, &HashSet::new());
         assert_eq!(
             endpoints()

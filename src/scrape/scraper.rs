@@ -652,19 +652,7 @@ mod tests {
         };
         let mut manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
         // The endpoints named by each scrape series.
-        let series = || {
-            let mut named = std::collections::BTreeSet::new();
-            for family in registry.gather() {
-                for metric in family.get_metric() {
-                    for label in metric.get_label() {
-                        if label.name() == "endpoint" {
-                            named.insert((family.name().to_owned(), label.value().to_owned()));
-                        }
-                    }
-                }
-            }
-            named
-        };
+        let series = || crate::telemetry::series_with_label(&registry, "endpoint");
         let (a, b) = (answering.to_string(), refusing.to_string());
         let both = [
             ("kvpick_scrape_duration_seconds".to_owned(), a.clone()),

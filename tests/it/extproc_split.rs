@@ -60,6 +60,19 @@ async fn observe(s: &Stream, request: Request, handoff: Option<&Struct>) {
 }
 
 /// Sends an observing stream's message with `metadata_context` as raw bytes.
+/// The response's last chunk as an OpenAI stream ends: usage (7 prompt tokens) and `[DONE]`.
+async fn observe_last_chunk_with_usage(s: &Stream, handoff: &Struct) {
+    observe(
+        s,
+        response_body(
+            b"data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+            true,
+        ),
+        Some(handoff),
+    )
+    .await;
+}
+
 async fn observe_raw(s: &Stream, request: Request, metadata: &'static [u8]) {
     send_observed(s, request, bytes::Bytes::from_static(metadata)).await;
 }
@@ -141,15 +154,7 @@ async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follow
         Some(&handoff),
     )
     .await;
-    observe(
-        &s,
-        response_body(
-            b"data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
-            true,
-        ),
-        Some(&handoff),
-    )
-    .await;
+    observe_last_chunk_with_usage(&s, &handoff).await;
     ends_silently(&mut s).await;
     assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
     assert_eq!(
@@ -180,15 +185,7 @@ async fn a_response_that_ends_after_its_pod_left_counts_no_tokens_for_it() {
             "10.9.9.9:8000".parse().expect("addr"),
         )]);
     observe(&s, response_headers(), Some(&handoff)).await;
-    observe(
-        &s,
-        response_body(
-            b"data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
-            true,
-        ),
-        Some(&handoff),
-    )
-    .await;
+    observe_last_chunk_with_usage(&s, &handoff).await;
     ends_silently(&mut s).await;
     assert_eq!(h.in_flight_total(), 0, "the response's end still ends it");
     // Its per-endpoint series were removed with it; counting would bring them back.
