@@ -1,5 +1,5 @@
 //! Prefix index figures: ingest rate (blocks/s, one core), match latency for a 2,048-block
-//! prompt over 100 pods, the routing record of a warm 6,250-block prompt, and memory per
+//! prompt over 100 pods, the routing record of a warm 6,250-block prompt and of a cold 3,500-block one, and memory per
 //! (block, pod) entry (printed).
 //!
 //! Run: `cargo bench --bench kvcache`.
@@ -286,6 +286,91 @@ fn record(c: &mut Criterion) {
     group.finish();
 }
 
+/// Blocks of a cold 220 KB chat prompt (~56k tokens at 16 tokens a block).
+const COLD_BLOCKS: usize = 3_500;
+
+/// A cold prompt: no block shared with any other (`seed` picks it).
+fn cold_prompt(seed: u32) -> Vec<u32> {
+    (0..(COLD_BLOCKS * BLOCK) as u32)
+        .map(|t| (seed.wrapping_mul(1_000_003) ^ t).wrapping_mul(2_246_822_519))
+        .collect()
+}
+
+/// The routing record of a cold 3,500-block prompt, after its lookup (keys computed), as on
+/// the request path: on a pod without events whose approximate set is full (every block added
+/// evicts one), and on a pod with events (a new speculative run).
+fn record_cold(c: &mut Criterion) {
+    let context = KeyContext::model("m");
+    let mut group = c.benchmark_group("record_cold_3500_blocks");
+    group.throughput(Throughput::Elements(COLD_BLOCKS as u64));
+    for precise in [false, true] {
+        let fresh = || {
+            let index = PrefixIndex::new(IndexConfig::default());
+            index.set_pod_block_size(pod(0), BLOCK as u32);
+            if precise {
+                let batch = EventBatch {
+                    ts: 0.0,
+                    events: vec![],
+                    dp_rank: None,
+                };
+                index.apply_batch(pod(0), "m", &batch);
+            } else {
+                // Fill the approximate set to its capacity, so every record evicts.
+                for seed in 0..5 {
+                    index.record_routed_tokens(pod(0), &context, &cold_prompt(u32::MAX - seed));
+                }
+            }
+            index
+        };
+        let state = std::cell::RefCell::new((fresh(), 1u32));
+        let mut sweep = vec![0u64; SWEEP_BYTES / 8];
+        for (caches, name) in [(true, "warm_caches"), (false, "cold_caches")]
+            .into_iter()
+            .map(|(warm, caches)| {
+                let pod = if precise {
+                    "speculative"
+                } else {
+                    "approximate"
+                };
+                (warm, format!("{pod}/{caches}"))
+            })
+        {
+            group.bench_function(name, |b| {
+                b.iter_batched(
+                    || {
+                        let mut state = state.borrow_mut();
+                        if state.0.speculative_entries() > 400_000 {
+                            *state = (fresh(), 1);
+                        }
+                        state.1 += 1;
+                        let keys = PromptKeys::exact(context.clone(), cold_prompt(state.1));
+                        keys.warm(BLOCK as u32);
+                        let lookup = state.0.lookup(&keys, &[pod(0)]);
+                        if !caches {
+                            // What the request did before its record (tokenizing 220 KB, other
+                            // requests) has pushed the index out of the CPU caches.
+                            for (i, word) in sweep.iter_mut().enumerate() {
+                                *word = word.wrapping_add(i as u64);
+                            }
+                            black_box(&sweep);
+                        }
+                        (keys, lookup)
+                    },
+                    |(keys, lookup)| {
+                        state.borrow().0.record_routed(pod(0), &keys, Some(&lookup));
+                        (keys, lookup)
+                    },
+                    BatchSize::PerIteration,
+                )
+            });
+        }
+    }
+    group.finish();
+}
+
+/// Memory written between cold-cache iterations: more than the machine's last-level cache.
+const SWEEP_BYTES: usize = 64 << 20;
+
 /// Prints bytes per (block, pod) entry, measured by the counting allocator, for 100 pods at
 /// several fill levels (hash tables double, so the figure moves with the fill level): every
 /// block held by one pod, and every block held by 10 pods.
@@ -330,6 +415,6 @@ criterion_group! {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))
         .sample_size(30);
-    targets = memory, ingest, matching, record
+    targets = memory, ingest, matching, record, record_cold
 }
 criterion_main!(benches);
