@@ -5,6 +5,7 @@
 //! Run: `cargo bench --bench kvcache`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::RefCell;
 use std::hint::black_box;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvpick::endpoints::PodId;
-use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PromptKeys, block_keys};
+use kvpick::kvcache::{IndexConfig, KeyContext, PrefixIndex, PrefixLookup, PromptKeys, block_keys};
 use kvpick::kvevents::{
     BlockExtra, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier,
 };
@@ -230,6 +231,42 @@ fn warm_prompt(tail: u32) -> Vec<u32> {
     tokens
 }
 
+/// An index that knows pod 0 (block size [`BLOCK`]); `precise`: the pod publishes events
+/// (an empty event batch says so).
+fn one_pod_index(precise: bool) -> PrefixIndex {
+    let index = PrefixIndex::new(IndexConfig::default());
+    index.set_pod_block_size(pod(0), BLOCK as u32);
+    if precise {
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![],
+            dp_rank: None,
+        };
+        index.apply_batch(pod(0), "m", &batch);
+    }
+    index
+}
+
+/// A record bench's next request (`prompt` of the next number): its keys, computed, and its
+/// lookup, as on the request path. Speculative entries live 2 s: the index starts over
+/// (`fresh`) before their bound is near.
+fn next_request(
+    state: &RefCell<(PrefixIndex, u32)>,
+    fresh: impl Fn() -> PrefixIndex,
+    context: &KeyContext,
+    prompt: fn(u32) -> Vec<u32>,
+) -> (PromptKeys, PrefixLookup) {
+    let mut state = state.borrow_mut();
+    if state.0.speculative_entries() > 400_000 {
+        *state = (fresh(), 1);
+    }
+    state.1 += 1;
+    let keys = PromptKeys::exact(context.clone(), prompt(state.1));
+    keys.warm(BLOCK as u32);
+    let lookup = state.0.lookup(&keys, &[pod(0)]);
+    (keys, lookup)
+}
+
 /// The routing record of a warm 6,250-block prompt (`PrefixIndex::record_routed` after the
 /// request's lookup, its keys already computed, as on the request path): on a pod without
 /// events (approximate LRU set, at its default 16,384-block capacity, so it evicts) and on
@@ -241,21 +278,11 @@ fn record(c: &mut Criterion) {
     group.throughput(Throughput::Elements(WARM_BLOCKS as u64));
     for precise in [false, true] {
         let fresh = || {
-            let index = PrefixIndex::new(IndexConfig::default());
-            index.set_pod_block_size(pod(0), BLOCK as u32);
-            if precise {
-                // An (empty) event batch: the pod publishes events.
-                let batch = EventBatch {
-                    ts: 0.0,
-                    events: vec![],
-                    dp_rank: None,
-                };
-                index.apply_batch(pod(0), "m", &batch);
-            }
+            let index = one_pod_index(precise);
             index.record_routed_tokens(pod(0), &context, &warm_prompt(0));
             index
         };
-        let state = std::cell::RefCell::new((fresh(), 1u32));
+        let state = RefCell::new((fresh(), 1u32));
         let name = if precise {
             "speculative"
         } else {
@@ -263,18 +290,7 @@ fn record(c: &mut Criterion) {
         };
         group.bench_function(name, |b| {
             b.iter_batched(
-                || {
-                    let mut state = state.borrow_mut();
-                    // Speculative entries live 2 s: start over before the bound is near.
-                    if state.0.speculative_entries() > 400_000 {
-                        *state = (fresh(), 1);
-                    }
-                    state.1 += 1;
-                    let keys = PromptKeys::exact(context.clone(), warm_prompt(state.1));
-                    keys.warm(BLOCK as u32);
-                    let lookup = state.0.lookup(&keys, &[pod(0)]);
-                    (keys, lookup)
-                },
+                || next_request(&state, fresh, &context, warm_prompt),
                 |(keys, lookup)| {
                     state.borrow().0.record_routed(pod(0), &keys, Some(&lookup));
                     (keys, lookup)
@@ -305,16 +321,8 @@ fn record_cold(c: &mut Criterion) {
     group.throughput(Throughput::Elements(COLD_BLOCKS as u64));
     for precise in [false, true] {
         let fresh = || {
-            let index = PrefixIndex::new(IndexConfig::default());
-            index.set_pod_block_size(pod(0), BLOCK as u32);
-            if precise {
-                let batch = EventBatch {
-                    ts: 0.0,
-                    events: vec![],
-                    dp_rank: None,
-                };
-                index.apply_batch(pod(0), "m", &batch);
-            } else {
+            let index = one_pod_index(precise);
+            if !precise {
                 // Fill the approximate set to its capacity, so every record evicts.
                 for seed in 0..5 {
                     index.record_routed_tokens(pod(0), &context, &cold_prompt(u32::MAX - seed));
@@ -322,7 +330,7 @@ fn record_cold(c: &mut Criterion) {
             }
             index
         };
-        let state = std::cell::RefCell::new((fresh(), 1u32));
+        let state = RefCell::new((fresh(), 1u32));
         let mut sweep = vec![0u64; SWEEP_BYTES / 8];
         for (caches, name) in [(true, "warm_caches"), (false, "cold_caches")]
             .into_iter()
@@ -338,14 +346,7 @@ fn record_cold(c: &mut Criterion) {
             group.bench_function(name, |b| {
                 b.iter_batched(
                     || {
-                        let mut state = state.borrow_mut();
-                        if state.0.speculative_entries() > 400_000 {
-                            *state = (fresh(), 1);
-                        }
-                        state.1 += 1;
-                        let keys = PromptKeys::exact(context.clone(), cold_prompt(state.1));
-                        keys.warm(BLOCK as u32);
-                        let lookup = state.0.lookup(&keys, &[pod(0)]);
+                        let request = next_request(&state, fresh, &context, cold_prompt);
                         if !caches {
                             // What the request did before its record (tokenizing 220 KB, other
                             // requests) has pushed the index out of the CPU caches.
@@ -354,7 +355,7 @@ fn record_cold(c: &mut Criterion) {
                             }
                             black_box(&sweep);
                         }
-                        (keys, lookup)
+                        request
                     },
                     |(keys, lookup)| {
                         state.borrow().0.record_routed(pod(0), &keys, Some(&lookup));
