@@ -1,5 +1,6 @@
 //! Prefix index figures: ingest rate (blocks/s, one core), match latency for a 2,048-block
-//! prompt over 100 pods, the routing record of a warm 6,250-block prompt and of a cold 3,500-block one, and memory per
+//! prompt over 100 pods, the routing record of a warm 6,250-block prompt and of a cold
+//! 3,500-block one (with the index in the CPU caches and pushed out of them), and memory per
 //! (block, pod) entry (printed).
 //!
 //! Run: `cargo bench --bench kvcache`.
@@ -332,22 +333,17 @@ fn record_cold(c: &mut Criterion) {
         };
         let state = RefCell::new((fresh(), 1u32));
         let mut sweep = vec![0u64; SWEEP_BYTES / 8];
-        for (caches, name) in [(true, "warm_caches"), (false, "cold_caches")]
-            .into_iter()
-            .map(|(warm, caches)| {
-                let pod = if precise {
-                    "speculative"
-                } else {
-                    "approximate"
-                };
-                (warm, format!("{pod}/{caches}"))
-            })
-        {
-            group.bench_function(name, |b| {
+        let pod_kind = if precise {
+            "speculative"
+        } else {
+            "approximate"
+        };
+        for (warm_caches, caches) in [(true, "warm_caches"), (false, "cold_caches")] {
+            group.bench_function(format!("{pod_kind}/{caches}"), |b| {
                 b.iter_batched(
                     || {
                         let request = next_request(&state, fresh, &context, cold_prompt);
-                        if !caches {
+                        if !warm_caches {
                             // What the request did before its record (tokenizing 220 KB, other
                             // requests) has pushed the index out of the CPU caches.
                             for (i, word) in sweep.iter_mut().enumerate() {
