@@ -322,20 +322,20 @@ fn tls_flags_and_files_are_checked_at_start() {
         (vec!["--secure-serving", "--cert-path", &empty], "tls.crt"),
     ];
     for (args, want) in cases {
-        let ports: Vec<String> = (0..4).map(|_| support::free_port().to_string()).collect();
+        // Port 0: a refusal must come from the flags, never from a port another test holds.
         let base = [
             "--bind-address",
             "127.0.0.1",
             "--endpoints-file",
             &pool,
             "--grpc-port",
-            &ports[0],
+            "0",
             "--grpc-health-port",
-            &ports[1],
+            "0",
             "--metrics-port",
-            &ports[2],
+            "0",
             "--debug-port",
-            &ports[3],
+            "0",
         ];
         let stderr = support::kvpick::serve_refused(&[&base[..], &args[..]].concat(), &[]);
         assert!(stderr.contains(want), "{args:?}: stderr {stderr}");

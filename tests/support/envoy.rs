@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::kvpick::Kvpick;
-use super::{free_port, ready_or_exited, repo_root};
+use super::{ready_or_exited, repo_root};
 
 pub struct Envoy {
     child: Child,
@@ -203,7 +203,7 @@ impl Envoy {
         let (kvpick_grpc_port, kvpick_health_port) = (kvpick.grpc_port, kvpick.health_port);
         let mut config = std::fs::read_to_string(repo_root().join("deploy/envoy/envoy.yaml"))
             .expect("read deploy/envoy/envoy.yaml");
-        // Ports are filled in per start attempt (see below).
+        // Ports are the kernel's pick (see below).
         replace_once(&mut config, "port_value: 9901", "port_value: ADMIN_PORT");
         replace_once(
             &mut config,
@@ -310,54 +310,69 @@ impl Envoy {
         } else {
             config
         };
-        // NOTE: a port found free can be taken by another test's process before Envoy binds
-        // it (tests run in parallel); Envoy then exits, and it is started again on other
-        // ports (a few times) instead of failing the test.
-        for _ in 0..4 {
-            let (port, admin_port) = (free_port(), free_port());
-            let config = config
-                .replacen("ADMIN_PORT", &admin_port.to_string(), 1)
-                .replacen("LISTEN_PORT", &port.to_string(), 1);
-            let dir = tempfile::tempdir().expect("tempdir");
-            let path = dir.path().join("envoy.yaml");
-            std::fs::write(&path, &config).expect("write envoy config");
-            let mut child = Command::new(envoy_binary())
-                .arg("-c")
-                .arg(&path)
-                .args([
-                    "--disable-hot-restart",
-                    "-l",
-                    "warning",
-                    "--concurrency",
-                    "1",
-                ])
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("spawn envoy");
-            let ready = format!("http://127.0.0.1:{admin_port}/ready");
-            let started = ready_or_exited(
-                "envoy readiness",
-                &mut child,
-                Duration::from_secs(30),
-                || {
-                    let ready = ready.clone();
-                    async move {
-                        matches!(super::http::send("GET", &ready, &[], Vec::new()).await, Ok(r) if r.status == 200)
-                    }
-                },
-            )
-            .await;
-            if started {
-                return Envoy {
-                    child,
-                    port,
-                    admin_port,
-                    _dir: dir,
-                };
-            }
+        // Port 0 for both: the kernel picks ports no other process holds. Envoy writes its
+        // admin address to a file, and its admin API says which port the listener got (a
+        // port found free and passed in can be taken by another test's process first, and
+        // the readiness probe would then reach that one).
+        let config = config
+            .replacen("ADMIN_PORT", "0", 1)
+            .replacen("LISTEN_PORT", "0", 1);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("envoy.yaml");
+        let admin_file = dir.path().join("admin-address");
+        std::fs::write(&path, &config).expect("write envoy config");
+        let mut child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&path)
+            .arg("--admin-address-path")
+            .arg(&admin_file)
+            .args([
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+                "--concurrency",
+                "1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn envoy");
+        let mut admin: Option<SocketAddr> = None;
+        let found = ready_or_exited(
+            "envoy's admin address",
+            &mut child,
+            Duration::from_secs(30),
+            || {
+                admin = std::fs::read_to_string(&admin_file)
+                    .ok()
+                    .and_then(|text| text.trim().parse().ok());
+                std::future::ready(admin.is_some())
+            },
+        )
+        .await;
+        assert!(found, "envoy exited before it listened");
+        let admin_port = admin.expect("admin address").port();
+        let ready = format!("http://127.0.0.1:{admin_port}/ready");
+        let started = ready_or_exited(
+            "envoy readiness",
+            &mut child,
+            Duration::from_secs(30),
+            || {
+                let ready = ready.clone();
+                async move {
+                    matches!(super::http::send("GET", &ready, &[], Vec::new()).await, Ok(r) if r.status == 200)
+                }
+            },
+        )
+        .await;
+        assert!(started, "envoy exited before it was ready");
+        let port = listener_port(admin_port, "inference").await;
+        Envoy {
+            child,
+            port,
+            admin_port,
+            _dir: dir,
         }
-        panic!("envoy did not start in 4 attempts");
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -370,4 +385,21 @@ impl Drop for Envoy {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The port Envoy's listener `name` is bound to, from the admin API's `/listeners`.
+async fn listener_port(admin_port: u16, name: &str) -> u16 {
+    let url = format!("http://127.0.0.1:{admin_port}/listeners?format=json");
+    let reply = super::http::send("GET", &url, &[], Vec::new())
+        .await
+        .expect("envoy /listeners");
+    let listeners: serde_json::Value = serde_json::from_str(&reply.text()).expect("JSON");
+    listeners["listener_statuses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|status| status["name"] == name)
+        .and_then(|status| status["local_address"]["socket_address"]["port_value"].as_u64())
+        .and_then(|port| u16::try_from(port).ok())
+        .unwrap_or_else(|| panic!("no listener {name} in {listeners}"))
 }

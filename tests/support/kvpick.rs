@@ -8,7 +8,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::{free_port, ready_or_exited, workspace_bin};
+use super::{ready_or_exited, workspace_bin};
 
 /// The kvpick binary: cargo's own path in kvpick's tests, else the workspace's build of it.
 fn kvpick_bin() -> PathBuf {
@@ -83,9 +83,7 @@ impl Kvpick {
     /// it reports ready. Every server binds 127.0.0.1 unless `extra_args` names
     /// `--bind-address` (the debug server keeps its loopback default either way).
     ///
-    /// NOTE: a port found free can be taken by a process of another test before kvpick
-    /// binds it (tests run in parallel); kvpick then exits at once, and it is started again
-    /// on other ports (a few times) instead of failing the test.
+    /// Every port is the kernel's pick (port 0), read back from kvpick's log.
     pub async fn start(pool_yaml: &str, extra_args: &[&str]) -> Kvpick {
         let dir = tempfile::tempdir().expect("tempdir");
         let pool_file = dir.path().join("pool.yaml");
@@ -133,55 +131,71 @@ impl Kvpick {
         env: &[(&str, String)],
         wait_for: &'static str,
     ) -> Kvpick {
-        for _ in 0..4 {
-            let (grpc_port, health_port, metrics_port, debug_port) =
-                (free_port(), free_port(), free_port(), free_port());
-            let mut command = Command::new(kvpick_bin());
-            command.arg("serve");
-            if !extra_args.contains(&"--bind-address") {
-                command.args(["--bind-address", "127.0.0.1"]);
-            }
-            let mut child = command
-                .args(["--grpc-port", &grpc_port.to_string()])
-                .args(["--grpc-health-port", &health_port.to_string()])
-                .args(["--metrics-port", &metrics_port.to_string()])
-                .args(["--debug-port", &debug_port.to_string()])
-                .args(source_args)
-                .args(extra_args)
-                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-                .env("RUST_LOG", "kvpick=debug,info")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn kvpick");
-            let log = LogTail::default();
-            if let Some(stderr) = child.stderr.take() {
-                log.follow(stderr);
-            }
-            let ready =
-                ready_or_exited(
-                    "kvpick readiness",
-                    &mut child,
-                    Duration::from_secs(20),
-                    || async move {
-                        health(health_port, wait_for).await == Some(ServingStatus::Serving)
-                    },
-                )
-                .await;
-            if ready {
-                return Kvpick {
-                    child,
-                    log,
-                    grpc_port,
-                    health_port,
-                    metrics_port,
-                    debug_port,
-                    pool_file,
-                    _dir: dir,
-                };
-            }
+        let mut command = Command::new(kvpick_bin());
+        command.arg("serve");
+        if !extra_args.contains(&"--bind-address") {
+            command.args(["--bind-address", "127.0.0.1"]);
         }
-        panic!("kvpick did not start in 4 attempts");
+        // Port 0 everywhere: the kernel picks ports no other process holds, and kvpick's
+        // "kvpick listening" line says which (a port found free and passed in can be taken
+        // by another test's process first, and a readiness probe would then reach that one).
+        let mut child = command
+            .args(["--grpc-port", "0"])
+            .args(["--grpc-health-port", "0"])
+            .args(["--metrics-port", "0"])
+            .args(["--debug-port", "0"])
+            .args(source_args)
+            .args(extra_args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LOG", "kvpick=debug,info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvpick");
+        let log = LogTail::default();
+        if let Some(stderr) = child.stderr.take() {
+            log.follow(stderr);
+        }
+        let listening = {
+            let log = log.clone();
+            let mut line = None;
+            let found = ready_or_exited(
+                "kvpick's listening line",
+                &mut child,
+                Duration::from_secs(20),
+                || {
+                    line = log.find(&["kvpick listening"]);
+                    std::future::ready(line.is_some())
+                },
+            )
+            .await;
+            assert!(found, "kvpick exited before it listened");
+            line.expect("the listening line")
+        };
+        let port = |name: &str| {
+            listening_port(&listening, name)
+                .unwrap_or_else(|| panic!("no {name} address in {listening:?}"))
+        };
+        let (grpc_port, health_port, metrics_port, debug_port) =
+            (port("grpc"), port("health"), port("metrics"), port("debug"));
+        let ready = ready_or_exited(
+            "kvpick readiness",
+            &mut child,
+            Duration::from_secs(20),
+            || async move { health(health_port, wait_for).await == Some(ServingStatus::Serving) },
+        )
+        .await;
+        assert!(ready, "kvpick exited before it was ready");
+        Kvpick {
+            child,
+            log,
+            grpc_port,
+            health_port,
+            metrics_port,
+            debug_port,
+            pool_file,
+            _dir: dir,
+        }
     }
 
     /// Sends SIGTERM.
@@ -294,4 +308,22 @@ pub async fn health(port: u16, service: &str) -> Option<ServingStatus> {
         .await
         .ok()?;
     ServingStatus::try_from(response.into_inner().status).ok()
+}
+
+/// The port of `name`'s address in kvpick's "kvpick listening" line, in either log format:
+/// `grpc=127.0.0.1:9002` (text) or `"grpc":"127.0.0.1:9002"` (JSON).
+fn listening_port(line: &str, name: &str) -> Option<u16> {
+    let text = format!(" {name}=");
+    let json = format!("\"{name}\":\"");
+    let start = line
+        .find(&text)
+        .map(|at| at + text.len())
+        .or_else(|| line.find(&json).map(|at| at + json.len()))?;
+    let address = line[start..]
+        .split(|c: char| c.is_whitespace() || c == '"' || c == ',')
+        .next()?;
+    address
+        .parse::<std::net::SocketAddr>()
+        .ok()
+        .map(|a| a.port())
 }
