@@ -9,76 +9,15 @@ use crate::fake_kube::{FakeKube, pool_resource};
 use crate::support;
 
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use support::envoy::{Envoy, EnvoyOptions};
 use support::http::send;
 use support::kvpick::Kvpick;
+use support::sim_pod::SimPod;
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-/// One kvpick-sim pod whose PUB drops half its KV-event batches (they stay replayable).
-struct LossySim {
-    child: std::process::Child,
-    http: SocketAddr,
-    events: u16,
-    replay: u16,
-}
-
-impl LossySim {
-    async fn start() -> LossySim {
-        for _ in 0..4 {
-            let (http, events, replay) = (
-                support::free_port(),
-                support::free_port(),
-                support::free_port(),
-            );
-            let mut child = std::process::Command::new(support::workspace_bin("kvpick-sim"))
-                .args(["--pods", "1", "--time-scale", "0.01"])
-                .args(["--base-port", &http.to_string()])
-                .args(["--events-base-port", &events.to_string()])
-                .args(["--replay-base-port", &replay.to_string()])
-                .args(["--pod-override", "0:drop=0.5"])
-                .arg("--tokenizer")
-                .arg(support::repo_root().join("assets/tokenizer"))
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::inherit())
-                .spawn()
-                .expect("spawn kvpick-sim");
-            let health = format!("http://127.0.0.1:{http}/health");
-            let ready = support::ready_or_exited(
-                "kvpick-sim",
-                &mut child,
-                Duration::from_secs(20),
-                || {
-                    let health = health.clone();
-                    async move {
-                        matches!(send("GET", &health, &[], Vec::new()).await, Ok(r) if r.status == 200)
-                    }
-                },
-            )
-            .await;
-            if ready {
-                return LossySim {
-                    child,
-                    http: SocketAddr::from(([127, 0, 0, 1], http)),
-                    events,
-                    replay,
-                };
-            }
-        }
-        panic!("kvpick-sim did not start in 4 attempts");
-    }
-}
-
-impl Drop for LossySim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The metric names a PromQL expression (or Grafana query) reads: kvpick's, GIE's and
 /// llm-d's (`kvpick_*`, `inference_*`, `llm_d_*`).
@@ -181,12 +120,13 @@ async fn every_metric_the_dashboard_and_alerts_query_is_exported_by_a_live_kvpic
         wanted.extend(names);
     }
 
-    // A live pod with lossy KV events, and a dead one (refused scrape and events).
-    let sim = LossySim::start().await;
+    // A live pod whose PUB drops half its KV-event batches (they stay replayable), and a
+    // dead one (refused scrape and events).
+    let sim = SimPod::start(&["--pod-override", "0:drop=0.5"]).await;
     let dead = support::free_port();
     let pool = format!(
-        "endpoints:\n  - address: {}\n    kvEvents: tcp://127.0.0.1:{}\n    kvReplay: tcp://127.0.0.1:{}\n    labels: {{ inference.networking.k8s.io/engine-type: vllm }}\n  - address: 127.0.0.1:{dead}\n    kvEvents: tcp://127.0.0.1:{dead}\n",
-        sim.http, sim.events, sim.replay
+        "endpoints:\n{}  - address: 127.0.0.1:{dead}\n    kvEvents: tcp://127.0.0.1:{dead}\n",
+        sim.pool_entry()
     );
     let tokenizer = support::repo_root().join("assets/tokenizer");
     // GIE's default profile with flow control on, so the dashboard's flow-control panels

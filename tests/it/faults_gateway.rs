@@ -15,6 +15,7 @@ use support::envoy::{
 };
 use support::http::{Reply, post_json, send};
 use support::kvpick::Kvpick;
+use support::sim_pod::SimPod;
 
 /// A prompt long enough for kvpick's prefix affinity (approximate, from routing history).
 fn prompt_body() -> Vec<u8> {
@@ -349,93 +350,9 @@ async fn client_sent_control_headers_are_stripped_even_with_kvpick_down() {
     tally.assert_none_lost("forged control headers");
 }
 
-/// One `kvpick-sim` process serving one simulated vLLM pod (HTTP, KV events, replay).
-struct SimPod {
-    child: std::process::Child,
-    http: SocketAddr,
-    events: u16,
-    replay: u16,
-}
-
-impl SimPod {
-    async fn start() -> SimPod {
-        let (http, events, replay) = (
-            support::free_port(),
-            support::free_port(),
-            support::free_port(),
-        );
-        let http = SocketAddr::from(([127, 0, 0, 1], http));
-        let mut pod = SimPod {
-            child: Self::spawn(http, events, replay),
-            http,
-            events,
-            replay,
-        };
-        pod.wait_ready().await;
-        pod
-    }
-
-    fn spawn(http: SocketAddr, events: u16, replay: u16) -> std::process::Child {
-        std::process::Command::new(support::workspace_bin("kvpick-sim"))
-            .args(["--pods", "1", "--time-scale", "0.01"])
-            .args(["--base-port", &http.port().to_string()])
-            .args(["--events-base-port", &events.to_string()])
-            .args(["--replay-base-port", &replay.to_string()])
-            .arg("--tokenizer")
-            .arg(support::repo_root().join("assets/tokenizer"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()
-            .expect("spawn kvpick-sim")
-    }
-
-    async fn wait_ready(&mut self) {
-        let health = format!("http://{}/health", self.http);
-        let ready = support::ready_or_exited(
-            "kvpick-sim",
-            &mut self.child,
-            Duration::from_secs(20),
-            || {
-                let health = health.clone();
-                async move {
-                    matches!(send("GET", &health, &[], Vec::new()).await, Ok(r) if r.status == 200)
-                }
-            },
-        )
-        .await;
-        assert!(ready, "kvpick-sim exited while starting (port taken?)");
-    }
-
-    /// SIGKILL, as a crashed engine: no goodbye on any socket.
-    fn kill(&mut self) {
-        self.child.kill().expect("kill kvpick-sim");
-        self.child.wait().expect("reap");
-    }
-
-    /// The same pod again, on the same ports.
-    async fn restart(&mut self) {
-        self.child = Self::spawn(self.http, self.events, self.replay);
-        self.wait_ready().await;
-    }
-
-    fn pool_entry(&self) -> String {
-        format!(
-            "  - address: {}\n    kvEvents: tcp://127.0.0.1:{}\n    kvReplay: tcp://127.0.0.1:{}\n    labels: {{ inference.networking.k8s.io/engine-type: vllm }}\n",
-            self.http, self.events, self.replay
-        )
-    }
-}
-
-impl Drop for SimPod {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[tokio::test]
 async fn a_killed_engine_with_kv_events_is_left_out_and_comes_back() {
-    let mut pods = [SimPod::start().await, SimPod::start().await];
+    let mut pods = [SimPod::start(&[]).await, SimPod::start(&[]).await];
     let pool = format!(
         "endpoints:\n{}{}",
         pods[0].pool_entry(),

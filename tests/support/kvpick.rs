@@ -8,6 +8,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
+use super::log_tail::LogTail;
 use super::{ready_or_exited, workspace_bin};
 
 /// The kvpick binary: cargo's own path in kvpick's tests, else the workspace's build of it.
@@ -29,42 +30,6 @@ pub fn serve_refused(args: &[&str], envs: &[(&str, &str)]) -> String {
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(!output.status.success(), "{args:?} must not start");
     stderr
-}
-
-/// Most bytes of kvpick's log a test keeps (the oldest lines go first).
-const LOG_KEEP: usize = 8 << 20;
-
-/// kvpick's stderr, copied line by line to the test's own stderr (so a failing test still
-/// shows it) and kept for [`Kvpick::wait_log`].
-#[derive(Clone, Default)]
-struct LogTail(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>);
-
-impl LogTail {
-    fn follow(&self, stderr: std::process::ChildStderr) {
-        let tail = self.clone();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            let mut kept = 0usize;
-            for line in std::io::BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                eprintln!("{line}");
-                let mut lines = tail.0.lock().expect("log lock");
-                kept += line.len();
-                lines.push_back(line);
-                while kept > LOG_KEEP {
-                    kept -= lines.pop_front().map_or(0, |l| l.len());
-                }
-            }
-        });
-    }
-
-    fn find(&self, needles: &[&str]) -> Option<String> {
-        let lines = self.0.lock().expect("log lock");
-        lines
-            .iter()
-            .find(|line| needles.iter().all(|n| line.contains(n)))
-            .cloned()
-    }
 }
 
 pub struct Kvpick {
@@ -131,35 +96,38 @@ impl Kvpick {
         env: &[(&str, String)],
         wait_for: &'static str,
     ) -> Kvpick {
-        let mut command = Command::new(kvpick_bin());
-        command.arg("serve");
-        if !extra_args.contains(&"--bind-address") {
-            command.args(["--bind-address", "127.0.0.1"]);
-        }
-        // Port 0 everywhere: the kernel picks ports no other process holds, and kvpick's
-        // "kvpick listening" line says which (a port found free and passed in can be taken
-        // by another test's process first, and a readiness probe would then reach that one).
-        let mut child = command
-            .args(["--grpc-port", "0"])
-            .args(["--grpc-health-port", "0"])
-            .args(["--metrics-port", "0"])
-            .args(["--debug-port", "0"])
-            .args(source_args)
-            .args(extra_args)
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RUST_LOG", "kvpick=debug,info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvpick");
-        let log = LogTail::default();
-        if let Some(stderr) = child.stderr.take() {
-            log.follow(stderr);
-        }
-        let listening = {
-            let log = log.clone();
+        // NOTE: a port a test passes itself (`--kv-events-bind`, found free) can be taken
+        // by another test's process before kvpick binds it; kvpick then exits at once and
+        // is started again (a few times) instead of failing the test.
+        for _ in 0..4 {
+            let mut command = Command::new(kvpick_bin());
+            command.arg("serve");
+            if !extra_args.contains(&"--bind-address") {
+                command.args(["--bind-address", "127.0.0.1"]);
+            }
+            // Port 0 for kvpick's own servers: the kernel picks ports no other process
+            // holds, and kvpick's "kvpick listening" line says which (a port found free and
+            // passed in can be taken by another test's process first, and a readiness probe
+            // would then reach that one).
+            let mut child = command
+                .args(["--grpc-port", "0"])
+                .args(["--grpc-health-port", "0"])
+                .args(["--metrics-port", "0"])
+                .args(["--debug-port", "0"])
+                .args(source_args)
+                .args(extra_args)
+                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+                .env("RUST_LOG", "kvpick=debug,info")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn kvpick");
+            let log = LogTail::default();
+            if let Some(stderr) = child.stderr.take() {
+                log.follow(stderr);
+            }
             let mut line = None;
-            let found = ready_or_exited(
+            let listening = ready_or_exited(
                 "kvpick's listening line",
                 &mut child,
                 Duration::from_secs(20),
@@ -169,33 +137,39 @@ impl Kvpick {
                 },
             )
             .await;
-            assert!(found, "kvpick exited before it listened");
-            line.expect("the listening line")
-        };
-        let port = |name: &str| {
-            listening_port(&listening, name)
-                .unwrap_or_else(|| panic!("no {name} address in {listening:?}"))
-        };
-        let (grpc_port, health_port, metrics_port, debug_port) =
-            (port("grpc"), port("health"), port("metrics"), port("debug"));
-        let ready = ready_or_exited(
-            "kvpick readiness",
-            &mut child,
-            Duration::from_secs(20),
-            || async move { health(health_port, wait_for).await == Some(ServingStatus::Serving) },
-        )
-        .await;
-        assert!(ready, "kvpick exited before it was ready");
-        Kvpick {
-            child,
-            log,
-            grpc_port,
-            health_port,
-            metrics_port,
-            debug_port,
-            pool_file,
-            _dir: dir,
+            let ports = match line {
+                Some(line) if listening => Ports::read(&line),
+                _ => {
+                    exited_for_a_taken_port(&log).await;
+                    continue;
+                }
+            };
+            let ready =
+                ready_or_exited(
+                    "kvpick readiness",
+                    &mut child,
+                    Duration::from_secs(20),
+                    || async move {
+                        health(ports.health, wait_for).await == Some(ServingStatus::Serving)
+                    },
+                )
+                .await;
+            if !ready {
+                exited_for_a_taken_port(&log).await;
+                continue;
+            }
+            return Kvpick {
+                child,
+                log,
+                grpc_port: ports.grpc,
+                health_port: ports.health,
+                metrics_port: ports.metrics,
+                debug_port: ports.debug,
+                pool_file,
+                _dir: dir,
+            };
         }
+        panic!("kvpick did not start in 4 attempts");
     }
 
     /// Sends SIGTERM.
@@ -308,6 +282,43 @@ pub async fn health(port: u16, service: &str) -> Option<ServingStatus> {
         .await
         .ok()?;
     ServingStatus::try_from(response.into_inner().status).ok()
+}
+
+/// The ports kvpick's servers listen on, from its "kvpick listening" line.
+#[derive(Clone, Copy)]
+struct Ports {
+    grpc: u16,
+    health: u16,
+    metrics: u16,
+    debug: u16,
+}
+
+impl Ports {
+    fn read(line: &str) -> Ports {
+        let port = |name: &str| {
+            listening_port(line, name).unwrap_or_else(|| panic!("no {name} address in {line:?}"))
+        };
+        Ports {
+            grpc: port("grpc"),
+            health: port("health"),
+            metrics: port("metrics"),
+            debug: port("debug"),
+        }
+    }
+}
+
+/// Returns when kvpick's log (read to its end: the process has exited) says a port was
+/// taken; panics on any other reason to exit.
+async fn exited_for_a_taken_port(log: &LogTail) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if log.find(&["Address already in use"]).is_some() {
+            eprintln!("kvpick: a port was taken; starting it again");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("kvpick exited while starting (its log is above)");
 }
 
 /// The port of `name`'s address in kvpick's "kvpick listening" line, in either log format:

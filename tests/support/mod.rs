@@ -13,8 +13,10 @@ pub mod extproc;
 pub mod http;
 pub mod kv_reference;
 pub mod kvpick;
+pub mod log_tail;
 pub mod metrics;
 pub mod paths;
+pub mod sim_pod;
 pub mod zmtp_peer;
 
 use std::net::TcpListener;

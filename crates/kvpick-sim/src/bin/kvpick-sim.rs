@@ -101,8 +101,10 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Colours only on a terminal: a test or script reading the ready line gets plain text.
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let args = Args::parse();
     let overrides = args
@@ -158,8 +160,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tracing::info!(
             pod = i,
             http = %p.http,
-            events = events.map(|e| e.endpoint.as_str()).unwrap_or("-"),
-            replay = events.and_then(|e| e.replay_endpoint.as_deref()).unwrap_or("-"),
+            events = %events.map(|e| e.endpoint.as_str()).unwrap_or("-"),
+            replay = %events.and_then(|e| e.replay_endpoint.as_deref()).unwrap_or("-"),
             "simulated vLLM pod ready"
         );
     }
