@@ -25,9 +25,10 @@
 # filter sends the request body: `full-duplex` (the shipped FULL_DUPLEX_STREAMED: kvpick streams
 # the body back) or `buffered` (BUFFERED: Envoy holds the body, kvpick answers it with the pick
 # and no body bytes, one more round trip for the headers). Default: full-duplex for every kvpick.
-# Each kvpick run also prints Envoy's view of its requests (medians, from an access log every
-# Envoy here writes): first request byte to upstream, and the routing ext_proc call's
-# turnaround (headers message sent to kvpick's answer), beside Envoy alone's.
+# Each kvpick run also prints its Envoy's CPU per request (warm-up included) and Envoy's view
+# of its requests (medians, from an access log every Envoy here writes): first request byte to
+# upstream, and the routing ext_proc call's turnaround (headers message sent to kvpick's
+# answer), beside Envoy alone's.
 # SKIP_BUILD=1: use the release binaries as they are.
 # STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
 # (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
@@ -114,7 +115,7 @@ plain = config[:start] + config[end:]
 plain = plain.replace("port_value: 8081", "port_value: 8080").replace("port_value: 9901", "port_value: 9900")
 open(f"{work}/envoy-alone.yaml", "w").write(timing_log(plain, "alone"))
 PY
-KVPICK_PIDS=()
+KVPICK_PIDS=(); ENVOY_PIDS=()
 for i in "${!KVPICKS[@]}"; do
   o=$((100 * i))
   # The full request path: body parse, chat/completion tokenization with the shipped
@@ -123,7 +124,7 @@ for i in "${!KVPICKS[@]}"; do
     --tokenizer assets/tokenizer --grpc-port $((9002 + o)) --grpc-health-port $((9003 + o)) \
     --metrics-port $((9090 + o)) --debug-port $((9091 + o)) & KVPICK_PIDS+=($!); PIDS+=($!)
   .venv/bin/envoy -c "$WORK/envoy-kvpick$i.yaml" --disable-hot-restart --concurrency 1 -l error --file-flush-interval-msec 100 \
-    --base-id $((10 + i)) >"$WORK/envoy-kvpick$i.log" 2>&1 & PIDS+=($!)
+    --base-id $((10 + i)) >"$WORK/envoy-kvpick$i.log" 2>&1 & ENVOY_PIDS+=($!); PIDS+=($!)
 done
 .venv/bin/envoy -c "$WORK/envoy-alone.yaml" --disable-hot-restart --concurrency 1 -l error --file-flush-interval-msec 100 \
   --base-id 9 >"$WORK/envoy-alone.log" 2>&1 & PIDS+=($!)
@@ -204,6 +205,7 @@ for r in $(seq "$ROUNDS"); do
       read -r vol_before invol_before < <(switches "$pid")
       msgs_before=$(messages $((9901 + 100 * i)))
       read -r user_before sys_before < <(awk '{print $14, $15}' "/proc/$pid/stat")
+      envoy_before=$(ticks "${ENVOY_PIDS[$i]}")
       from=$(logged "kvpick$i")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
       after=$(stages $metrics); routed_after=$(routed $metrics)
@@ -211,6 +213,7 @@ for r in $(seq "$ROUNDS"); do
       read -r vol_after invol_after < <(switches "$pid")
       msgs_after=$(messages $((9901 + 100 * i)))
       read -r user_after sys_after < <(awk '{print $14, $15}' "/proc/$pid/stat")
+      envoy_after=$(ticks "${ENVOY_PIDS[$i]}")
       # After the counters are read, so the wait adds no idle time to them.
       sleep 0.5 # Envoy writes its access logs out every 100 ms (--file-flush-interval-msec)
       echo "#   kvpick$i Envoy's view, median µs: first request byte to upstream $(timing "kvpick$i" "$from" | tr '\n' ' ')(Envoy alone: $(timing alone "$alone_from"))"
@@ -218,6 +221,7 @@ for r in $(seq "$ROUNDS"); do
       sent=$((REQUESTS + warmup))
       echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"
       echo "#   kvpick$i CPU per request (warm-up and idle included): $(python3 -c "print(f'user {($user_after - $user_before) * 1e4 / $sent:.0f} µs, system {($sys_after - $sys_before) * 1e4 / $sent:.0f} µs')")"
+      echo "#   kvpick$i its Envoy's CPU per request (warm-up included): $(python3 -c "print(f'{($envoy_after - $envoy_before) * 1e4 / $sent:.0f} µs')")"
       echo "#   kvpick$i ext-proc messages per request (Envoy to kvpick): $(python3 -c "print(f'{($msgs_after - $msgs_before) / $sent:.1f}')")"
       cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
       echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it; prefix token cache after it ${cached} MiB"

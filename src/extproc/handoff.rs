@@ -28,20 +28,35 @@
 //! NOTE: between the routing stream's decision and the observing stream's request headers
 //! (the next filter of the same request, well under a millisecond) the request is counted
 //! nowhere; counting it in both would double it for the same instant on a single replica.
+//!
+//! The hand-off is one string field (`pick`: a JSON array, [`PickHandoff::to_value`]) rather
+//! than a struct of nine: Envoy copies the forwarded namespace into every message of the
+//! observing stream (each response chunk), so each field it holds is a map entry Envoy copies,
+//! encodes and frees per chunk and kvpick's connection reads past per chunk.
+//!
+//! NOTE: the nine-field layout of earlier versions is still read, so during a rollout an
+//! observing replica of this version follows a routing replica of the last; the other way
+//! round (an older replica reading this layout) the older one logs an unreadable hand-off
+//! and does not observe that response, which costs a rollout's worth of observations, not
+//! requests.
 
 use std::net::SocketAddr;
 
 use crate::pb::envoy::config::core::v3::Metadata;
 use crate::pb::google::protobuf::{Struct, Value, value::Kind};
 
-use super::mutations::string_value;
 use crate::telemetry::RequestLabels;
 
 /// Dynamic-metadata namespace of the hand-off.
 pub const PICK_NAMESPACE: &str = "kvpick.pick";
 
+/// The namespace's one field: the hand-off as a JSON array.
+const PICK_FIELD: &str = "pick";
+
 /// Longest label value carried (longer ones are refused, not cut: kvpick wrote them).
 const MAX_LABEL_BYTES: usize = 1024;
+/// Longest hand-off string read (four labels at their longest and the numbers).
+const MAX_PICK_BYTES: usize = 4 * (2 * MAX_LABEL_BYTES + 2) + 256;
 /// Largest token count carried (a 100M-token prompt is no request).
 const MAX_TOKENS: f64 = 1e8;
 
@@ -68,6 +83,9 @@ pub enum HandoffError {
     /// A field is missing or of the wrong type.
     #[error("field `{0}` is missing or not of its type")]
     Field(&'static str),
+    /// The `pick` string is not the JSON array kvpick writes.
+    #[error("`pick` is not a hand-off: {0}")]
+    Compact(String),
     /// The endpoint is not `ip:port`.
     #[error("endpoint `{0}` is not ip:port")]
     Endpoint(String),
@@ -76,41 +94,57 @@ pub enum HandoffError {
     Range(&'static str),
 }
 
-fn number(value: f64) -> Value {
-    Value {
-        kind: Some(Kind::NumberValue(value)),
-    }
+/// The hand-off's fields in the order of the `pick` array.
+type CompactPick<'a> = (
+    &'a str,
+    f64,
+    f64,
+    Option<f64>,
+    bool,
+    std::borrow::Cow<'a, str>,
+    std::borrow::Cow<'a, str>,
+    std::borrow::Cow<'a, str>,
+    std::borrow::Cow<'a, str>,
+);
+
+/// A hand-off's fields as read, before they are checked.
+struct RawPick<'a> {
+    endpoint: &'a str,
+    uncached: f64,
+    cached: f64,
+    predicted_ms: Option<f64>,
+    streamed: bool,
+    model: &'a str,
+    target_model: &'a str,
+    fairness_id: &'a str,
+    priority: &'a str,
 }
 
 impl PickHandoff {
     /// The hand-off as the value of [`PICK_NAMESPACE`] in a reply's dynamic metadata.
     pub fn to_value(&self) -> Value {
+        let endpoint = self.endpoint.to_string();
+        let pick: CompactPick<'_> = (
+            &endpoint,
+            self.uncached_tokens,
+            self.cached_tokens,
+            self.predicted_ms,
+            self.streamed,
+            self.labels.model.as_str().into(),
+            self.labels.target_model.as_str().into(),
+            self.labels.fairness_id.as_str().into(),
+            self.labels.priority.as_str().into(),
+        );
+        // NOTE: serializing numbers, a bool and strings cannot fail; a non-finite number
+        // becomes `null`, which the reader refuses like any other bad field.
+        let text = serde_json::to_string(&pick).unwrap_or_default();
         let mut fields = std::collections::BTreeMap::new();
         fields.insert(
-            "endpoint".to_owned(),
-            string_value(&self.endpoint.to_string()),
-        );
-        fields.insert("uncached".to_owned(), number(self.uncached_tokens));
-        fields.insert("cached".to_owned(), number(self.cached_tokens));
-        if let Some(ms) = self.predicted_ms {
-            fields.insert("predicted_ms".to_owned(), number(ms));
-        }
-        fields.insert(
-            "stream".to_owned(),
+            PICK_FIELD.to_owned(),
             Value {
-                kind: Some(Kind::BoolValue(self.streamed)),
+                kind: Some(Kind::StringValue(text)),
             },
         );
-        fields.insert("model".to_owned(), string_value(&self.labels.model));
-        fields.insert(
-            "target_model".to_owned(),
-            string_value(&self.labels.target_model),
-        );
-        fields.insert(
-            "fairness_id".to_owned(),
-            string_value(&self.labels.fairness_id),
-        );
-        fields.insert("priority".to_owned(), string_value(&self.labels.priority));
         Value {
             kind: Some(Kind::StructValue(Struct { fields })),
         }
@@ -123,45 +157,124 @@ impl PickHandoff {
             return Ok(None);
         };
         let fields = &fields.fields;
-        let text = |key: &'static str| match fields.get(key).and_then(|v| v.kind.as_ref()) {
-            Some(Kind::StringValue(s)) if s.len() <= MAX_LABEL_BYTES => Ok(s.as_str()),
+        match fields.get(PICK_FIELD).and_then(|v| v.kind.as_ref()) {
+            Some(Kind::StringValue(text)) if text.len() <= MAX_PICK_BYTES => {
+                let pick: CompactPick<'_> = serde_json::from_str(text)
+                    .map_err(|error| HandoffError::Compact(error.to_string()))?;
+                let (
+                    endpoint,
+                    uncached,
+                    cached,
+                    predicted_ms,
+                    streamed,
+                    model,
+                    target,
+                    fairness,
+                    priority,
+                ) = &pick;
+                RawPick {
+                    endpoint,
+                    uncached: *uncached,
+                    cached: *cached,
+                    predicted_ms: *predicted_ms,
+                    streamed: *streamed,
+                    model,
+                    target_model: target,
+                    fairness_id: fairness,
+                    priority,
+                }
+                .check()
+                .map(Some)
+            }
+            Some(_) => Err(HandoffError::Field(PICK_FIELD)),
+            None => Self::from_fields(fields).map(Some),
+        }
+    }
+
+    /// The nine-field layout kvpick wrote before the `pick` string.
+    fn from_fields(
+        fields: &std::collections::BTreeMap<String, Value>,
+    ) -> Result<Self, HandoffError> {
+        let kind = |key: &str| fields.get(key).and_then(|v| v.kind.as_ref());
+        let text = |key: &'static str| match kind(key) {
+            Some(Kind::StringValue(s)) => Ok(s.as_str()),
             _ => Err(HandoffError::Field(key)),
         };
-        let count = |key: &'static str| match fields.get(key).and_then(|v| v.kind.as_ref()) {
-            Some(Kind::NumberValue(n)) if n.is_finite() && (0.0..=MAX_TOKENS).contains(n) => Ok(*n),
-            Some(Kind::NumberValue(_)) => Err(HandoffError::Range(key)),
+        let count = |key: &'static str| match kind(key) {
+            Some(Kind::NumberValue(n)) => Ok(*n),
             _ => Err(HandoffError::Field(key)),
         };
-        let endpoint = text("endpoint")?;
-        let endpoint = endpoint
-            .parse()
-            .map_err(|_| HandoffError::Endpoint(endpoint.to_owned()))?;
-        let predicted_ms = match fields.get("predicted_ms").and_then(|v| v.kind.as_ref()) {
+        let predicted_ms = match kind("predicted_ms") {
             None => None,
-            Some(Kind::NumberValue(n)) if n.is_finite() && *n >= 0.0 => Some(*n),
+            Some(Kind::NumberValue(n)) => Some(*n),
             Some(_) => return Err(HandoffError::Range("predicted_ms")),
         };
-        let streamed = match fields.get("stream").and_then(|v| v.kind.as_ref()) {
+        let streamed = match kind("stream") {
             Some(Kind::BoolValue(b)) => *b,
             _ => return Err(HandoffError::Field("stream")),
         };
-        let priority: i32 = text("priority")?
-            .parse()
-            .map_err(|_| HandoffError::Range("priority"))?;
-        let labels = RequestLabels::new(
-            Some(text("model")?),
-            Some(text("target_model")?),
-            Some(text("fairness_id")?),
-            priority,
-        );
-        Ok(Some(Self {
-            endpoint,
-            uncached_tokens: count("uncached")?,
-            cached_tokens: count("cached")?,
+        RawPick {
+            endpoint: text("endpoint")?,
+            uncached: count("uncached")?,
+            cached: count("cached")?,
             predicted_ms,
             streamed,
-            labels,
-        }))
+            model: text("model")?,
+            target_model: text("target_model")?,
+            fairness_id: text("fairness_id")?,
+            priority: text("priority")?,
+        }
+        .check()
+    }
+}
+
+impl RawPick<'_> {
+    /// The hand-off, once every field is in range.
+    fn check(self) -> Result<PickHandoff, HandoffError> {
+        let label = |key: &'static str, value: &str| {
+            if value.len() <= MAX_LABEL_BYTES {
+                Ok(())
+            } else {
+                Err(HandoffError::Field(key))
+            }
+        };
+        let count = |key: &'static str, n: f64| {
+            if n.is_finite() && (0.0..=MAX_TOKENS).contains(&n) {
+                Ok(n)
+            } else {
+                Err(HandoffError::Range(key))
+            }
+        };
+        let endpoint = self
+            .endpoint
+            .parse()
+            .map_err(|_| HandoffError::Endpoint(self.endpoint.to_owned()))?;
+        let predicted_ms = match self.predicted_ms {
+            Some(n) if !(n.is_finite() && n >= 0.0) => {
+                return Err(HandoffError::Range("predicted_ms"));
+            }
+            other => other,
+        };
+        label("model", self.model)?;
+        label("target_model", self.target_model)?;
+        label("fairness_id", self.fairness_id)?;
+        let priority: i32 = self
+            .priority
+            .parse()
+            .map_err(|_| HandoffError::Range("priority"))?;
+        Ok(PickHandoff {
+            endpoint,
+            uncached_tokens: count("uncached", self.uncached)?,
+            cached_tokens: count("cached", self.cached)?,
+            predicted_ms,
+            streamed: self.streamed,
+            labels: RequestLabels::new(
+                Some(self.model),
+                Some(self.target_model),
+                Some(self.fairness_id),
+                priority,
+            ),
+        })
     }
 }
 
@@ -191,17 +304,97 @@ mod tests {
         metadata
     }
 
+    fn text(s: &str) -> Value {
+        Value {
+            kind: Some(Kind::StringValue(s.to_owned())),
+        }
+    }
+
+    fn number(n: f64) -> Value {
+        Value {
+            kind: Some(Kind::NumberValue(n)),
+        }
+    }
+
+    /// The hand-off as kvpick wrote it before the `pick` string: nine fields.
+    fn nine_fields(pick: &PickHandoff) -> Metadata {
+        let mut fields = std::collections::BTreeMap::new();
+        fields.insert("endpoint".to_owned(), text(&pick.endpoint.to_string()));
+        fields.insert("uncached".to_owned(), number(pick.uncached_tokens));
+        fields.insert("cached".to_owned(), number(pick.cached_tokens));
+        if let Some(ms) = pick.predicted_ms {
+            fields.insert("predicted_ms".to_owned(), number(ms));
+        }
+        fields.insert(
+            "stream".to_owned(),
+            Value {
+                kind: Some(Kind::BoolValue(pick.streamed)),
+            },
+        );
+        fields.insert("model".to_owned(), text(&pick.labels.model));
+        fields.insert("target_model".to_owned(), text(&pick.labels.target_model));
+        fields.insert("fairness_id".to_owned(), text(&pick.labels.fairness_id));
+        fields.insert("priority".to_owned(), text(&pick.labels.priority));
+        forwarded(Value {
+            kind: Some(Kind::StructValue(Struct { fields })),
+        })
+    }
+
+    /// The forwarded namespace with its `pick` field set to `value`.
+    fn with_pick(value: Value) -> Metadata {
+        let mut fields = std::collections::BTreeMap::new();
+        fields.insert(PICK_FIELD.to_owned(), value);
+        forwarded(Value {
+            kind: Some(Kind::StructValue(Struct { fields })),
+        })
+    }
+
     #[test]
     fn a_hand_off_reads_back_as_written() {
         let pick = sample();
-        let read = PickHandoff::from_metadata(Some(&forwarded(pick.to_value())));
+        let written = pick.to_value();
+        let Some(Kind::StructValue(fields)) = &written.kind else {
+            panic!("a struct");
+        };
+        assert_eq!(fields.fields.len(), 1, "one field: {fields:?}");
+        let read = PickHandoff::from_metadata(Some(&forwarded(written)));
         assert_eq!(read, Ok(Some(pick.clone())));
+        let unpredicted = PickHandoff {
+            predicted_ms: None,
+            ..pick.clone()
+        };
+        let read = PickHandoff::from_metadata(Some(&forwarded(unpredicted.to_value())));
+        assert_eq!(read, Ok(Some(unpredicted)));
+        // Labels are the client's words: quotes, separators, escapes and any script.
+        let odd = PickHandoff {
+            endpoint: "[fd00::17]:8000".parse().expect("addr"),
+            labels: RequestLabels::new(
+                Some("a \"quoted\", [model]\n"),
+                Some("模型/served\\x"),
+                Some(""),
+                i32::MIN,
+            ),
+            ..pick
+        };
+        let read = PickHandoff::from_metadata(Some(&forwarded(odd.to_value())));
+        assert_eq!(read, Ok(Some(odd)));
+    }
+
+    #[test]
+    fn the_nine_field_layout_is_still_read() {
+        let pick = sample();
+        assert_eq!(
+            PickHandoff::from_metadata(Some(&nine_fields(&pick))),
+            Ok(Some(pick.clone()))
+        );
         let unpredicted = PickHandoff {
             predicted_ms: None,
             ..pick
         };
-        let read = PickHandoff::from_metadata(Some(&forwarded(unpredicted.to_value())));
-        assert_eq!(read, Ok(Some(unpredicted)));
+        assert_eq!(
+            PickHandoff::from_metadata(Some(&nine_fields(&unpredicted))),
+            Ok(Some(unpredicted))
+        );
     }
 
     #[test]
@@ -216,7 +409,7 @@ mod tests {
     #[test]
     fn a_bad_hand_off_names_its_field() {
         let edit = |key: &str, value: Option<Value>| {
-            let mut metadata = forwarded(sample().to_value());
+            let mut metadata = nine_fields(&sample());
             let fields = &mut metadata
                 .filter_metadata
                 .get_mut(PICK_NAMESPACE)
@@ -229,7 +422,7 @@ mod tests {
             PickHandoff::from_metadata(Some(&metadata))
         };
         assert_eq!(
-            edit("endpoint", Some(string_value("pod-a"))),
+            edit("endpoint", Some(text("pod-a"))),
             Err(HandoffError::Endpoint("pod-a".into()))
         );
         assert_eq!(edit("endpoint", None), Err(HandoffError::Field("endpoint")));
@@ -242,7 +435,7 @@ mod tests {
             Err(HandoffError::Range("cached"))
         );
         assert_eq!(
-            edit("cached", Some(string_value("12"))),
+            edit("cached", Some(text("12"))),
             Err(HandoffError::Field("cached"))
         );
         assert_eq!(
@@ -251,15 +444,62 @@ mod tests {
         );
         assert_eq!(edit("stream", None), Err(HandoffError::Field("stream")));
         assert_eq!(
-            edit("priority", Some(string_value("99999999999"))),
+            edit("priority", Some(text("99999999999"))),
             Err(HandoffError::Range("priority"))
         );
         assert_eq!(
-            edit(
-                "model",
-                Some(string_value(&"m".repeat(MAX_LABEL_BYTES + 1)))
-            ),
+            edit("model", Some(text(&"m".repeat(MAX_LABEL_BYTES + 1)))),
             Err(HandoffError::Field("model"))
+        );
+    }
+
+    #[test]
+    fn a_bad_pick_string_is_refused_with_its_cause() {
+        let read = |pick: &str| PickHandoff::from_metadata(Some(&with_pick(text(pick))));
+        let good = r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a","-1"]"#;
+        assert_eq!(read(good), Ok(Some(sample())));
+        for garbage in [
+            "",
+            "not json",
+            "{}",
+            r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a"]"#,
+            r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a","-1",7]"#,
+            r#"["10.0.0.7:8000","312",2048.0,41.5,true,"alias","served","tenant-a","-1"]"#,
+            r#"["10.0.0.7:8000",null,2048.0,41.5,true,"alias","served","tenant-a","-1"]"#,
+            r#"["10.0.0.7:8000",312.0,2048.0,41.5,1,"alias","served","tenant-a","-1"]"#,
+        ] {
+            assert!(
+                matches!(read(garbage), Err(HandoffError::Compact(_))),
+                "{garbage:?}: {:?}",
+                read(garbage)
+            );
+        }
+        let edit = |from: &str, to: &str| read(&good.replacen(from, to, 1));
+        assert_eq!(
+            edit("10.0.0.7:8000", "pod-a"),
+            Err(HandoffError::Endpoint("pod-a".into()))
+        );
+        assert_eq!(edit("312.0", "-1.0"), Err(HandoffError::Range("uncached")));
+        assert_eq!(edit("2048.0", "1e300"), Err(HandoffError::Range("cached")));
+        assert_eq!(
+            edit("41.5", "-0.5"),
+            Err(HandoffError::Range("predicted_ms"))
+        );
+        assert_eq!(
+            edit("\"-1\"", "\"99999999999\""),
+            Err(HandoffError::Range("priority"))
+        );
+        assert_eq!(
+            edit("alias", &"m".repeat(MAX_LABEL_BYTES + 1)),
+            Err(HandoffError::Field("model"))
+        );
+        assert_eq!(
+            read(&" ".repeat(MAX_PICK_BYTES + 1)),
+            Err(HandoffError::Field(PICK_FIELD))
+        );
+        assert_eq!(
+            PickHandoff::from_metadata(Some(&with_pick(number(1.0)))),
+            Err(HandoffError::Field(PICK_FIELD))
         );
     }
 }

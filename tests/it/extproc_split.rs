@@ -43,15 +43,18 @@ async fn routed_in_split_mode(h: &mut Harness, request: &[u8]) -> (Stream, Strin
     (s, destination, handoff)
 }
 
+/// The metadata Envoy forwards on an observing stream: the `kvpick.pick` namespace.
+fn forwarded(handoff: &Struct) -> Metadata {
+    let mut metadata = Metadata::default();
+    metadata
+        .filter_metadata
+        .insert("kvpick.pick".to_owned(), handoff.clone());
+    metadata
+}
+
 /// Sends an observing stream's message (as Envoy does in observability mode).
 async fn observe(s: &Stream, request: Request, handoff: Option<&Struct>) {
-    let metadata = handoff.map(|fields| {
-        let mut metadata = Metadata::default();
-        metadata
-            .filter_metadata
-            .insert("kvpick.pick".to_owned(), fields.clone());
-        metadata
-    });
+    let metadata = handoff.map(forwarded);
     let encoded = metadata
         .as_ref()
         .map(kvpick::extproc::dynamic_metadata::encode)
@@ -120,20 +123,16 @@ fn observed(h: &Harness, result: &str) -> u64 {
 async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follows_the_response() {
     let mut h = start(Options::default()).await;
     let (mut routing, destination, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
-    let Some(Kind::StringValue(endpoint)) =
-        handoff.fields.get("endpoint").and_then(|v| v.kind.clone())
-    else {
-        panic!("hand-off without endpoint: {handoff:?}");
-    };
+    let pick = kvpick::extproc::handoff::PickHandoff::from_metadata(Some(&forwarded(&handoff)))
+        .expect("a readable hand-off")
+        .expect("a hand-off");
+    let endpoint = pick.endpoint.to_string();
     assert_eq!(
         destination.split(',').next(),
         Some(endpoint.as_str()),
         "the hand-off names the picked pod"
     );
-    assert!(matches!(
-        handoff.fields.get("stream").and_then(|v| v.kind.clone()),
-        Some(Kind::BoolValue(true))
-    ));
+    assert!(pick.streamed, "the client asked for a stream: {pick:?}");
     // The gateway sends nothing more on it: kvpick closes it, counting nothing in flight.
     let next = tokio::time::timeout(Duration::from_secs(5), routing.rx.message())
         .await
@@ -217,7 +216,11 @@ async fn observing_streams_without_a_usable_hand_off_are_counted_and_closed() {
 
     // A hand-off that does not parse.
     let mut bad = handoff.clone();
-    bad.fields.remove("uncached");
+    let Some(Kind::StringValue(pick)) = bad.fields.get_mut("pick").and_then(|v| v.kind.as_mut())
+    else {
+        panic!("the hand-off is one `pick` string: {handoff:?}");
+    };
+    pick.truncate(pick.len() / 2);
     let mut s = h.open().await;
     observe(&s, completion_headers(), Some(&bad)).await;
     ends_silently(&mut s).await;
