@@ -55,8 +55,10 @@ const PICK_FIELD: &str = "pick";
 
 /// Longest label value carried (longer ones are refused, not cut: kvpick wrote them).
 const MAX_LABEL_BYTES: usize = 1024;
-/// Longest hand-off string read (four labels at their longest and the numbers).
-const MAX_PICK_BYTES: usize = 4 * (2 * MAX_LABEL_BYTES + 2) + 256;
+/// Longest hand-off string read: three labels at their longest, each byte escaped as JSON's
+/// longest escape (`\u0001`: 6 bytes), with their quotes, and the endpoint, numbers and
+/// priority (under 256 bytes).
+const MAX_PICK_BYTES: usize = 3 * (6 * MAX_LABEL_BYTES + 3) + 256;
 /// Largest token count carried (a 100M-token prompt is no request).
 const MAX_TOKENS: f64 = 1e8;
 
@@ -86,6 +88,9 @@ pub enum HandoffError {
     /// The `pick` string is not the JSON array kvpick writes.
     #[error("`pick` is not a hand-off: {0}")]
     Compact(String),
+    /// The `pick` string is longer than any kvpick writes.
+    #[error("`pick` is {0} bytes, longer than any hand-off")]
+    TooLong(usize),
     /// The endpoint is not `ip:port`.
     #[error("endpoint `{0}` is not ip:port")]
     Endpoint(String),
@@ -94,17 +99,21 @@ pub enum HandoffError {
     Range(&'static str),
 }
 
-/// The hand-off's fields in the order of the `pick` array.
-type CompactPick<'a> = (
-    &'a str,
+/// The hand-off's fields in the order of the `pick` array: endpoint, uncached, cached,
+/// predicted ms (or `null`), streamed, model, target model, fairness id, priority.
+/// NOTE: the strings are read as owned copies (serde cannot borrow into a tuple), once per
+/// request; numbers travel as JSON decimals, which may come back an ULP off — nothing that
+/// reads them can tell.
+type CompactPick = (
+    String,
     f64,
     f64,
     Option<f64>,
     bool,
-    std::borrow::Cow<'a, str>,
-    std::borrow::Cow<'a, str>,
-    std::borrow::Cow<'a, str>,
-    std::borrow::Cow<'a, str>,
+    String,
+    String,
+    String,
+    String,
 );
 
 /// A hand-off's fields as read, before they are checked.
@@ -123,20 +132,22 @@ struct RawPick<'a> {
 impl PickHandoff {
     /// The hand-off as the value of [`PICK_NAMESPACE`] in a reply's dynamic metadata.
     pub fn to_value(&self) -> Value {
-        let endpoint = self.endpoint.to_string();
-        let pick: CompactPick<'_> = (
-            &endpoint,
+        // A prediction that is not a finite number is no prediction (JSON has no NaN).
+        let predicted_ms = self.predicted_ms.filter(|ms| ms.is_finite());
+        let pick = (
+            self.endpoint.to_string(),
             self.uncached_tokens,
             self.cached_tokens,
-            self.predicted_ms,
+            predicted_ms,
             self.streamed,
-            self.labels.model.as_str().into(),
-            self.labels.target_model.as_str().into(),
-            self.labels.fairness_id.as_str().into(),
-            self.labels.priority.as_str().into(),
+            &self.labels.model,
+            &self.labels.target_model,
+            &self.labels.fairness_id,
+            &self.labels.priority,
         );
-        // NOTE: serializing numbers, a bool and strings cannot fail; a non-finite number
-        // becomes `null`, which the reader refuses like any other bad field.
+        // NOTE: serializing strings, numbers and a bool into a `String` cannot fail (a
+        // non-finite count becomes `null`, which the reader refuses: not a number); the empty
+        // string of an impossible failure would be refused by the reader, not misread.
         let text = serde_json::to_string(&pick).unwrap_or_default();
         let mut fields = std::collections::BTreeMap::new();
         fields.insert(
@@ -158,8 +169,11 @@ impl PickHandoff {
         };
         let fields = &fields.fields;
         match fields.get(PICK_FIELD).and_then(|v| v.kind.as_ref()) {
-            Some(Kind::StringValue(text)) if text.len() <= MAX_PICK_BYTES => {
-                let pick: CompactPick<'_> = serde_json::from_str(text)
+            Some(Kind::StringValue(text)) if text.len() > MAX_PICK_BYTES => {
+                Err(HandoffError::TooLong(text.len()))
+            }
+            Some(Kind::StringValue(text)) => {
+                let pick: CompactPick = serde_json::from_str(text)
                     .map_err(|error| HandoffError::Compact(error.to_string()))?;
                 let (
                     endpoint,
@@ -245,6 +259,12 @@ impl RawPick<'_> {
                 Err(HandoffError::Range(key))
             }
         };
+        // Every string is bounded before it is parsed or copied into an error.
+        label("endpoint", self.endpoint)?;
+        label("priority", self.priority)?;
+        label("model", self.model)?;
+        label("target_model", self.target_model)?;
+        label("fairness_id", self.fairness_id)?;
         let endpoint = self
             .endpoint
             .parse()
@@ -255,9 +275,6 @@ impl RawPick<'_> {
             }
             other => other,
         };
-        label("model", self.model)?;
-        label("target_model", self.target_model)?;
-        label("fairness_id", self.fairness_id)?;
         let priority: i32 = self
             .priority
             .parse()
@@ -381,6 +398,56 @@ mod tests {
     }
 
     #[test]
+    fn the_longest_labels_fit_even_when_every_byte_is_escaped() {
+        // A control character is JSON's longest escape (`\u0001`, six bytes for one).
+        let longest = "\u{1}".repeat(MAX_LABEL_BYTES);
+        let pick = PickHandoff {
+            endpoint: "[fd00:aaaa:bbbb:cccc:dddd:eeee:ffff:1111]:65535"
+                .parse()
+                .expect("addr"),
+            uncached_tokens: MAX_TOKENS,
+            cached_tokens: 0.123_456_789,
+            predicted_ms: Some(1e9),
+            labels: RequestLabels::new(Some(&longest), Some(&longest), Some(&longest), i32::MIN),
+            ..sample()
+        };
+        let read = PickHandoff::from_metadata(Some(&forwarded(pick.to_value())));
+        assert_eq!(read, Ok(Some(pick.clone())));
+        // One byte more is refused as a label kvpick would not have written.
+        let over = PickHandoff {
+            labels: RequestLabels::new(Some(&format!("{longest}x")), Some("m"), None, 0),
+            ..pick
+        };
+        assert_eq!(
+            PickHandoff::from_metadata(Some(&forwarded(over.to_value()))),
+            Err(HandoffError::Field("model"))
+        );
+    }
+
+    #[test]
+    fn non_finite_numbers_are_written_as_no_prediction_or_refused() {
+        let unpredictable = PickHandoff {
+            predicted_ms: Some(f64::NAN),
+            ..sample()
+        };
+        assert_eq!(
+            PickHandoff::from_metadata(Some(&forwarded(unpredictable.to_value()))),
+            Ok(Some(PickHandoff {
+                predicted_ms: None,
+                ..sample()
+            }))
+        );
+        let uncountable = PickHandoff {
+            uncached_tokens: f64::INFINITY,
+            ..sample()
+        };
+        assert!(matches!(
+            PickHandoff::from_metadata(Some(&forwarded(uncountable.to_value()))),
+            Err(HandoffError::Compact(_))
+        ));
+    }
+
+    #[test]
     fn the_nine_field_layout_is_still_read() {
         let pick = sample();
         assert_eq!(
@@ -426,6 +493,11 @@ mod tests {
             Err(HandoffError::Endpoint("pod-a".into()))
         );
         assert_eq!(edit("endpoint", None), Err(HandoffError::Field("endpoint")));
+        // A long endpoint is refused before it is copied into the error.
+        assert_eq!(
+            edit("endpoint", Some(text(&"9".repeat(1 << 20)))),
+            Err(HandoffError::Field("endpoint"))
+        );
         assert_eq!(
             edit("uncached", Some(number(f64::NAN))),
             Err(HandoffError::Range("uncached"))
@@ -495,7 +567,7 @@ mod tests {
         );
         assert_eq!(
             read(&" ".repeat(MAX_PICK_BYTES + 1)),
-            Err(HandoffError::Field(PICK_FIELD))
+            Err(HandoffError::TooLong(MAX_PICK_BYTES + 1))
         );
         assert_eq!(
             PickHandoff::from_metadata(Some(&with_pick(number(1.0)))),
