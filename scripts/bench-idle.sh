@@ -3,7 +3,8 @@
 # and housekeeping, no requests. Starts `kvpick-sim --pods N` once, then each kvpick binary of
 # KVPICK_BINS in turn (A B A B …, so machine drift hits all alike) on that fleet, and reads
 # the binary's CPU time over a window: `perf stat -e task-clock` when perf is installed (exact),
-# else /proc/PID/stat (10 ms ticks). Prints one line per run.
+# else /proc/PID/stat (10 ms ticks), and the simulator's over the same window (/proc). Prints
+# one line per run.
 #
 # Usage: scripts/bench-idle.sh [pods] [seconds] [rounds] [extra kvpick serve flags…]
 #   defaults: 8 pods, 15 s windows, 3 rounds; e.g. `scripts/bench-idle.sh 8 15 3
@@ -63,6 +64,7 @@ GRPC=$((BASE + 3 * PODS))
 target/release/kvpick-sim --pods "$PODS" --base-port "$HTTP" --events-base-port "$EVENTS" \
   --replay-base-port "$REPLAY" --tokenizer assets/tokenizer >"$RUN/sim.log" 2>&1 &
 PIDS+=($!)
+SIM=$!
 {
   echo "endpoints:"
   for ((i = 0; i < PODS; i++)); do
@@ -103,11 +105,13 @@ for ((round = 1; round <= ROUNDS; round++)); do
       sleep 0.1
     done
     sleep 2 # every pod scraped and subscribed
+    sim_before=$(awk '{ print $14 + $15 }' "/proc/$SIM/stat")
     ms=$(cpu_ms "$pid")
+    sim_ms=$((($(awk '{ print $14 + $15 }' "/proc/$SIM/stat") - sim_before) * 1000 / $(getconf CLK_TCK)))
     scrapes=$(curl -sf "127.0.0.1:$((GRPC + 2))/metrics" |
       awk '/^kvpick_scrape_duration_seconds_count/ { n += $2 } END { print n + 0 }')
     kill "$pid"
     wait "$pid" 2>/dev/null || true
-    echo "round $round $bin: kvpick CPU $ms ms in ${SECONDS_PER_RUN} s ($scrapes scrapes since start)"
+    echo "round $round $bin: kvpick CPU $ms ms in ${SECONDS_PER_RUN} s ($scrapes scrapes since start); the simulated pods $sim_ms ms"
   done
 done

@@ -195,6 +195,10 @@ pub struct ServeArgs {
     /// Longest one /metrics scrape may take.
     #[arg(long, default_value = "1000ms", value_parser = parse_duration)]
     pub scrape_timeout: Duration,
+    /// Scrape vLLM pods' whole /metrics page instead of asking for the metrics kvpick reads
+    /// by name (`/metrics/?name[]=…`, ~30× less work for the pod per scrape).
+    #[arg(long)]
+    pub scrape_whole_pages: bool,
     /// EndpointPickerConfig YAML file (plugins, scheduling profile, saturation detector,
     /// feature gates). Without one, GIE's default profile runs.
     #[arg(long, conflicts_with = "config_text")]
@@ -565,6 +569,7 @@ impl ServeArgs {
                     .metrics_path
                     .unwrap_or_else(|| crate::scrape::DEFAULT_METRICS_PATH.to_owned()),
                 port: llmd.metrics_port,
+                by_name: !self.scrape_whole_pages,
                 ..Default::default()
             },
             model_rewrites,

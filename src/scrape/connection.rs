@@ -47,6 +47,14 @@ pub struct MetricsConnection {
     open: Option<Open>,
 }
 
+/// `path` as the target of a GET: a path (and query) without scheme or host.
+fn url_path(path: &str) -> Result<hyper::Uri, ScrapeError> {
+    path.parse::<hyper::Uri>()
+        .ok()
+        .filter(|uri| uri.scheme().is_none() && uri.path().starts_with('/'))
+        .ok_or_else(|| ScrapeError::Http(format!("`{path}` is not a URL path")))
+}
+
 impl MetricsConnection {
     /// A connection to `target` for GETs of `path` (no socket yet: the first GET opens it).
     /// `timeout` bounds each GET, connecting included; bodies over `max_body_bytes` fail.
@@ -56,11 +64,7 @@ impl MetricsConnection {
         timeout: Duration,
         max_body_bytes: usize,
     ) -> Result<Self, ScrapeError> {
-        let path = path
-            .parse::<hyper::Uri>()
-            .ok()
-            .filter(|uri| uri.scheme().is_none() && uri.path().starts_with('/'))
-            .ok_or_else(|| ScrapeError::Http(format!("`{path}` is not a URL path")))?;
+        let path = url_path(path)?;
         let host = hyper::header::HeaderValue::from_str(&target.to_string())
             .map_err(|e| ScrapeError::Http(e.to_string()))?;
         Ok(Self {
@@ -71,6 +75,12 @@ impl MetricsConnection {
             max_body_bytes,
             open: None,
         })
+    }
+
+    /// GETs `path` from now on (on the same connection: the same server).
+    pub fn set_path(&mut self, path: &str) -> Result<(), ScrapeError> {
+        self.path = url_path(path)?;
+        Ok(())
     }
 
     /// The address GETs go to.

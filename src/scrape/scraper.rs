@@ -42,6 +42,9 @@ pub struct ScrapeConfig {
     /// The port scraped on the endpoint's IP, when not the endpoint's own (llm-d
     /// `--model-server-metrics-port`).
     pub port: Option<u16>,
+    /// Ask vLLM pods for only the metrics kvpick reads (`super::by_name`); pods that do not
+    /// answer by name are scraped whole.
+    pub by_name: bool,
 }
 
 impl Default for ScrapeConfig {
@@ -53,6 +56,7 @@ impl Default for ScrapeConfig {
             max_body_bytes: 8 * 1024 * 1024,
             path: DEFAULT_METRICS_PATH.to_owned(),
             port: None,
+            by_name: true,
         }
     }
 }
@@ -304,6 +308,9 @@ async fn scrape_loop(
             return;
         }
     };
+    let mut by_name = config.by_name
+        && super::by_name::path_by_name(&config.path, engine)
+            .is_some_and(|path| connection.set_path(&path).is_ok());
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -313,10 +320,24 @@ async fn scrape_loop(
         }
         let started = Instant::now();
         let awaiting_before = own_load.awaiting();
-        let result = tokio::select! {
+        let mut result = tokio::select! {
             _ = cancel.cancelled() => return,
             result = scrape_with_start_time(&mut connection, engine) => result,
         };
+        if by_name
+            && let Err(error) = &result
+            && super::by_name::not_served_by_name(error)
+        {
+            tracing::info!(%pod, %error, "the pod does not answer for its metrics by name; scraping its whole page from now on");
+            by_name = false;
+            // (The configured path was accepted when the connection was made.)
+            if connection.set_path(&config.path).is_ok() {
+                result = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    result = scrape_with_start_time(&mut connection, engine) => result,
+                };
+            }
+        }
         duration.observe(started.elapsed().as_secs_f64());
         match result {
             Ok((mut pod_metrics, started_at)) => {

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP surface of one simulated pod (axum), shaped like vLLM 0.32's:
 //! `/v1/completions`, `/v1/chat/completions` (SSE or not), `/v1/models`, `/health`,
-//! `/tokenize`, `/metrics`, `/reset_prefix_cache`, plus `/admin/faults` for fault injection;
+//! `/tokenize`, `/metrics` (and `/metrics/?name[]=…`), `/reset_prefix_cache`, plus `/admin/faults` for fault injection;
 //! `/detokenize` and the render endpoints are in [`super::render`].
 //!
 //! Why hand-parsed JSON: every body is hostile; parsing into `serde_json::Value` and reading
@@ -17,7 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -88,6 +88,7 @@ pub fn router(api: Arc<PodApi>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/metrics", get(metrics))
+        .route("/metrics/", get(metrics_by_name))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/admin/faults", post(set_faults).get(get_faults))
         .with_state(api)
@@ -172,14 +173,33 @@ async fn models(State(api): State<Arc<PodApi>>) -> Response {
     .into_response()
 }
 
+/// `/metrics`: the whole page (vLLM's instrumentator route, which ignores any query).
 async fn metrics(State(api): State<Arc<PodApi>>) -> Response {
+    metrics_page(&api, &[]).await
+}
+
+/// `/metrics/`: the prometheus_client app vLLM mounts there, which answers `?name[]=…` with
+/// only the named metrics (and everything without one).
+async fn metrics_by_name(
+    State(api): State<Arc<PodApi>>,
+    Query(params): Query<Vec<(String, String)>>,
+) -> Response {
+    let names: Vec<&str> = params
+        .iter()
+        .filter(|(key, _)| key == "name[]")
+        .map(|(_, name)| name.as_str())
+        .collect();
+    metrics_page(&api, &names).await
+}
+
+async fn metrics_page(api: &PodApi, names: &[&str]) -> Response {
     match api.pod.faults.metrics() {
         MetricsFault::Ok => (
             [(
                 header::CONTENT_TYPE,
                 "text/plain; version=0.0.4; charset=utf-8",
             )],
-            super::metrics::render(&api.pod.registry),
+            super::metrics::render_named(&api.pod.registry, names),
         )
             .into_response(),
         MetricsFault::Error => StatusCode::INTERNAL_SERVER_ERROR.into_response(),

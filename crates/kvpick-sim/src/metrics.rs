@@ -269,8 +269,21 @@ impl SimMetrics {
 
 /// Renders a registry in the Prometheus text format.
 pub fn render(registry: &Registry) -> String {
+    render_named(registry, &[])
+}
+
+/// Renders the metrics of `registry` named in `names` (all of them when `names` is empty), as
+/// prometheus_client's restricted registry does for vLLM's `/metrics/?name[]=…`.
+/// NOTE: matched by family name, which is the sample name for gauges and counters here (the
+/// prometheus crate's counters carry `_total` in the family name); a histogram's samples
+/// (`_bucket`, `_sum`, `_count`) are not matched one by one as prometheus_client does.
+pub fn render_named(registry: &Registry, names: &[&str]) -> String {
+    let mut families = registry.gather();
+    if !names.is_empty() {
+        families.retain(|family| names.contains(&family.name()));
+    }
     let mut out = String::new();
     let encoder = prometheus::TextEncoder::new();
-    let _ = encoder.encode_utf8(&registry.gather(), &mut out);
+    let _ = encoder.encode_utf8(&families, &mut out);
     out
 }

@@ -511,6 +511,46 @@ async fn metrics_carry_every_design_name_the_real_engine_carries() {
     assert_eq!(call(&pods[0], "GET", "/metrics", None).await.0, 200);
 }
 
+/// As vLLM serves them (its routing checked against prometheus_client 0.26 and
+/// prometheus-fastapi-instrumentator 8.1): `/metrics` ignores any query and answers the whole
+/// page; `/metrics/` answers `?name[]=…` with only the named metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_by_name_answer_only_the_named_ones_behind_the_slash() {
+    let pods = fleet(1, 0).await;
+    let families = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .map(str::to_owned)
+            .collect()
+    };
+    let query = "?name%5B%5D=vllm%3Anum_requests_waiting&name[]=process_start_time_seconds\
+                 &name%5B%5D=vllm%3Aprefix_cache_hits_total&name%5B%5D=vllm%3Ano_such_metric";
+    let (status, whole) = call(&pods[0], "GET", &format!("/metrics{query}"), None).await;
+    assert_eq!(status, 200);
+    assert!(families(&whole).len() > 10, "{whole}");
+    let (status, named) = call(&pods[0], "GET", &format!("/metrics/{query}"), None).await;
+    assert_eq!(status, 200);
+    let mut got = families(&named);
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "process_start_time_seconds",
+            "vllm:num_requests_waiting",
+            "vllm:prefix_cache_hits_total"
+        ]
+    );
+    assert!(
+        named.contains("vllm:num_requests_waiting{engine=\"0\""),
+        "{named}"
+    );
+    // Without names, everything.
+    let (status, all) = call(&pods[0], "GET", "/metrics/", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(families(&all), families(&whole));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lora_adapters_get_their_own_cache_and_info_metric() {
     let pods = fleet(1, 2).await;
