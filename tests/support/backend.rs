@@ -2,11 +2,10 @@
 //!
 //! `POST /hold` answers headers and a first chunk at once, then holds the rest of the body
 //! until the test calls [`Backend::release`], so a test can keep a request in flight.
-//! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics and is not recorded.
 //! [`Backend::stop`] closes the listener and every open connection (a dead pod: connects
 //! are refused); [`Backend::restart`] listens on the same address again.
-//! `GET /metrics` (kvpick's scrapes) answers an idle vLLM's metrics (or what
-//! [`Backend::set_metrics`] set) and is not recorded.
+//! `GET /metrics` and `/metrics/` (kvpick's scrapes) answer an idle vLLM's metrics (or what
+//! [`Backend::set_metrics`] set) and are not recorded.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -146,7 +145,9 @@ async fn handle(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
-    if req.method() == hyper::Method::GET && path == "/metrics" {
+    // `/metrics/` is where vLLM answers metrics by name (kvpick's scrapes ask there first);
+    // the whole idle page is a valid answer to it too.
+    if req.method() == hyper::Method::GET && (path == "/metrics" || path == "/metrics/") {
         return Ok(Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
             .body(BodyExt::boxed(http_body_util::Full::new(Bytes::from(

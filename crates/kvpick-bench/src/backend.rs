@@ -51,7 +51,11 @@ async fn answer(
     gap: Duration,
     request: hyper::Request<hyper::body::Incoming>,
 ) -> Result<hyper::Response<Answer>, Infallible> {
-    if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
+    // `/metrics/` is where vLLM answers metrics by name (kvpick asks there first); the whole
+    // idle page is a valid answer to it too.
+    if request.method() == hyper::Method::GET
+        && matches!(request.uri().path(), "/metrics" | "/metrics/")
+    {
         return Ok(hyper::Response::new(Either::Left(Full::new(
             Bytes::from_static(IDLE_METRICS.as_bytes()),
         ))));

@@ -1,7 +1,8 @@
 //! The OpenAI-compatible HTTP surface of one simulated pod (axum), shaped like vLLM 0.32's:
 //! `/v1/completions`, `/v1/chat/completions` (SSE or not), `/v1/models`, `/health`,
-//! `/tokenize`, `/metrics` (and `/metrics/?name[]=…`), `/reset_prefix_cache`, plus `/admin/faults` for fault injection;
-//! `/detokenize` and the render endpoints are in [`super::render`].
+//! `/tokenize`, `/metrics` (and `/metrics/?name[]=…`), `/reset_prefix_cache`, plus
+//! `/admin/faults` for fault injection; `/detokenize` and the render endpoints are in
+//! [`super::render`].
 //!
 //! Why hand-parsed JSON: every body is hostile; parsing into `serde_json::Value` and reading
 //! fields explicitly lets every malformed input become a vLLM-style 400
