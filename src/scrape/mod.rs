@@ -13,6 +13,8 @@ pub mod engine;
 pub mod error;
 pub mod prom_text;
 pub mod scraper;
+#[cfg(test)]
+mod test_pod;
 
 pub use engine::{EngineKind, LoraState, PodMetrics};
 pub use scraper::{

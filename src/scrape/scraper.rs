@@ -477,6 +477,9 @@ fn engine_of(endpoint: &Endpoint) -> EngineKind {
 }
 
 #[cfg(test)]
+mod by_name_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -527,42 +530,16 @@ mod tests {
 
     /// [`metrics_pod`], answering 404 to any path but `path` when one is given.
     async fn metrics_pod_at(path: Option<&'static str>) -> std::net::SocketAddr {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let body = std::fs::read(
-            crate::test_paths::fixtures().join("vllm-0.32-kv-events/metrics-load.txt"),
-        )
-        .expect("fixture");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                let body = body.clone();
-                tokio::spawn(async move {
-                    let mut request = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match socket.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => request.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let wanted = path.is_none_or(|path| {
-                        request.starts_with(format!("GET {path} HTTP/1.1\r\n").as_bytes())
-                    });
-                    let body = if wanted { body } else { Vec::new() };
-                    let status = if wanted { "200 OK" } else { "404 Not Found" };
-                    let head = format!(
-                        "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                        body.len()
-                    );
-                    let _ = socket.write_all(head.as_bytes()).await;
-                    let _ = socket.write_all(&body).await;
-                });
+        let page = super::super::test_pod::vllm_page();
+        super::super::test_pod::serve(move |target| {
+            if path.is_none_or(|path| target == path) {
+                ("200 OK", page.clone())
+            } else {
+                ("404 Not Found", Vec::new())
             }
-        });
-        addr
+        })
+        .await
+        .addr
     }
 
     #[tokio::test]
