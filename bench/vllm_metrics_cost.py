@@ -5,7 +5,7 @@ asks for the metrics it reads by name (`/metrics/?name[]=…`, src/scrape/by_nam
 prometheus_client's restricted registry answers by collecting and rendering only the
 collectors that own those names. This prices both renders with the families of a real vLLM
 0.32 page (../shared/fixtures/vllm-0.32-kv-events/metrics-load.txt; each family its own
-collector, as vLLM registers its metrics) and, when fastapi and
+collector, as vLLM registers its metrics, and a live process collector) and, when fastapi and
 prometheus-fastapi-instrumentator are installed, checks vLLM's routing: the instrumentator's
 `/metrics` route ignores the query, the prometheus_client app mounted behind `/metrics/`
 answers by name (vllm/entrypoints/serve/instrumentator/metrics.py).
@@ -18,7 +18,7 @@ import re
 import sys
 import time
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -48,10 +48,14 @@ class Family(Collector):
 def registry_of(text):
     registry = CollectorRegistry(auto_describe=True)
     for family in text_string_to_metric_families(text):
+        if family.name.startswith("process_"):
+            continue  # a live process collector below, as vLLM's default registry has
         try:
             registry.register(Family(family))
         except ValueError:
             pass  # a `_created` series the parser also gave as its own family
+    # Reads /proc on every collect (the whole page and by name both ask for its start time).
+    ProcessCollector(registry=registry)
     return registry
 
 

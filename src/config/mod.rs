@@ -196,7 +196,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "1000ms", value_parser = parse_duration)]
     pub scrape_timeout: Duration,
     /// Scrape vLLM pods' whole /metrics page instead of asking for the metrics kvpick reads
-    /// by name (`/metrics/?name[]=…`, ~30× less work for the pod per scrape).
+    /// by name (`/metrics/?name[]=…`, ~15× less work for the pod per scrape).
     #[arg(long)]
     pub scrape_whole_pages: bool,
     /// EndpointPickerConfig YAML file (plugins, scheduling profile, saturation detector,

@@ -77,7 +77,7 @@ impl MetricsConnection {
         })
     }
 
-    /// GETs `path` from now on (on the same connection: the same server).
+    /// GETs `path` from now on (from the same server).
     pub fn set_path(&mut self, path: &str) -> Result<(), ScrapeError> {
         self.path = url_path(path)?;
         Ok(())

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use tokio_util::sync::CancellationToken;
 
+use super::by_name::PageChoice;
 use super::connection::MetricsConnection;
 use super::engine::{EngineKind, PodMetrics};
 pub use super::error::ScrapeError;
@@ -308,9 +309,12 @@ async fn scrape_loop(
             return;
         }
     };
-    let mut by_name = config.by_name
-        && super::by_name::path_by_name(&config.path, engine)
-            .is_some_and(|path| connection.set_path(&path).is_ok());
+    let mut page = PageChoice::new(config.by_name, &config.path, engine);
+    if let Some(path) = page.by_name_path()
+        && connection.set_path(path).is_err()
+    {
+        page = PageChoice::whole();
+    }
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -324,19 +328,23 @@ async fn scrape_loop(
             _ = cancel.cancelled() => return,
             result = scrape_with_start_time(&mut connection, engine) => result,
         };
-        if by_name
-            && let Err(error) = &result
-            && super::by_name::not_served_by_name(error)
-        {
-            tracing::info!(%pod, %error, "the pod does not answer for its metrics by name; scraping its whole page from now on");
-            by_name = false;
-            // (The configured path was accepted when the connection was made.)
-            if connection.set_path(&config.path).is_ok() {
+        match &result {
+            Ok(_) if page.by_name_path().is_some() => page.answered_by_name(),
+            Err(error) if page.retry_whole(error) => {
+                let by_name_error = error.clone();
+                // (Both paths were accepted when the connection was made.)
+                let _ = connection.set_path(&config.path);
                 result = tokio::select! {
                     _ = cancel.cancelled() => return,
                     result = scrape_with_start_time(&mut connection, engine) => result,
                 };
+                if page.whole_page_came(&by_name_error, result.is_ok()) {
+                    tracing::info!(%pod, error = %by_name_error, "the pod does not answer for its metrics by name; scraping its whole page from now on");
+                } else if let Some(path) = page.by_name_path() {
+                    let _ = connection.set_path(path);
+                }
             }
+            _ => {}
         }
         duration.observe(started.elapsed().as_secs_f64());
         match result {
