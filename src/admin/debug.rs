@@ -33,6 +33,8 @@ pub struct PodLoadView {
     pub age_ms: Option<u64>,
     /// The last scrape's error, if it failed.
     pub error: Option<String>,
+    /// Which page is scraped: `by_name` (only the metrics kvpick reads) or `whole`.
+    pub page: &'static str,
 }
 
 /// One pod in `GET /debug/pods`.
@@ -89,6 +91,7 @@ pub async fn pods(State(state): State<AdminState>) -> axum::Json<PodsView> {
                     .age(now)
                     .map(|a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX)),
                 error: scrape.last_error.as_ref().map(|e| e.to_string()),
+                page: if scrape.by_name { "by_name" } else { "whole" },
             });
             let down = endpoint.liveness.is_down();
             PodView {

@@ -197,6 +197,7 @@ mod tests {
                 fetched_at: Some(Instant::now()),
                 last_error: Some(crate::scrape::scraper::ScrapeError::Timeout),
                 consecutive_failures: 1,
+                ..ScrapeStatus::default()
             },
         );
         fake.set(pods[1].id(), metrics(10.0, 0.0, 0.0));

@@ -73,6 +73,9 @@ pub struct ScrapeStatus {
     pub last_error: Option<ScrapeError>,
     /// Failures since the last success.
     pub consecutive_failures: u32,
+    /// Whether the pod is asked for its metrics by name (`super::by_name`), not its whole
+    /// page.
+    pub by_name: bool,
 }
 
 impl ScrapeStatus {
@@ -396,6 +399,7 @@ async fn scrape_loop(
                 state.last_error = Some(error);
             }
         }
+        state.by_name = page.by_name_path().is_some();
         store.publish(pod, registration, state.clone());
     }
 }

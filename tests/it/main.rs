@@ -51,6 +51,7 @@ mod sched_extproc;
 mod sched_saturation;
 mod sched_scheduler;
 mod sched_tracing;
+mod scrape_by_name;
 mod telemetry_admin;
 mod telemetry_labels;
 mod tls_extproc;

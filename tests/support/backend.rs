@@ -34,6 +34,8 @@ struct Shared {
     /// Cancelled by `stop`: ends the accept loop and every connection.
     running: Mutex<tokio_util::sync::CancellationToken>,
     metrics: Mutex<String>,
+    /// Whether `GET /metrics/` is answered (else 404: a server without vLLM's by-name app).
+    metrics_by_name: std::sync::atomic::AtomicBool,
 }
 
 /// A running backend.
@@ -62,6 +64,7 @@ impl Backend {
             released: watch::Sender::new(false),
             running: Mutex::new(tokio_util::sync::CancellationToken::new()),
             metrics: Mutex::new(IDLE_VLLM_METRICS.to_owned()),
+            metrics_by_name: std::sync::atomic::AtomicBool::new(true),
         });
         let backend = Backend {
             addr,
@@ -126,6 +129,14 @@ impl Backend {
         *self.shared.metrics.lock().expect("lock") = text.to_owned();
     }
 
+    /// Answers `GET /metrics/` with 404 from now on, as a server without vLLM's by-name
+    /// metrics app does.
+    pub fn refuse_metrics_by_name(&self) {
+        self.shared
+            .metrics_by_name
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Lets held `/hold` responses finish.
     pub fn release(&self) {
         self.shared.released.send_replace(true);
@@ -147,6 +158,17 @@ async fn handle(
     let path = req.uri().path().to_owned();
     // `/metrics/` is where vLLM answers metrics by name (kvpick's scrapes ask there first);
     // the whole idle page is a valid answer to it too.
+    if req.method() == hyper::Method::GET
+        && path == "/metrics/"
+        && !shared
+            .metrics_by_name
+            .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        return Ok(Response::builder()
+            .status(404)
+            .body(BodyExt::boxed(http_body_util::Full::new(Bytes::new())))
+            .expect("response"));
+    }
     if req.method() == hyper::Method::GET && (path == "/metrics" || path == "/metrics/") {
         return Ok(Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
