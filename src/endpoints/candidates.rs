@@ -23,12 +23,9 @@ mod tests {
     #[test]
     fn down_endpoints_are_left_out_unless_none_is_left() {
         let state = |i: u8| {
-            Arc::new(EndpointState {
-                endpoint: Endpoint::new(format!("10.0.0.{i}:8000").parse().expect("addr")),
-                in_flight: Arc::default(),
-                prefill: Arc::default(),
-                liveness: Arc::default(),
-            })
+            Arc::new(EndpointState::new(Endpoint::new(
+                format!("10.0.0.{i}:8000").parse().expect("addr"),
+            )))
         };
         let pool = vec![state(1), state(2)];
         pool[0].liveness.set(Some("gone".into()));

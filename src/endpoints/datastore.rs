@@ -35,6 +35,16 @@ pub struct EndpointState {
 }
 
 impl EndpointState {
+    /// `endpoint` with fresh live state: nothing in flight, no backlog, not down.
+    pub fn new(endpoint: Endpoint) -> Self {
+        Self {
+            endpoint,
+            in_flight: Arc::default(),
+            liveness: Arc::default(),
+            prefill: Arc::default(),
+        }
+    }
+
     /// The endpoint's id.
     pub fn id(&self) -> PodId {
         self.endpoint.id

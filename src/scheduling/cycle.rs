@@ -200,12 +200,7 @@ pub(crate) mod test_support {
         for (k, v) in labels {
             e.labels.insert((*k).to_owned(), (*v).to_owned());
         }
-        Arc::new(EndpointState {
-            endpoint: e,
-            in_flight: Arc::default(),
-            prefill: Arc::default(),
-            liveness: Arc::default(),
-        })
+        Arc::new(EndpointState::new(e))
     }
 
     pub fn metrics(waiting: f64, running: f64, kv: f64) -> PodMetrics {

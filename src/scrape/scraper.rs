@@ -554,6 +554,32 @@ mod tests {
         .addr
     }
 
+    /// A manager scraping every 10 ms (else as `config`), with what the tests read of it.
+    pub(super) struct FastScrapes {
+        pub(super) manager: ScrapeManager,
+        pub(super) store: Arc<MetricsStore>,
+        pub(super) registry: Registry,
+        pub(super) cancel: CancellationToken,
+    }
+
+    pub(super) fn fast_scrapes(config: ScrapeConfig) -> FastScrapes {
+        let registry = Registry::new();
+        let metrics = ScrapeMetrics::new(&registry).expect("metrics");
+        let store = Arc::new(MetricsStore::default());
+        let cancel = CancellationToken::new();
+        let config = ScrapeConfig {
+            interval: Duration::from_millis(10),
+            ..config
+        };
+        let manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
+        FastScrapes {
+            manager,
+            store,
+            registry,
+            cancel,
+        }
+    }
+
     #[tokio::test]
     async fn the_configured_path_and_port_are_scraped() {
         // The model server's metrics on another port and path than its API
@@ -594,23 +620,16 @@ mod tests {
     async fn each_scrape_records_how_many_of_kvpicks_requests_awaited_their_first_byte() {
         let addr = metrics_pod().await;
         let pod = PodId(addr);
-        let state = Arc::new(EndpointState {
-            endpoint: Endpoint::new(pod),
-            in_flight: Arc::default(),
-            prefill: Arc::default(),
-            liveness: Arc::default(),
-        });
+        let state = Arc::new(EndpointState::new(Endpoint::new(pod)));
         let awaiting: Vec<_> = (0..3)
             .map(|_| state.prefill.start(100.0, 0.0, None, Instant::now()))
             .collect();
-        let store = Arc::new(MetricsStore::default());
-        let cancel = CancellationToken::new();
-        let config = ScrapeConfig {
-            interval: Duration::from_millis(10),
-            ..ScrapeConfig::default()
-        };
-        let metrics = ScrapeMetrics::new(&Registry::new()).expect("metrics");
-        let mut manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
+        let FastScrapes {
+            mut manager,
+            store,
+            cancel,
+            ..
+        } = fast_scrapes(ScrapeConfig::default());
         manager.sync(&[state]);
         let scraped_own = |want: f64| {
             let store = Arc::clone(&store);
@@ -644,23 +663,13 @@ mod tests {
                 .and_then(|l| l.local_addr())
                 .expect("port"),
         );
-        let endpoint = |pod: PodId| {
-            Arc::new(EndpointState {
-                endpoint: Endpoint::new(pod),
-                in_flight: Arc::default(),
-                prefill: Arc::default(),
-                liveness: Arc::default(),
-            })
-        };
-        let registry = Registry::new();
-        let metrics = ScrapeMetrics::new(&registry).expect("metrics");
-        let store = Arc::new(MetricsStore::default());
-        let cancel = CancellationToken::new();
-        let config = ScrapeConfig {
-            interval: Duration::from_millis(10),
-            ..ScrapeConfig::default()
-        };
-        let mut manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
+        let endpoint = |pod: PodId| Arc::new(EndpointState::new(Endpoint::new(pod)));
+        let FastScrapes {
+            mut manager,
+            registry,
+            cancel,
+            ..
+        } = fast_scrapes(ScrapeConfig::default());
         // The endpoints named by each scrape series.
         let series = || crate::telemetry::series_with_label(&registry, "endpoint");
         let (a, b) = (answering.to_string(), refusing.to_string());

@@ -5,15 +5,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use prometheus::Registry;
-use tokio_util::sync::CancellationToken;
+use super::tests::{FastScrapes, fast_scrapes};
 
 use crate::endpoints::{Endpoint, EndpointState, PodId};
 use crate::scrape::by_name::path_by_name;
 use crate::scrape::test_pod::{self, TestPod};
-use crate::scrape::{
-    EngineKind, MetricsStore, ScrapeConfig, ScrapeManager, ScrapeMetrics, ScrapeStatus,
-};
+use crate::scrape::{EngineKind, ScrapeConfig, ScrapeStatus};
 
 /// How the fake pod answers a GET of `/metrics/?…` (`/metrics` always gets the
 /// real vLLM page).
@@ -66,22 +63,16 @@ async fn scrape_until(
     done: impl Fn(&ScrapeStatus) -> bool,
 ) -> (Vec<String>, bool) {
     let pod = PodId(test_pod.addr);
-    let registry = Registry::new();
-    let metrics = ScrapeMetrics::new(&registry).expect("metrics");
-    let store = Arc::new(MetricsStore::default());
-    let cancel = CancellationToken::new();
-    let config = ScrapeConfig {
-        interval: Duration::from_millis(10),
+    let FastScrapes {
+        mut manager,
+        store,
+        registry,
+        cancel,
+    } = fast_scrapes(ScrapeConfig {
         by_name,
         ..ScrapeConfig::default()
-    };
-    let mut manager = ScrapeManager::new(config, Arc::clone(&store), metrics, cancel.clone());
-    manager.sync(&[Arc::new(EndpointState {
-        endpoint: Endpoint::new(pod),
-        in_flight: Arc::default(),
-        prefill: Arc::default(),
-        liveness: Arc::default(),
-    })]);
+    });
+    manager.sync(&[Arc::new(EndpointState::new(Endpoint::new(pod)))]);
     tokio::time::timeout(Duration::from_secs(10), async {
         while test_pod.asked().len() < gets || !done(&store.status(pod)) {
             tokio::time::sleep(Duration::from_millis(5)).await;
