@@ -25,10 +25,11 @@
 # filter sends the request body: `full-duplex` (the shipped FULL_DUPLEX_STREAMED: kvpick streams
 # the body back) or `buffered` (BUFFERED: Envoy holds the body, kvpick answers it with the pick
 # and no body bytes, one more round trip for the headers). Default: full-duplex for every kvpick.
-# Each kvpick run also prints its Envoy's CPU per request (warm-up included) and Envoy's view
-# of its requests (medians, from an access log every Envoy here writes): first request byte to
-# upstream, and the routing ext_proc call's turnaround (headers message sent to kvpick's
-# answer), beside Envoy alone's.
+# Each kvpick run also prints its CPU per request by thread group (ext-proc lanes, their
+# blocking pools, the shared runtime's workers, …), its Envoy's CPU per request (warm-up
+# included) and Envoy's view of its requests (medians, from an access log every Envoy here
+# writes): first request byte to upstream, and the routing ext_proc call's turnaround (headers
+# message sent to kvpick's answer), beside Envoy alone's.
 # SKIP_BUILD=1: use the release binaries as they are.
 # STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
 # (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
@@ -139,6 +140,17 @@ for i in "${!KVPICKS[@]}"; do
 done
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:9900/ready" >/dev/null && break; sleep 0.1; done
 
+# Prime each kvpick with new text until its tokenizer builds its BPE merge table (a one-time
+# ~0.3 s of CPU on a thread of its own, started after 4,096 word-cache misses), and wait for
+# the build to end: otherwise it lands in the first measured run's CPU.
+for i in "${!KVPICKS[@]}"; do
+  $BIN/kvpick-bench load --url "http://127.0.0.1:$((8081 + 100 * i))/v1/chat/completions" \
+    --requests 5 --warmup 0 --body-bytes 225280 --chat --shared 0 --concurrency 1 --seed 999 >/dev/null
+done
+for pid in "${KVPICK_PIDS[@]}"; do
+  for _ in $(seq 300); do grep -qx kvpick-merges /proc/"$pid"/task/*/comm 2>/dev/null || break; sleep 0.1; done
+done
+
 # kvpick's own CPU when idle (scrapes, reloads), per second: subtracted from each run's CPU
 # (at 20 req/s it would otherwise add ~0.3 ms to every request).
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
@@ -152,6 +164,11 @@ done
 # Context switches of all kvpick's threads (voluntary: it waited, e.g. a worker parking;
 # involuntary: preempted), summed, as "voluntary involuntary".
 switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^voluntary_ctxt/ {v += $2} /^nonvoluntary_ctxt/ {n += $2} END {print v + 0, n + 0}'; }
+# CPU ticks of each thread of a process ("tid name ticks" lines).
+threads() {
+  for t in /proc/"$1"/task/*/stat; do cat "$t" 2>/dev/null; done |
+    sed -E 's/^([0-9]+) \(([^)]*)\) /\1 \2 /' | awk '{print $1, $2, $14 + $15}'
+}
 routed() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^inference_objective_request_total\{/ {n += $NF} END {print n + 0}'; }
 # ext-proc messages Envoy sent to kvpick (one per request/response headers, body chunk, trailers).
 messages() { curl -sf "http://127.0.0.1:$1/stats" | awk -F': ' '/ext_proc\.stream_msgs_sent:/ {n += $2} END {print n + 0}'; }
@@ -205,6 +222,7 @@ for r in $(seq "$ROUNDS"); do
       read -r vol_before invol_before < <(switches "$pid")
       msgs_before=$(messages $((9901 + 100 * i)))
       read -r user_before sys_before < <(awk '{print $14, $15}' "/proc/$pid/stat")
+      threads_before=$(threads "$pid"); faults_before=$(awk '{print $10}' "/proc/$pid/stat")
       envoy_before=$(ticks "${ENVOY_PIDS[$i]}")
       from=$(logged "kvpick$i")
       a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
@@ -213,6 +231,7 @@ for r in $(seq "$ROUNDS"); do
       read -r vol_after invol_after < <(switches "$pid")
       msgs_after=$(messages $((9901 + 100 * i)))
       read -r user_after sys_after < <(awk '{print $14, $15}' "/proc/$pid/stat")
+      threads_after=$(threads "$pid"); faults_after=$(awk '{print $10}' "/proc/$pid/stat")
       envoy_after=$(ticks "${ENVOY_PIDS[$i]}")
       # After the counters are read, so the wait adds no idle time to them.
       sleep 0.5 # Envoy writes its access logs out every 100 ms (--file-flush-interval-msec)
@@ -221,6 +240,20 @@ for r in $(seq "$ROUNDS"); do
       sent=$((REQUESTS + warmup))
       echo "#   kvpick$i context switches per request: $(python3 -c "print(f'{($vol_after - $vol_before) / $sent:.1f} voluntary, {($invol_after - $invol_before) / $sent:.1f} involuntary')")"
       echo "#   kvpick$i CPU per request (warm-up and idle included): $(python3 -c "print(f'user {($user_after - $user_before) * 1e4 / $sent:.0f} µs, system {($sys_after - $sys_before) * 1e4 / $sent:.0f} µs')")"
+      # Per thread group (a name's trailing digits dropped: ext-proc-0 and ext-proc-1 are one).
+      echo "#   kvpick$i CPU per request by thread: $(python3 -c '
+import re, sys
+def parse(text):
+    return {tid: (name, int(t)) for tid, name, t in (l.split() for l in text.splitlines() if l)}
+before, after, sent, total = parse(sys.argv[1]), parse(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+parts = {}
+for tid, (name, ticks) in after.items():
+    group = re.sub(r"-?[0-9]+$", "", name)
+    parts[group] = parts.get(group, 0) + ticks - before.get(tid, (name, 0))[1]
+parts["threads that exited"] = total - sum(parts.values())
+print(", ".join(f"{k} {v * 1e4 / sent:.0f} µs" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v))
+' "$threads_before" "$threads_after" "$sent" "$((user_after + sys_after - user_before - sys_before))")"
+      echo "#   kvpick$i page faults per request (minor: fresh or returned pages touched): $(python3 -c "print(f'{($faults_after - $faults_before) / $sent:.1f}')")"
       echo "#   kvpick$i its Envoy's CPU per request (warm-up included): $(python3 -c "print(f'{($envoy_after - $envoy_before) * 1e4 / $sent:.0f} µs')")"
       echo "#   kvpick$i ext-proc messages per request (Envoy to kvpick): $(python3 -c "print(f'{($msgs_after - $msgs_before) / $sent:.1f}')")"
       cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
