@@ -22,11 +22,14 @@
 //! client error, or a 200 without kvpick's signals: another server in front, another vLLM
 //! version, or vLLM with several API servers, whose multiprocess registry answers by name
 //! with an empty page) is scraped whole from then on, the same scrape retrying the whole page
-//! at once. Until a pod has answered by name once, any other failure (a timeout, a 5xx, a
-//! refused connection) is also retried on the whole page, and a whole page that comes
-//! back makes the pod a whole-page pod: a path that stalls or fails where the whole page
-//! works must not leave the pod unscraped (saturated) for good. Once it has answered by name,
-//! such failures are the pod's state, not the path's, and are not retried. A pod that answers
+//! at once. Until a pod has answered by name once, any other failure of a pod that was
+//! reached (its answer timed out, a 5xx) is also retried on the whole page, and a whole page
+//! that comes back makes the pod a whole-page pod: a path that stalls or fails where the whole
+//! page works must not leave the pod unscraped (saturated) for good. A pod that was not
+//! reached (refused, or no connection within the timeout) is not asked twice: the path played
+//! no part, and a second timeout would only double the tick of a pod still starting or gone.
+//! Once it has answered by name, failures are the pod's state, not the path's, and are not
+//! retried. A pod that answers
 //! by name but leaves out a signal it would have on its whole page cannot happen: the
 //! restricted registry drops only what was not asked for.
 
@@ -61,6 +64,13 @@ fn not_served_by_name(error: &ScrapeError) -> bool {
         ScrapeError::Missing(_) => true,
         _ => false,
     }
+}
+
+/// Whether a scrape failed before the pod was reached: nothing listens (refused, reset,
+/// unroutable) or no connection came within the timeout. Such a failure is the pod's,
+/// whichever path was asked, so the whole page is not asked for after it.
+fn pod_unreached(error: &ScrapeError) -> bool {
+    matches!(error, ScrapeError::Connect(_) | ScrapeError::ConnectTimeout)
 }
 
 /// Which page one pod's scrapes ask for, and what its answers have shown (module docs).
@@ -101,7 +111,8 @@ impl PageChoice {
 
     /// Whether a by-name scrape that failed with `error` is retried on the whole page now.
     pub(super) fn retry_whole(&self, error: &ScrapeError) -> bool {
-        self.by_name.is_some() && (not_served_by_name(error) || !self.answered)
+        self.by_name.is_some()
+            && (not_served_by_name(error) || (!self.answered && !pod_unreached(error)))
     }
 
     /// The whole page was asked after a by-name scrape failed with `error` and `came` back
@@ -206,6 +217,20 @@ mod tests {
         // The whole page came where the by-name one timed out: whole pages from now on.
         assert!(page.whole_page_came(&ScrapeError::Timeout, true));
         assert_eq!(page.by_name_path(), None);
+    }
+
+    #[test]
+    fn a_pod_that_was_never_reached_is_not_asked_again_for_its_whole_page() {
+        let page = PageChoice::new(true, "/metrics", EngineKind::Vllm);
+        // Nothing listens, or no connection came: the path was never asked, so asking the
+        // other one would only wait out a second timeout (a pod still starting, or gone).
+        for error in [
+            ScrapeError::Connect("refused".into()),
+            ScrapeError::ConnectTimeout,
+        ] {
+            assert!(!page.retry_whole(&error), "{error:?}");
+        }
+        assert!(page.by_name_path().is_some());
     }
 
     #[test]

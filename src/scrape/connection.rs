@@ -45,6 +45,8 @@ pub struct MetricsConnection {
     timeout: Duration,
     max_body_bytes: usize,
     open: Option<Open>,
+    /// Whether a GET is connecting (what a timeout then means: the pod was never reached).
+    connecting: bool,
 }
 
 /// `path` as the target of a GET: a path (and query) without scheme or host.
@@ -74,6 +76,7 @@ impl MetricsConnection {
             timeout,
             max_body_bytes,
             open: None,
+            connecting: false,
         })
     }
 
@@ -90,9 +93,12 @@ impl MetricsConnection {
 
     /// GETs the path: the body of a 200 answer.
     pub async fn get(&mut self) -> Result<Bytes, ScrapeError> {
-        let result = tokio::time::timeout(self.timeout, self.get_retrying_once())
-            .await
-            .unwrap_or(Err(ScrapeError::Timeout));
+        let result = match tokio::time::timeout(self.timeout, self.get_retrying_once()).await {
+            Ok(result) => result,
+            Err(_) if self.connecting => Err(ScrapeError::ConnectTimeout),
+            Err(_) => Err(ScrapeError::Timeout),
+        };
+        self.connecting = false;
         if result.is_err() {
             // Whatever the GET left on the connection (a request half sent, an answer half
             // read) must not meet the next one.
@@ -130,9 +136,11 @@ impl MetricsConnection {
             }
             self.open = None;
         }
+        self.connecting = true;
         let stream = TcpStream::connect(self.target)
             .await
             .map_err(|e| connection_error(&e, e.to_string()))?;
+        self.connecting = false;
         if let Err(error) = stream.set_nodelay(true) {
             // Only latency is at stake (as hyper's own connector treats it).
             tracing::debug!(metrics_at = %self.target, %error, "metrics connection without TCP_NODELAY");
@@ -556,6 +564,36 @@ mod tests {
         .expect("connection");
         assert_eq!(connection.get().await, Err(ScrapeError::Timeout));
         drop(listener);
+    }
+
+    #[tokio::test]
+    async fn a_pod_that_never_completes_the_connection_is_a_connect_timeout() {
+        // A listener whose accept queue is full: the kernel drops further SYNs, so a connect
+        // hangs as it does to an unroutable or firewalled pod.
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind("127.0.0.1:0".parse().expect("addr"))
+            .expect("bind");
+        let listener = socket.listen(0).expect("listen");
+        let addr = listener.local_addr().expect("addr");
+        let mut queued = Vec::new();
+        let mut connection =
+            MetricsConnection::new(addr, "/metrics", Duration::from_millis(300), 1024)
+                .expect("connection");
+        // Fill the queue (one connection with a backlog of 0, a few more to be sure).
+        for _ in 0..4 {
+            match tokio::time::timeout(Duration::from_millis(100), TcpStream::connect(addr)).await {
+                Ok(Ok(stream)) => queued.push(stream),
+                _ => break,
+            }
+        }
+        assert_eq!(connection.get().await, Err(ScrapeError::ConnectTimeout));
+        // Room in the queue again: the next GET connects, and a silent pod is a plain
+        // timeout.
+        drop(queued);
+        let (accepted, _) = listener.accept().await.expect("accept");
+        assert_eq!(connection.get().await, Err(ScrapeError::Timeout));
+        drop((accepted, listener));
     }
 
     #[test]

@@ -6,6 +6,9 @@ pub enum ScrapeError {
     /// No answer within the timeout.
     #[error("timed out")]
     Timeout,
+    /// No connection within the timeout: nothing was asked of the pod (reason `timeout`).
+    #[error("timed out connecting")]
+    ConnectTimeout,
     /// The connection was refused, reset or unroutable: nothing listens at the address
     /// (a slow answer is [`Self::Timeout`], not this).
     #[error("connection failed: {0}")]
@@ -38,7 +41,7 @@ impl ScrapeError {
     /// The `reason` label of `kvpick_scrape_errors_total`.
     pub fn reason(&self) -> &'static str {
         match self {
-            Self::Timeout => "timeout",
+            Self::Timeout | Self::ConnectTimeout => "timeout",
             Self::Connect(_) => "connect",
             Self::Http(_) => "http",
             Self::Status(_) => "status",
@@ -64,5 +67,6 @@ mod tests {
         ];
         let reasons: Vec<_> = errors.iter().map(ScrapeError::reason).collect();
         assert_eq!(reasons, ScrapeError::REASONS);
+        assert_eq!(ScrapeError::ConnectTimeout.reason(), "timeout");
     }
 }
