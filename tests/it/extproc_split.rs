@@ -171,6 +171,40 @@ async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follow
     );
 }
 
+/// An observing filter may skip response headers: the response then starts with its body.
+#[tokio::test]
+async fn an_observing_stream_without_response_headers_follows_the_response_from_its_body() {
+    let mut h = start(Options::default()).await;
+    let (_routing, destination, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+    let endpoint = destination.split(',').next().expect("a pod").to_owned();
+    let mut s = h.open().await;
+    observe(&s, completion_headers(), Some(&handoff)).await;
+    wait_in_flight(&h, 1).await;
+    let first_bytes = h.metrics.ttft.observed.get_sample_count();
+    observe(
+        &s,
+        response_body(b"data: {\"x\":1}\n\n", false),
+        Some(&handoff),
+    )
+    .await;
+    observe_last_chunk_with_usage(&s, &handoff).await;
+    ends_silently(&mut s).await;
+    assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
+    assert_eq!(
+        h.metrics.ttft.observed.get_sample_count(),
+        first_bytes + 1,
+        "its first byte was timed"
+    );
+    assert_eq!(
+        h.metrics
+            .prompt_tokens
+            .with_label_values(&[&endpoint])
+            .get(),
+        7,
+        "its usage was read"
+    );
+}
+
 #[tokio::test]
 async fn a_response_that_ends_after_its_pod_left_counts_no_tokens_for_it() {
     let mut h = start(Options::default()).await;
