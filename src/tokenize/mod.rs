@@ -21,6 +21,7 @@ mod prefix_cache;
 mod pyjson;
 mod registry;
 mod template;
+mod template_concat;
 pub mod unicode_pretoken;
 mod word_cache;
 

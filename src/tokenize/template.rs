@@ -20,6 +20,7 @@ use serde_json::{Map, Value as Json, json};
 
 use super::error::TokenizeError;
 use super::pyjson;
+use super::template_concat::{CONCAT_FUNCTION, LazyConcatRecord, lazy_concat, lazy_concat_source};
 use crate::request::{BILLING_HEADER, ChatMessage, ChatPrompt, ContentPart, MessageContent};
 
 /// How message content reaches the template (vLLM's `--chat-template-content-format`).
@@ -37,10 +38,19 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     format: ContentFormat,
     system_first: bool,
+    /// Whether the environment also holds the template with its `+` chains printed without
+    /// copies ([`LAZY_TEMPLATE_NAME`], see `template_concat`), tried first.
+    lazy: bool,
+    /// How the rewritten template has fared.
+    lazy_record: LazyConcatRecord,
+    /// Renders that tried the rewritten template (tests).
+    #[cfg(test)]
+    lazy_tries: std::sync::atomic::AtomicU64,
     special_tokens: Map<String, Json>,
 }
 
 const TEMPLATE_NAME: &str = "chat";
+const LAZY_TEMPLATE_NAME: &str = "chat-lazy-concat";
 
 impl ChatTemplate {
     /// Compiles `source`. `special_tokens` are the variables HF passes to every template
@@ -60,14 +70,45 @@ impl ChatTemplate {
         env.add_filter("trim", py_trim_filter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(TEMPLATE_NAME, strip_generation_tags(&source))
+        let source = strip_generation_tags(&source);
+        let lazy_source = lazy_concat_source(&source);
+        env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        // NOTE: a rewrite that does not compile (syntax this reading of Jinja missed) only
+        // costs the speed-up; the original template compiled above.
+        let lazy = lazy_source.is_some_and(|lazy| {
+            env.add_function(CONCAT_FUNCTION, lazy_concat);
+            env.add_template_owned(LAZY_TEMPLATE_NAME, lazy).is_ok()
+        });
         Ok(Self {
             env,
             format,
             system_first,
+            lazy,
+            lazy_record: LazyConcatRecord::default(),
+            #[cfg(test)]
+            lazy_tries: Default::default(),
             special_tokens,
         })
+    }
+
+    /// The same template rendered only as written (tests compare the two renders).
+    #[cfg(test)]
+    pub(super) fn without_lazy_concat(mut self) -> Self {
+        self.lazy = false;
+        self
+    }
+
+    /// How many renders the rewritten template gave (see `template_concat`).
+    #[cfg(test)]
+    pub(super) fn lazy_renders(&self) -> u64 {
+        self.lazy_record.hits()
+    }
+
+    /// How many renders tried the rewritten template.
+    #[cfg(test)]
+    pub(super) fn lazy_tries(&self) -> u64 {
+        self.lazy_tries.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The content format messages are passed in.
@@ -114,10 +155,6 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             Json::Bool(chat.add_generation_prompt),
         );
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
         // NOTE: the output buffer is sized for the messages' text up front: growing it by
         // doubling re-copied a 400 KB prompt about once more and faulted in fresh pages.
         let text_bytes: usize = source_messages
@@ -126,14 +163,36 @@ impl ChatTemplate {
             .map(str::len)
             .sum();
         let mut out = Vec::with_capacity(text_bytes.saturating_add(RENDER_SLACK_BYTES));
-        tmpl.render_captured_to(
-            Value::from_serialize(RenderContext {
-                vars: &ctx,
-                messages: &messages,
-            }),
-            &mut out,
-        )
-        .map_err(|e| TokenizeError::Template(error_chain(&e)))?;
+        let context = Value::from_serialize(RenderContext {
+            vars: &ctx,
+            messages: &messages,
+        });
+        // The rewritten template first; any error there (an operand of + that is not a
+        // string, or the template's own) is the original template's to give or not.
+        let try_lazy = self.lazy && self.lazy_record.worth_trying();
+        #[cfg(test)]
+        if try_lazy {
+            self.lazy_tries
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let lazy_rendered = try_lazy
+            && self
+                .env
+                .get_template(LAZY_TEMPLATE_NAME)
+                .is_ok_and(|lazy| lazy.render_captured_to(context.clone(), &mut out).is_ok());
+        if lazy_rendered {
+            self.lazy_record.hit();
+        } else {
+            out.clear();
+            self.env
+                .get_template(TEMPLATE_NAME)
+                .map_err(|e| TokenizeError::Template(e.to_string()))?
+                .render_captured_to(context, &mut out)
+                .map_err(|e| TokenizeError::Template(error_chain(&e)))?;
+            if try_lazy {
+                self.lazy_record.miss();
+            }
+        }
         let rendered = String::from_utf8(out)
             .map_err(|e| TokenizeError::Template(format!("rendered prompt is not UTF-8: {e}")))?;
         match final_text {
@@ -670,147 +729,4 @@ pub fn strftime(secs: u64, format: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn detects_content_loops() {
-        assert_eq!(
-            detect_content_format("{% for m in messages %}{{ m.content }}{% endfor %}"),
-            ContentFormat::String
-        );
-        assert_eq!(
-            detect_content_format(
-                "{%- for part in message['content'] -%}{{ part.text }}{%- endfor %}"
-            ),
-            ContentFormat::OpenAi
-        );
-        assert_eq!(
-            detect_content_format(
-                "{% for m in messages if m.content %}{{ m.content }}{% endfor %}"
-            ),
-            ContentFormat::String
-        );
-    }
-
-    #[test]
-    fn generation_tags_render_their_body() {
-        let t = ChatTemplate::new(
-            "a{%- generation -%} b {%- endgeneration %}c".into(),
-            Map::new(),
-            None,
-        )
-        .unwrap();
-        let chat = ChatPrompt {
-            messages: Vec::new(),
-            tools: None,
-            add_generation_prompt: false,
-            continue_final_message: false,
-            chat_template_kwargs: Map::new(),
-            merge_inline_system: false,
-        };
-        assert_eq!(t.render(&chat).unwrap(), "abc");
-    }
-
-    #[test]
-    fn system_first_probe_follows_vllm() {
-        // The shipped Qwen2-style template raises on a non-leading system message.
-        let qwen = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/assets/tokenizer/chat_template.jinja"
-        ))
-        .unwrap();
-        assert!(requires_system_first(&qwen));
-        // A template that renders any order does not.
-        let loose = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
-        assert!(!requires_system_first(loose));
-        // vLLM's probe environment has no HF globals and no `generation` tag: both count.
-        assert!(requires_system_first(
-            "{% for m in messages %}{{ strftime_now('%Y') }}{% endfor %}"
-        ));
-        assert!(requires_system_first(
-            "{% for m in messages %}{% generation %}x{% endgeneration %}{% endfor %}"
-        ));
-        let t = ChatTemplate::new(loose.into(), Map::new(), None).unwrap();
-        assert!(!t.requires_system_first());
-    }
-
-    fn msg(role: &str, text: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: MessageContent::Text(text.into()),
-            name: None,
-            tool_call_id: None,
-            tool_calls: None,
-            reasoning_content: None,
-        }
-    }
-
-    #[test]
-    fn inline_system_merges_only_when_asked_and_required() {
-        let strict = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
-            {{ raise_exception('system first') }}{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}";
-        let loose = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
-        let mut chat = ChatPrompt {
-            messages: vec![
-                msg("system", "A."),
-                msg("user", "u1"),
-                msg("system", "B."),
-                msg("user", "u2"),
-            ],
-            tools: None,
-            add_generation_prompt: false,
-            continue_final_message: false,
-            chat_template_kwargs: Map::new(),
-            merge_inline_system: true,
-        };
-        let strict =
-            ChatTemplate::new(strict.into(), Map::new(), Some(ContentFormat::String)).unwrap();
-        let loose =
-            ChatTemplate::new(loose.into(), Map::new(), Some(ContentFormat::String)).unwrap();
-        assert_eq!(
-            strict.render(&chat).unwrap(),
-            "<system>A.B.<user>u1<user>u2"
-        );
-        assert_eq!(
-            loose.render(&chat).unwrap(),
-            "<system>A.<user>u1<system>B.<user>u2"
-        );
-        chat.merge_inline_system = false;
-        assert!(strict.render(&chat).is_err());
-    }
-
-    #[test]
-    fn billing_header_line_is_stripped_from_system_messages_only() {
-        let header = "x-anthropic-billing-header: cch=1;";
-        let only = strip_billing_header(&MessageContent::Text(header.into()));
-        assert_eq!(only, Some(MessageContent::Parts(Vec::new())));
-        let with_rest =
-            strip_billing_header(&MessageContent::Text(format!("{header}\nBe brief.\nOk.")));
-        assert_eq!(
-            with_rest,
-            Some(MessageContent::Parts(vec![ContentPart::Text(
-                "Be brief.\nOk.".into()
-            )]))
-        );
-        assert_eq!(
-            strip_billing_header(&MessageContent::Text("Be brief.".into())),
-            None
-        );
-        let messages = vllm_messages(
-            &[msg("system", header), msg("user", header)],
-            ContentFormat::String,
-        );
-        assert_eq!(messages[0]["content"], "");
-        assert_eq!(messages[1]["content"], header);
-    }
-
-    #[test]
-    fn strftime_subset() {
-        // 2024-02-29 13:05:09 UTC, a Thursday.
-        assert_eq!(
-            strftime(1_709_211_909, "%d %b %Y %-d %B %A %H:%M:%S %%"),
-            "29 Feb 2024 29 February Thursday 13:05:09 %"
-        );
-    }
-}
+mod tests;
