@@ -25,7 +25,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use minijinja::value::{Object, Rest, Value};
+use minijinja::value::{Object, ObjectRepr, Rest, Value, ValueKind};
 use minijinja::{Error, ErrorKind};
 
 /// The global function a rewritten output tag calls.
@@ -36,6 +36,11 @@ pub(super) const CONCAT_FUNCTION: &str = "__kvpick_concat__";
 struct Concat(Vec<Value>);
 
 impl Object for Concat {
+    /// Plain: serialised (JSON autoescape) as the text it prints, as the string would be.
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Plain
+    }
+
     fn render(self: &Arc<Self>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for part in &self.0 {
             f.write_str(part.as_str().unwrap_or_default())?;
@@ -47,7 +52,8 @@ impl Object for Concat {
 /// [`CONCAT_FUNCTION`]: its operands, printed in order, when all are strings; an error
 /// otherwise (the caller falls back to the original template).
 pub(super) fn lazy_concat(parts: Rest<Value>) -> Result<Value, Error> {
-    if parts.iter().all(|p| p.as_str().is_some()) {
+    // NOTE: the kind, not `as_str`, which also reads UTF-8 bytes (which `+` refuses).
+    if parts.iter().all(|p| p.kind() == ValueKind::String) {
         Ok(Value::from_object(Concat(parts.0)))
     } else {
         Err(Error::new(
@@ -155,15 +161,23 @@ fn find(bytes: &[u8], from: usize, needle: &[u8]) -> Option<usize> {
         .map(|p| p + from)
 }
 
-/// Where the tag that started before `from` ends (`close`, outside string literals).
+/// Where the tag that started before `from` ends: `close` outside string literals and
+/// brackets, as minijinja's lexer ends it (`{{ {'a': {'b': 1}} }}` ends at the last `}}`).
 fn tag_end(bytes: &[u8], from: usize, close: &[u8]) -> Option<usize> {
+    let mut depth = 0usize;
     let mut i = from;
     while i < bytes.len() {
         match bytes[i] {
-            quote @ (b'\'' | b'"') => i = string_end(bytes, i, quote)?,
-            _ if bytes.get(i..i + close.len()) == Some(close) => return Some(i),
-            _ => i += 1,
+            quote @ (b'\'' | b'"') => {
+                i = string_end(bytes, i, quote)?;
+                continue;
+            }
+            _ if depth == 0 && bytes.get(i..i + close.len()) == Some(close) => return Some(i),
+            b'(' | b'[' | b'{' => depth += 1,
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
         }
+        i += 1;
     }
     None
 }
@@ -215,8 +229,8 @@ fn plus_chain(expression: &str) -> Option<Vec<&str>> {
                     .iter()
                     .position(|c| !(c.is_ascii_alphanumeric() || *c == b'_'))
                     .map_or(bytes.len(), |p| p + i);
-                // An attribute (`x.if`) is not a keyword.
-                let attribute = i > 0 && bytes[..i].trim_ascii_end().ends_with(b".");
+                // An attribute (`x.if`) is not a keyword; `1. if` is a float and a keyword.
+                let attribute = i > 0 && bytes.get(i - 1) == Some(&b'.');
                 if !attribute && LOOSER_WORDS.contains(&expression.get(i..word_end)?) {
                     return None;
                 }
@@ -277,6 +291,9 @@ mod tests {
             "{{ a + }}",
             "{{ (a + b) }}",
             "{{ 'unterminated + }}",
+            // `1.` is a float: `if`, `and` after it are keywords, not attributes.
+            "{{ 'x' + 1. if 0. else 'y' }}",
+            "{{ 'x' + 1. and 'y' }}",
         ] {
             assert_eq!(lazy_concat_source(tag), None, "{tag}");
         }
@@ -295,6 +312,16 @@ mod tests {
         assert_eq!(
             lazy_concat_source("{% raw %}{{ a + b }}{% endraw %}{{ c + d }}"),
             None
+        );
+        // A `}}` that closes a dict literal does not end the tag (minijinja's lexer counts
+        // brackets), so a tag-looking string later in it stays text.
+        assert_eq!(
+            lazy_concat_source("{{ {'a': {'b': 'c'}}['a']['b'] ~ '{{ x + y }}' }}"),
+            None
+        );
+        assert_eq!(
+            lazy_concat_source("{{ {'a': {'b': c}}['a']['b'] + '{{ x + y }}' }}").as_deref(),
+            Some("{{ __kvpick_concat__({'a': {'b': c}}['a']['b'], '{{ x + y }}') }}")
         );
         // A template that already uses the function's name is not rewritten.
         assert_eq!(
@@ -331,5 +358,7 @@ mod tests {
         assert!(lazy_concat(Rest(vec![Value::from("a"), Value::from(1)])).is_err());
         assert!(lazy_concat(Rest(vec![Value::from("a"), Value::from(())])).is_err());
         assert!(lazy_concat(Rest(vec![Value::UNDEFINED, Value::from("b")])).is_err());
+        let bytes = Value::from_bytes(b"b".to_vec());
+        assert!(lazy_concat(Rest(vec![Value::from("a"), bytes])).is_err());
     }
 }

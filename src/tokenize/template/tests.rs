@@ -218,6 +218,11 @@ fn operands_that_are_not_all_strings_fall_back_to_the_template_as_written() {
             "{%- for m in messages -%}{{- m.role + ': ' + (m.content if m.content is string else '') | trim + '\n' -}}{%- endfor -%}",
             5,
         ),
+        // JSON autoescape serialises the printed value: the same string either way.
+        (
+            "{% autoescape 'json' %}{{ messages[0].role + '\"x' }}{% endautoescape %}",
+            5,
+        ),
         // Not a chain at the top level: left as written, rendered alike.
         (
             "{{ 'a' + 'b' if messages else 'c' }}{{ ('x' + 'y') | upper }}",
