@@ -3,8 +3,8 @@
 //! Chat templates print each message as one expression: `{{ '<|im_start|>' + role + '\n' +
 //! content + '<|im_end|>\n' }}`. minijinja evaluates `+` left to right, and each `+` of two
 //! strings allocates their concatenation and copies it into a new value (two copies), so a
-//! long message's text was copied twice per `+` after it before it was written out — most of
-//! the render's time for a long prompt.
+//! long message's text was copied twice per `+` after it before it was written out (a quarter
+//! of a 200 KB system prompt's render; docs/benchmarks.md, session 25).
 //!
 //! [`lazy_concat_source`] rewrites each output tag whose expression is a chain of `+` (and
 //! nothing looser at its top level) into a call of [`CONCAT_FUNCTION`] with the chain's
