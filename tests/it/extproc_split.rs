@@ -119,6 +119,32 @@ fn observed(h: &Harness, result: &str) -> u64 {
         .get()
 }
 
+/// The observed response of a streamed request picked for `endpoint`: a first chunk and the
+/// last one with usage; the stream then ends silently, its first byte timed, its usage read
+/// and nothing left in flight.
+async fn streams_its_response(h: &Harness, s: &mut Stream, handoff: &Struct, endpoint: &str) {
+    let first_bytes = h.metrics.ttft.observed.get_sample_count();
+    observe(
+        s,
+        response_body(b"data: {\"x\":1}\n\n", false),
+        Some(handoff),
+    )
+    .await;
+    observe_last_chunk_with_usage(s, handoff).await;
+    ends_silently(s).await;
+    assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
+    assert_eq!(
+        h.metrics.ttft.observed.get_sample_count(),
+        first_bytes + 1,
+        "its first byte was timed"
+    );
+    assert_eq!(
+        h.metrics.prompt_tokens.with_label_values(&[endpoint]).get(),
+        7,
+        "its usage was read"
+    );
+}
+
 #[tokio::test]
 async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follows_the_response() {
     let mut h = start(Options::default()).await;
@@ -146,29 +172,7 @@ async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follow
     assert_eq!(observed(&h, "observed"), 1);
     // Envoy forwards the namespace with every message of the stream, as here.
     observe(&s, response_headers(), Some(&handoff)).await;
-    let first_bytes = h.metrics.ttft.observed.get_sample_count();
-    observe(
-        &s,
-        response_body(b"data: {\"x\":1}\n\n", false),
-        Some(&handoff),
-    )
-    .await;
-    observe_last_chunk_with_usage(&s, &handoff).await;
-    ends_silently(&mut s).await;
-    assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
-    assert_eq!(
-        h.metrics.ttft.observed.get_sample_count(),
-        first_bytes + 1,
-        "its first byte was timed"
-    );
-    assert_eq!(
-        h.metrics
-            .prompt_tokens
-            .with_label_values(&[&endpoint])
-            .get(),
-        7,
-        "its usage was read"
-    );
+    streams_its_response(&h, &mut s, &handoff, &endpoint).await;
 }
 
 /// An observing filter may skip response headers: the response then starts with its body.
@@ -180,29 +184,7 @@ async fn an_observing_stream_without_response_headers_follows_the_response_from_
     let mut s = h.open().await;
     observe(&s, completion_headers(), Some(&handoff)).await;
     wait_in_flight(&h, 1).await;
-    let first_bytes = h.metrics.ttft.observed.get_sample_count();
-    observe(
-        &s,
-        response_body(b"data: {\"x\":1}\n\n", false),
-        Some(&handoff),
-    )
-    .await;
-    observe_last_chunk_with_usage(&s, &handoff).await;
-    ends_silently(&mut s).await;
-    assert_eq!(h.in_flight_total(), 0, "the response's end ends it");
-    assert_eq!(
-        h.metrics.ttft.observed.get_sample_count(),
-        first_bytes + 1,
-        "its first byte was timed"
-    );
-    assert_eq!(
-        h.metrics
-            .prompt_tokens
-            .with_label_values(&[&endpoint])
-            .get(),
-        7,
-        "its usage was read"
-    );
+    streams_its_response(&h, &mut s, &handoff, &endpoint).await;
 }
 
 #[tokio::test]
