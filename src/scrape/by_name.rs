@@ -29,9 +29,8 @@
 //! reached (refused, or no connection within the timeout) is not asked twice: the path played
 //! no part, and a second timeout would only double the tick of a pod still starting or gone.
 //! Once it has answered by name, failures are the pod's state, not the path's, and are not
-//! retried. A pod that answers
-//! by name but leaves out a signal it would have on its whole page cannot happen: the
-//! restricted registry drops only what was not asked for.
+//! retried. A pod that answers by name but leaves out a signal it would have on its whole
+//! page cannot happen: the restricted registry drops only what was not asked for.
 
 use super::engine::EngineKind;
 use super::error::ScrapeError;
