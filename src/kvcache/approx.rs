@@ -23,23 +23,17 @@
 //! shares with a run are a prefix of the run's segment it enters: one comparison at the end
 //! of a stretch (our key against the run's key at that block) proves the whole stretch.
 //!
-//! NOTE: two different prompts' keys colliding (64-bit chained hashes) can make a block be
-//! skipped or a run keep an evicted key's slot until the run empties (memory stays bounded by
-//! the keys the runs were created with), and, as a collision in the block map can, make a
-//! routing record continue the colliding block's span, so a walk may credit blocks the pod
-//! was never sent: odds of 2⁻⁶⁴ per pair of keys, the same as any keyed prefix match.
+//! NOTE: two different prompts' keys colliding (64-bit chained hashes) can make a key be held
+//! twice, in two runs (the block map counts a pod's references to a key, so the pod holds it
+//! until both go; `held` counts both, so memory stays bounded by the capacity), and, as a
+//! collision in the block map can, make a routing record continue the colliding block's span,
+//! so a walk may credit blocks the pod was never sent: odds of 2⁻⁶⁴ per pair of keys, the same
+//! as any keyed prefix match.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use super::key::{BlockKey, PrehashedState};
-
-/// Where a key is held: its run and its block index in the prompt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Place {
-    run: u32,
-    block: u32,
-}
 
 /// A stretch of one run's blocks `lo..=hi`, all last touched by `touch`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,14 +44,17 @@ struct Segment {
 }
 
 /// The keys one touch added: blocks `base..base + keys.len()` of its prompt.
+///
+/// A run holds a prefix of its keys (its blocks are evicted tail first, and a touch that
+/// re-ticks some of them re-ticks them from `base`), so `keys` is cut back to the held ones
+/// and the run is held exactly while its first key is.
 #[derive(Debug, Default)]
 struct Run {
     base: u32,
     keys: Vec<BlockKey>,
-    /// Disjoint, sorted by `lo`; together they cover exactly the run's held blocks.
+    /// Disjoint, sorted by `lo`, contiguous from `base`; together they cover exactly the
+    /// run's held blocks.
     segments: Vec<Segment>,
-    /// Keys of this run still held.
-    live: u32,
 }
 
 impl Run {
@@ -73,6 +70,11 @@ impl Run {
         let i = at.checked_sub(1)?;
         (self.segments.get(i)?.hi >= block).then_some(i)
     }
+
+    /// Whether the run holds `key` at `block`.
+    fn holds(&self, block: u32, key: BlockKey) -> bool {
+        self.key(block) == Some(key) && self.segment_of(block).is_some()
+    }
 }
 
 /// Eviction order key of a segment: oldest touch first, then its highest block first.
@@ -81,9 +83,22 @@ fn order_key(touch: u64, hi: u32) -> (u64, u32) {
 }
 
 /// A bounded LRU set of block keys.
+///
+/// # Why runs are found by their first key only
+/// A touch walks its prompt from block 0. While it stays in one run, the run itself says
+/// whether it holds the next block (its key at that index). Where it leaves the run (the
+/// prompt forks, or the run ends), the next block can only be held as the *first* block of
+/// another run: a run holding it further in would hold the block before it too, which the
+/// walk's run already holds, and the set holds each key once. And where no run holds a
+/// block, none holds a later one (a prompt's held blocks are a prefix of it). So the set
+/// needs one hash entry per run, not per block, and a record's random memory accesses per
+/// block added or evicted are the block map's alone.
 #[derive(Default)]
 pub(crate) struct LruBlocks {
-    at: HashMap<BlockKey, Place, PrehashedState>,
+    /// Each run's first key → the run.
+    starts: HashMap<BlockKey, u32, PrehashedState>,
+    /// Keys held (the runs' segments' blocks).
+    held: usize,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     /// Every segment, in eviction order → its run.
@@ -113,7 +128,7 @@ impl LruBlocks {
     }
 
     /// [`Self::touch`], returning the added keys as the stretches of `keys` they fill, in
-    /// order (normally one: the prompt's new tail), so a caller knows each one's predecessor.
+    /// order (at most one: the prompt's new tail), so a caller knows each one's predecessor.
     pub(crate) fn touch_stretches(
         &mut self,
         keys: &[BlockKey],
@@ -124,29 +139,36 @@ impl LruBlocks {
         let mut added = Vec::new();
         let n = keys.len().min(u32::MAX as usize) as u32;
         let mut i = 0u32;
+        // The run holding block `i - 1`.
+        let mut current: Option<u32> = None;
         while i < n {
             let Some(key) = keys.get(i as usize).copied() else {
                 break;
             };
             self.count(1);
-            match self.at.get(&key).copied() {
-                Some(place) if place.block == i => {
-                    i = self.retouch(keys, place.run, i, n, touch) + 1;
+            let runs = &self.runs;
+            let run_of = |run: u32| runs.get(run as usize);
+            let holder = current
+                .filter(|run| run_of(*run).is_some_and(|r| r.holds(i, key)))
+                .or_else(|| {
+                    // A run found by a key colliding with its first one (see the module
+                    // docs) starts elsewhere: it does not hold this block.
+                    self.starts
+                        .get(&key)
+                        .copied()
+                        .filter(|run| run_of(*run).is_some_and(|r| r.base == i))
+                });
+            match holder {
+                Some(run) => {
+                    i = self.retouch(keys, run, i, n, touch) + 1;
+                    current = Some(run);
                 }
-                // A collision (see the module docs): the key stays where it is.
-                Some(_) => i += 1,
                 None => {
-                    // A stretch of new keys (the rest of the prompt, normally): one new run.
-                    let mut end = i + 1;
-                    while end < n
-                        && let Some(next) = keys.get(end as usize)
-                        && !self.at.contains_key(next)
-                    {
-                        end += 1;
-                    }
-                    let stretch = keys.get(i as usize..end as usize).unwrap_or_default();
+                    // Nothing holds block `i`, so nothing holds a later one: the rest of the
+                    // prompt is one new run.
+                    let stretch = keys.get(i as usize..n as usize).unwrap_or_default();
                     self.add_run(stretch, i, touch, &mut added);
-                    i = end;
+                    break;
                 }
             }
         }
@@ -268,7 +290,7 @@ impl LruBlocks {
 
     /// Adds `keys` (blocks `base..`, none of them held) as a new run of `touch`.
     fn add_run(&mut self, keys: &[BlockKey], base: u32, touch: u64, added: &mut Vec<Range<usize>>) {
-        let Some(last) = keys.len().checked_sub(1) else {
+        let (Some(first), Some(last)) = (keys.first().copied(), keys.len().checked_sub(1)) else {
             return;
         };
         let hi = base + last as u32;
@@ -277,16 +299,16 @@ impl LruBlocks {
             return;
         };
         r.keys.extend_from_slice(keys);
-        r.live = keys.len() as u32;
         r.segments.push(Segment {
             lo: base,
             hi,
             touch,
         });
         self.order.insert(order_key(touch, hi), run);
-        for (block, key) in (base..).zip(keys) {
-            self.at.insert(*key, Place { run, block });
-        }
+        // NOTE: a first key colliding with another run's keeps the older run findable; the
+        // new one is then only evicted, never re-ticked (odds of 2⁻⁶⁴, module docs).
+        self.starts.entry(first).or_insert(run);
+        self.held += keys.len();
         added.push(base as usize..base as usize + keys.len());
         self.count(keys.len());
     }
@@ -294,8 +316,8 @@ impl LruBlocks {
     /// Evicts least recent keys until at most `capacity` are held.
     fn evict(&mut self, capacity: usize) -> Vec<BlockKey> {
         let mut evicted = Vec::new();
-        while self.at.len() > capacity {
-            let excess = self.at.len() - capacity;
+        while self.held > capacity {
+            let excess = self.held - capacity;
             let Some(((touch, rev), run)) = self.order.pop_first() else {
                 break;
             };
@@ -310,29 +332,25 @@ impl LruBlocks {
             // The segment's top blocks, at most the excess.
             let take = (segment.hi - segment.lo + 1).min(excess.min(u32::MAX as usize) as u32);
             let new_hi = segment.hi + 1 - take;
-            for block in new_hi..=segment.hi {
-                if let Some(key) = r.key(block)
-                    && self.at.get(&key) == Some(&Place { run, block })
-                {
-                    self.at.remove(&key);
-                    evicted.push(key);
-                    r.live = r.live.saturating_sub(1);
-                }
-            }
+            let from = (new_hi - r.base) as usize;
+            let to = (segment.hi - r.base) as usize + 1;
+            evicted.extend_from_slice(r.keys.get(from..to).unwrap_or_default());
+            self.held = self.held.saturating_sub(take as usize);
             if new_hi == segment.lo {
                 r.segments.remove(s);
             } else {
                 r.segments[s].hi = new_hi - 1;
                 self.order.insert(order_key(touch, new_hi - 1), run);
             }
+            if r.segments.is_empty() {
+                self.free_run(run, &mut evicted);
+                continue;
+            }
             // The run's top went (the usual case): its storage shrinks with it.
             let top = r.segments.last().map_or(r.base, |last| last.hi + 1);
             r.keys.truncate((top - r.base) as usize);
             if r.keys.capacity() > 2 * r.keys.len() + 64 {
                 r.keys.shrink_to_fit();
-            }
-            if r.live == 0 || r.segments.is_empty() {
-                self.free_run(run, &mut evicted);
             }
         }
         #[cfg(test)]
@@ -342,37 +360,49 @@ impl LruBlocks {
         evicted
     }
 
-    /// Frees an emptied run (any key still placed in it goes to `evicted`).
+    /// Frees `run` (any block it still holds goes to `evicted`).
     fn free_run(&mut self, run: u32, evicted: &mut Vec<BlockKey>) {
-        if let Some(r) = self.runs.get_mut(run as usize) {
-            for segment in r.segments.drain(..) {
-                self.order.remove(&order_key(segment.touch, segment.hi));
-            }
-            for block in r.base..r.base + r.keys.len() as u32 {
-                if let Some(key) = r.key(block)
-                    && self.at.get(&key) == Some(&Place { run, block })
-                {
-                    self.at.remove(&key);
-                    evicted.push(key);
-                }
-            }
-            *r = Run::default();
-            self.free_runs.push(run);
+        let Some(r) = self.runs.get_mut(run as usize) else {
+            return;
+        };
+        for segment in r.segments.drain(..) {
+            self.order.remove(&order_key(segment.touch, segment.hi));
+            let from = (segment.lo - r.base) as usize;
+            let to = (segment.hi - r.base) as usize + 1;
+            let keys = r.keys.get(from..to).unwrap_or_default();
+            self.held = self.held.saturating_sub(keys.len());
+            evicted.extend_from_slice(keys);
         }
+        if let Some(first) = r.keys.first()
+            && self.starts.get(first) == Some(&run)
+        {
+            self.starts.remove(first);
+        }
+        *r = Run::default();
+        self.free_runs.push(run);
     }
 
     /// Keys held.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.at.len()
+        self.held
     }
 
     /// Empties the set, returning its keys.
     pub(crate) fn drain(&mut self) -> Vec<BlockKey> {
+        let mut keys = Vec::with_capacity(self.held);
+        for r in self.runs.drain(..) {
+            for segment in &r.segments {
+                let from = (segment.lo - r.base) as usize;
+                let to = (segment.hi - r.base) as usize + 1;
+                keys.extend_from_slice(r.keys.get(from..to).unwrap_or_default());
+            }
+        }
         self.order.clear();
-        self.runs.clear();
         self.free_runs.clear();
-        self.at.drain().map(|(key, _)| key).collect()
+        self.starts.clear();
+        self.held = 0;
+        keys
     }
 }
 
@@ -483,6 +513,29 @@ mod tests {
             let expected: HashSet<BlockKey> = reference.tick_of.keys().copied().collect();
             assert_eq!(held, expected, "seed {seed}");
         }
+    }
+
+    #[test]
+    fn colliding_keys_are_held_twice_and_still_bounded() {
+        let k = |n: u64| BlockKey(n);
+        let mut lru = LruBlocks::default();
+        lru.touch(&[k(1), k(2), k(3)], 100);
+        // Block 1 of this prompt collides with the first run's first key, and its first key
+        // with the first run's block 2.
+        let (added, evicted) = lru.touch(&[k(3), k(1), k(5)], 100);
+        assert_eq!(added, vec![k(3), k(1), k(5)]);
+        assert!(evicted.is_empty());
+        assert_eq!(lru.len(), 6);
+        // Both prompts are re-ticked, not added again.
+        assert_eq!(lru.touch(&[k(1), k(2), k(3)], 100).0, vec![]);
+        assert_eq!(lru.touch(&[k(3), k(1), k(5)], 100).0, vec![]);
+        // A capacity cut evicts every copy, least recent first (the first prompt's tail).
+        let (_, evicted) = lru.touch(&[], 2);
+        assert_eq!(sorted(evicted), vec![k(1), k(2), k(3), k(5)]);
+        let (_, evicted) = lru.touch(&[], 0);
+        assert_eq!(sorted(evicted), vec![k(1), k(3)]);
+        assert_eq!(lru.len(), 0);
+        assert!(lru.drain().is_empty());
     }
 
     #[test]
