@@ -46,6 +46,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::key::{BlockKey, PrehashedState};
@@ -74,7 +75,9 @@ pub(crate) struct SpeculativeHolder {
 
 /// Speculative entries per block key, bounded in number.
 pub(crate) struct Speculative {
-    entries: DashMap<BlockKey, Vec<SpecEntry>, PrehashedState>,
+    /// A block's holders in place, not on the heap: nearly every block has one (a record of
+    /// a cold prompt writes thousands, and an allocation each was half of its cost).
+    entries: DashMap<BlockKey, SmallVec<[SpecEntry; 1]>, PrehashedState>,
     /// Entries per bucket of key bits (see the module docs).
     filter: Box<[AtomicU16]>,
     count: AtomicUsize,
