@@ -6,7 +6,10 @@
 //! length, unbounded multipart buffering). What this module adds on top of the codec:
 //! - every wait is bounded: connect, handshake, each send, and a message once its first byte
 //!   arrived ([`TransportConfig::message_timeout`]); only an idle connection may wait forever
-//!   (KV events are bursty);
+//!   (KV events are bursty), and TCP keepalive ends it when the peer's host is gone: a pod
+//!   whose node died or was cut off sends no FIN or RST, so without probes its idle stream
+//!   would stay "connected" for ever and the pod would never be judged down
+//!   (`endpoints::liveness`);
 //! - reads grow the buffer by at most [`READ_CHUNK`] at a time, so memory follows the bytes a
 //!   peer really sent, never what it declared;
 //! - optionally, a byte budget shared by many connections ([`ByteBudget`], the bind mode):
@@ -44,6 +47,12 @@ pub struct TransportConfig {
     pub handshake_timeout: Duration,
     /// Longest time a message may take to arrive once its first byte has.
     pub message_timeout: Duration,
+    /// TCP keepalive: idle time before the first probe.
+    pub keepalive_idle: Duration,
+    /// TCP keepalive: time between unanswered probes.
+    pub keepalive_interval: Duration,
+    /// TCP keepalive: unanswered probes before the kernel ends the connection.
+    pub keepalive_probes: u32,
 }
 
 impl Default for TransportConfig {
@@ -53,8 +62,23 @@ impl Default for TransportConfig {
             connect_timeout: Duration::from_secs(2),
             handshake_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(10),
+            // NOTE: a dead host is noticed ~11 s after its last packet (5 + 3 × 2), well
+            // before Kubernetes marks a lost node's pods not ready (~40 s); one 66-byte
+            // probe per idle pod every 5 s costs nothing.
+            keepalive_idle: Duration::from_secs(5),
+            keepalive_interval: Duration::from_secs(2),
+            keepalive_probes: 3,
         }
     }
+}
+
+/// Turns on TCP keepalive with `config`'s timings (see the module docs).
+fn set_keepalive(io: &TcpStream, config: &TransportConfig) -> std::io::Result<()> {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(config.keepalive_idle)
+        .with_interval(config.keepalive_interval)
+        .with_retries(config.keepalive_probes);
+    socket2::SockRef::from(io).set_tcp_keepalive(&keepalive)
 }
 
 /// Which ZMQ socket we play.
@@ -243,6 +267,7 @@ impl Connection {
         budget: Option<ByteBudget>,
     ) -> Result<Self, TransportError> {
         let peer = io.peer_addr()?;
+        set_keepalive(&io, &config)?;
         let exchange = async {
             let mut hello = zmtp::greeting().to_vec();
             zmtp::encode_ready(&mut hello, role.name());
@@ -468,6 +493,68 @@ impl SubListener {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Plays a PUB on `listener`'s next connection: greeting and READY, then holds it.
+    async fn raw_pub(listener: &TcpListener) -> TcpStream {
+        let (mut io, _) = listener.accept().await.expect("accept");
+        let mut hello = zmtp::greeting().to_vec();
+        zmtp::encode_ready(&mut hello, "PUB");
+        io.write_all(&hello).await.expect("greeting");
+        io
+    }
+
+    /// The keepalive the kernel was given for `io`: (on, idle, interval, probes).
+    fn keepalive_of(io: &TcpStream) -> (bool, Duration, Duration, u32) {
+        let socket = socket2::SockRef::from(io);
+        (
+            socket.keepalive().expect("SO_KEEPALIVE"),
+            socket.tcp_keepalive_time().expect("TCP_KEEPIDLE"),
+            socket.tcp_keepalive_interval().expect("TCP_KEEPINTVL"),
+            socket.tcp_keepalive_retries().expect("TCP_KEEPCNT"),
+        )
+    }
+
+    #[tokio::test]
+    async fn connected_and_accepted_streams_probe_an_idle_peer() {
+        let config = TransportConfig {
+            keepalive_idle: Duration::from_secs(7),
+            keepalive_interval: Duration::from_secs(3),
+            keepalive_probes: 4,
+            ..TransportConfig::default()
+        };
+        let expected = (true, Duration::from_secs(7), Duration::from_secs(3), 4);
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let endpoint = format!("tcp://{}", listener.local_addr().expect("addr"));
+        // A SUB that connects (kvpick dials the pod).
+        let (connected, _publisher) = tokio::join!(
+            Connection::connect(&endpoint, Role::Sub, config),
+            raw_pub(&listener)
+        );
+        assert_eq!(keepalive_of(&connected.expect("handshake").io), expected);
+        // A SUB that accepts (the pod dials kvpick's bind address).
+        let sub = SubListener::bind("tcp://127.0.0.1:0").await.expect("bind");
+        let dialer = async {
+            let addr = sub.local;
+            let mut io = TcpStream::connect(addr).await.expect("connect");
+            let mut hello = zmtp::greeting().to_vec();
+            zmtp::encode_ready(&mut hello, "PUB");
+            io.write_all(&hello).await.expect("greeting");
+            io
+        };
+        let (accepted, _publisher) = tokio::join!(
+            async {
+                Connection::accept(sub.accept().await.expect("accept"), Role::Sub, config, None)
+                    .await
+            },
+            dialer
+        );
+        assert_eq!(keepalive_of(&accepted.expect("handshake").io), expected);
+        // The defaults: a dead host is noticed within ~11 s.
+        let defaults = TransportConfig::default();
+        let noticed =
+            defaults.keepalive_idle + defaults.keepalive_interval * defaults.keepalive_probes;
+        assert!(noticed <= Duration::from_secs(15), "{noticed:?}");
+    }
 
     #[test]
     fn endpoints_parse() {
