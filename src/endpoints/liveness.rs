@@ -1,7 +1,10 @@
 //! Whether an endpoint is down: gone from the network, not merely slow or busy.
 //!
-//! An endpoint is down when its `/metrics` scrape finds nothing listening (refused, reset,
-//! unroutable; a timeout is not enough) **and** its KV-event stream is disconnected. For an
+//! An endpoint is down when its `/metrics` scrape cannot reach it — nothing listens (refused,
+//! reset, unroutable), or its host answers nothing at all (no connection within the timeout,
+//! twice in a row: `ScrapeStatus::connection_failed`); a slow answer is not enough — **and**
+//! its KV-event stream is disconnected (TCP keepalive ends the stream of a host that went
+//! silent, `kvevents::transport`). For an
 //! endpoint without a configured KV-event endpoint the scrape alone decides. Once down, only
 //! a scrape that answers makes it live again: a restarting vLLM binds its ZMQ publisher
 //! seconds before its HTTP server listens (about 7 s, measured on vLLM 0.32 by

@@ -78,15 +78,31 @@ pub struct ScrapeStatus {
     pub by_name: bool,
 }
 
+/// Failed scrapes in a row, the last a connect timeout, that make a pod unreachable.
+///
+/// NOTE: one is not enough: Linux retransmits a lost SYN after 1 s, the default scrape
+/// timeout, so a single dropped packet times out one scrape of a healthy pod.
+pub const CONNECT_TIMEOUTS_UNREACHABLE: u32 = 2;
+
 impl ScrapeStatus {
     /// How old the last good metrics are at `now` (`None`: never scraped).
     pub fn age(&self, now: Instant) -> Option<Duration> {
         self.fetched_at.map(|at| now.saturating_duration_since(at))
     }
 
-    /// Whether the last scrape found nothing listening (refused, reset, unroutable).
+    /// Whether the pod is unreachable: the last scrape found nothing listening (refused,
+    /// reset, unroutable), or could not connect within the timeout after
+    /// [`CONNECT_TIMEOUTS_UNREACHABLE`] failed scrapes in a row (a host that died or was cut
+    /// off drops packets and answers nothing; its kept-alive connection first times out
+    /// asking, then a new one times out connecting).
     pub fn connection_failed(&self) -> bool {
-        matches!(self.last_error, Some(ScrapeError::Connect(_)))
+        match self.last_error {
+            Some(ScrapeError::Connect(_)) => true,
+            Some(ScrapeError::ConnectTimeout) => {
+                self.consecutive_failures >= CONNECT_TIMEOUTS_UNREACHABLE
+            }
+            _ => false,
+        }
     }
 
     /// Whether the metrics are recent enough to trust at `now`.
@@ -739,6 +755,30 @@ mod tests {
         assert!(!restarted_between(Some(1.7e9), None));
         assert!(!restarted_between(Some(1.7e9), Some(1.7e9 + 0.1)));
         assert!(restarted_between(Some(1.7e9), Some(1.7e9 + 60.0)));
+    }
+
+    #[test]
+    fn a_pod_is_unreachable_when_refused_or_when_connecting_times_out_again() {
+        let failed = |error: ScrapeError, consecutive_failures| ScrapeStatus {
+            last_error: Some(error),
+            consecutive_failures,
+            ..ScrapeStatus::default()
+        };
+        let refused = ScrapeError::Connect("connection refused".into());
+        assert!(failed(refused, 1).connection_failed(), "nothing listens");
+        // One lost SYN (retransmitted after 1 s) times out one scrape of a healthy pod.
+        assert!(!failed(ScrapeError::ConnectTimeout, 1).connection_failed());
+        for after in [CONNECT_TIMEOUTS_UNREACHABLE, 5] {
+            assert!(
+                failed(ScrapeError::ConnectTimeout, after).connection_failed(),
+                "{after} failures in a row, the last not even connecting"
+            );
+        }
+        // Slow or broken answers come from a pod that is there.
+        for error in [ScrapeError::Timeout, ScrapeError::Status(503)] {
+            assert!(!failed(error, 10).connection_failed());
+        }
+        assert!(!ScrapeStatus::default().connection_failed());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Faults between the gateway and the pool, through a real Envoy (deploy/envoy/envoy.yaml),
-//! the real kvpick binary and real HTTP backends on loopback: a pod that dies, a failed
-//! connect, client-forged control headers, kvpick itself down. Every request sent is
+//! the real kvpick binary and real HTTP backends on loopback: a pod that dies, a pod whose
+//! host goes silent, a failed connect, client-forged control headers, kvpick itself down. Every request sent is
 //! counted; none may be lost.
 
 use crate::support;
@@ -186,6 +186,73 @@ async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers
     }
     assert!(reached, "the pod that came back gets no requests");
     tally.assert_none_lost("pod left out and back");
+}
+
+#[tokio::test]
+async fn a_pod_whose_host_went_silent_is_left_out_and_comes_back_when_it_answers() {
+    let (a, b) = (
+        Backend::start("127.0.0.1").await,
+        Backend::start("127.0.0.1").await,
+    );
+    let kvpick = Kvpick::start(&pool_yaml(&[&a, &b]), &[]).await;
+    let envoy = Envoy::start(
+        &kvpick,
+        EnvoyOptions {
+            echo_upstream: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let (url, body) = (envoy.url("/v1/completions"), prompt_body());
+    let mut tally = Tally::default();
+
+    // The prefix now lives on one pod, whose host then goes silent: nothing is refused or
+    // reset, connects just hang (a dead node, a cut network).
+    let first = post_json(&url, &body).await;
+    tally.count(&first);
+    let silent_addr = served_by(&first);
+    let (silent, live) = served_and_other(&silent_addr, &a, &b);
+    silent.blackhole().await;
+    let silenced = Instant::now();
+
+    // Until kvpick notices, each pick of it costs Envoy a connect timeout and a retry on the
+    // fallback; nothing is lost.
+    let deadline = silenced + Duration::from_secs(15);
+    loop {
+        let view = pod_view(&kvpick, silent.addr).await;
+        if view["down"] == true {
+            let reason = view["down_reason"].as_str().unwrap_or_default();
+            assert!(reason.contains("timed out connecting"), "{view}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "not down after 15 s: {view}");
+        let reply = post_json(&url, &body).await;
+        tally.count(&reply);
+        assert_eq!(served_by(&reply), live.addr.to_string());
+    }
+    eprintln!("left out after {:?}", silenced.elapsed());
+
+    // Left out: kvpick picks the live pod, so Envoy spends no connect timeout on it.
+    for _ in 0..10 {
+        let reply = post_json(&url, &body).await;
+        tally.count(&reply);
+        assert_eq!(served_by(&reply), live.addr.to_string());
+        assert_eq!(
+            attempts(&reply),
+            "1",
+            "picked the silent pod: {:?}",
+            reply.headers
+        );
+    }
+
+    // Its host answers again: back among the candidates.
+    silent.unblackhole();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pod_view(&kvpick, silent.addr).await["down"] != false {
+        assert!(Instant::now() < deadline, "not back up after 5 s");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tally.assert_none_lost("silent pod left out and back");
 }
 
 #[tokio::test]

@@ -4,6 +4,9 @@
 //! until the test calls [`Backend::release`], so a test can keep a request in flight.
 //! [`Backend::stop`] closes the listener and every open connection (a dead pod: connects
 //! are refused); [`Backend::restart`] listens on the same address again.
+//! [`Backend::blackhole`] plays a pod whose host went silent: its connections close and new
+//! connects hang (the accept queue is shrunk to nothing and filled, so the kernel drops every
+//! further SYN, as a dead node's network does); [`Backend::unblackhole`] undoes it.
 //! `GET /metrics` and `/metrics/` (kvpick's scrapes) answer an idle vLLM's metrics (or what
 //! [`Backend::set_metrics`] set) and are not recorded.
 
@@ -19,6 +22,7 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 /// One request as the backend saw it.
 #[derive(Debug, Clone)]
@@ -32,7 +36,16 @@ struct Shared {
     seen: Mutex<Vec<Seen>>,
     released: watch::Sender<bool>,
     /// Cancelled by `stop`: ends the accept loop and every connection.
-    running: Mutex<tokio_util::sync::CancellationToken>,
+    running: Mutex<CancellationToken>,
+    /// A child of `running` that the connections watch (`blackhole` cancels only them).
+    connections: Mutex<CancellationToken>,
+    /// The listener while it runs (the accept loop holds the other reference, so `stop`
+    /// closes it).
+    listener: Mutex<Option<Arc<TcpListener>>>,
+    /// Whether the accept loop is paused (`blackhole`).
+    blackholed: watch::Sender<bool>,
+    /// Connections parked in the accept queue to fill it (`blackhole`).
+    fillers: Mutex<Vec<tokio::net::TcpStream>>,
     metrics: Mutex<String>,
     /// Whether `GET /metrics/` is answered (else 404: a server without vLLM's by-name app).
     metrics_by_name: std::sync::atomic::AtomicBool,
@@ -62,7 +75,11 @@ impl Backend {
         let shared = Arc::new(Shared {
             seen: Mutex::new(Vec::new()),
             released: watch::Sender::new(false),
-            running: Mutex::new(tokio_util::sync::CancellationToken::new()),
+            running: Mutex::new(CancellationToken::new()),
+            connections: Mutex::new(CancellationToken::new()),
+            listener: Mutex::new(None),
+            blackholed: watch::Sender::new(false),
+            fillers: Mutex::new(Vec::new()),
             metrics: Mutex::new(IDLE_VLLM_METRICS.to_owned()),
             metrics_by_name: std::sync::atomic::AtomicBool::new(true),
         });
@@ -77,22 +94,34 @@ impl Backend {
     fn serve(&self, listener: TcpListener) {
         let (addr, shared) = (self.addr, Arc::clone(&self.shared));
         let running = shared.running.lock().expect("lock").clone();
+        *shared.connections.lock().expect("lock") = running.child_token();
+        let listener = Arc::new(listener);
+        *shared.listener.lock().expect("lock") = Some(Arc::clone(&listener));
+        let mut blackholed = shared.blackholed.subscribe();
         tokio::spawn(async move {
             loop {
+                if *blackholed.borrow_and_update() {
+                    tokio::select! {
+                        _ = running.cancelled() => return,
+                        _ = blackholed.changed() => continue,
+                    }
+                }
                 let accepted = tokio::select! {
                     _ = running.cancelled() => return,
+                    _ = blackholed.changed() => continue,
                     accepted = listener.accept() => accepted,
                 };
                 let Ok((stream, _)) = accepted else {
                     return;
                 };
-                let (shared, running) = (Arc::clone(&shared), running.clone());
+                let shared = Arc::clone(&shared);
+                let closed = shared.connections.lock().expect("lock").clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |req| handle(addr, Arc::clone(&shared), req));
                     let connection = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service);
                     tokio::select! {
-                        _ = running.cancelled() => {}
+                        _ = closed.cancelled() => {}
                         _ = connection => {}
                     }
                 });
@@ -102,12 +131,13 @@ impl Backend {
 
     /// Closes the listener and every connection: from now on connects are refused.
     pub fn stop(&self) {
+        self.shared.listener.lock().expect("lock").take();
         self.shared.running.lock().expect("lock").cancel();
     }
 
     /// Listens again on the same address after [`Backend::stop`].
     pub async fn restart(&self) {
-        *self.shared.running.lock().expect("lock") = tokio_util::sync::CancellationToken::new();
+        *self.shared.running.lock().expect("lock") = CancellationToken::new();
         // The old listener is dropped by its task, a moment after `stop`.
         for _ in 0..250 {
             if let Ok(listener) = TcpListener::bind(self.addr).await {
@@ -117,6 +147,52 @@ impl Backend {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         panic!("cannot listen on {} again", self.addr);
+    }
+
+    /// From now on the pod's host answers nothing: no new connection completes (connects
+    /// time out) and the open ones are closed.
+    pub async fn blackhole(&self) {
+        let listener = self
+            .shared
+            .listener
+            .lock()
+            .expect("lock")
+            .clone()
+            .expect("a running backend");
+        self.shared.blackholed.send_replace(true);
+        // A listening socket may listen again: Linux then only changes its backlog. With a
+        // backlog of 0 one queued connection fills the queue, and a full queue drops SYNs.
+        socket2::SockRef::from(&*listener)
+            .listen(0)
+            .expect("shrink the accept queue");
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            match tokio::time::timeout(
+                std::time::Duration::from_millis(100),
+                tokio::net::TcpStream::connect(self.addr),
+            )
+            .await
+            {
+                Ok(Ok(stream)) => fillers.push(stream),
+                _ => break,
+            }
+        }
+        assert!(!fillers.is_empty(), "the accept queue took no connection");
+        *self.shared.fillers.lock().expect("lock") = fillers;
+        self.shared.connections.lock().expect("lock").cancel();
+    }
+
+    /// Undoes [`Backend::blackhole`]: connects complete and are served again.
+    pub fn unblackhole(&self) {
+        let listener = self.shared.listener.lock().expect("lock").clone();
+        let listener = listener.expect("a running backend");
+        let running = self.shared.running.lock().expect("lock").clone();
+        *self.shared.connections.lock().expect("lock") = running.child_token();
+        socket2::SockRef::from(&*listener)
+            .listen(1024)
+            .expect("restore the accept queue");
+        self.shared.fillers.lock().expect("lock").clear();
+        self.shared.blackholed.send_replace(false);
     }
 
     /// Everything received so far.
