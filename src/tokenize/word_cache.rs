@@ -3,8 +3,8 @@
 //! Once the fast encoder's scanner has found a pre-token, what it paid per word was the
 //! tokenizers crate's `BPE::tokenize`: the byte-level mapped `String`, a vocab and a cache
 //! lookup keyed by that `String`, and a `Vec<Token>` with one `String` per token. This memo is
-//! keyed by the raw pre-token bytes and holds the ids inline, so a hit is one xxh3 of a few
-//! bytes and one probe of a two-slot set (one cache line each), without allocating or
+//! keyed by the raw pre-token bytes and holds the ids inline, so a hit is a multiply-fold of a
+//! few bytes and one probe of a two-slot set (one cache line each), without allocating or
 //! writing anything shared.
 //!
 //! Exactness: a slot only ever holds what the crate returned for that very pre-token (BPE
@@ -25,7 +25,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
-use xxhash_rust::xxh3::xxh3_64;
 
 /// Longest pre-token (in bytes) that is memoised.
 pub const MAX_WORD: usize = 24;
@@ -57,29 +56,75 @@ struct Key {
 }
 
 impl Key {
+    // NOTE: inlined so that the key stays in registers: returned through the stack, its
+    // 8-byte stores were read back as 16-byte loads, which stall on store forwarding.
+    #[inline(always)]
     fn new(word: &[u8]) -> Option<Self> {
         if word.is_empty() || word.len() > MAX_WORD {
             return None;
         }
-        let mut padded = [0u8; MAX_WORD];
-        padded.get_mut(..word.len())?.copy_from_slice(word);
+        // NOTE: loaded straight into registers: copying the word into a padded buffer first
+        // (a variable-length memcpy, then 8-byte reads of it) stalled on store forwarding,
+        // about half of every hit (`perf annotate`, docs/benchmarks.md session 27).
         let part = |i: usize| {
-            let mut bytes = [0u8; 8];
-            if let Some(chunk) = padded.get(i * 8..i * 8 + 8) {
-                bytes.copy_from_slice(chunk);
-            }
-            u64::from_le_bytes(bytes)
+            let from = (i * 8).min(word.len());
+            let to = (i * 8 + 8).min(word.len());
+            word.get(from..to).map_or(0, le_u64)
         };
         Some(Self {
             len: word.len() as u64,
             word: [part(0), part(1), part(2)],
         })
     }
+
+    /// Where the key lives: a multiply-fold of its words (they hold every byte and the
+    /// length, so nothing is hashed twice).
+    #[inline(always)]
+    fn hash(&self) -> u64 {
+        const SEEDS: [u64; 3] = [
+            0x243f_6a88_85a3_08d3,
+            0x1319_8a2e_0370_7344,
+            0xa409_3822_299f_31d0,
+        ];
+        let first = fold_multiply(self.word[0] ^ SEEDS[0], self.word[1] ^ SEEDS[1]);
+        fold_multiply(first ^ self.word[2], self.len ^ SEEDS[2])
+    }
+}
+
+/// The 128-bit product of `a` and `b`, its halves xored: every input bit reaches every
+/// output bit.
+fn fold_multiply(a: u64, b: u64) -> u64 {
+    let product = u128::from(a) * u128::from(b);
+    (product as u64) ^ ((product >> 64) as u64)
+}
+
+/// Up to 8 bytes as a little-endian number, zero-padded, without a copy: overlapping reads
+/// of the first and last bytes.
+#[inline(always)]
+fn le_u64(bytes: &[u8]) -> u64 {
+    let n = bytes.len();
+    let at = |i: usize| u64::from(bytes.get(i).copied().unwrap_or(0));
+    let u32_at = |i: usize| {
+        bytes
+            .get(i..i + 4)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map_or(0, |b| u64::from(u32::from_le_bytes(b)))
+    };
+    match n {
+        0 => 0,
+        1..=3 => at(0) | (at(n / 2) << (8 * (n / 2))) | (at(n - 1) << (8 * (n - 1))),
+        4..=7 => u32_at(0) | (u32_at(n - 4) << (8 * (n - 4))),
+        _ => bytes
+            .get(..8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes),
+    }
 }
 
 impl Slot {
     /// The ids stored for `key`, read consistently; `None` on another word, an empty slot, or
     /// a write in progress.
+    #[inline(always)]
     fn read(&self, key: &Key) -> Option<([u32; MAX_IDS], usize)> {
         let before = self.seq.load(Ordering::Acquire);
         if before & 1 == 1 {
@@ -101,7 +146,12 @@ impl Slot {
         if self.seq.load(Ordering::Relaxed) != before {
             return None;
         }
-        if meta & 0xff != key.len || word != key.word {
+        // NOTE: compared word by word, not as arrays: an array compare goes through memory.
+        if meta & 0xff != key.len
+            || word[0] != key.word[0]
+            || word[1] != key.word[1]
+            || word[2] != key.word[2]
+        {
             return None;
         }
         let count = ((meta >> 8) & 0xff) as usize;
@@ -195,7 +245,7 @@ impl WordCache {
         let Some(key) = Key::new(word) else {
             return false;
         };
-        for slot in self.set(xxh3_64(word)) {
+        for slot in self.set(key.hash()) {
             if let Some((ids, count)) = slot.read(&key) {
                 out.extend_from_slice(ids.get(..count).unwrap_or(&[]));
                 return true;
@@ -212,7 +262,7 @@ impl WordCache {
         let Some(key) = Key::new(word) else {
             return;
         };
-        let hash = xxh3_64(word);
+        let hash = key.hash();
         let set = self.set(hash);
         if set.iter().any(|slot| slot.holds_or_busy(&key)) {
             return;
@@ -243,6 +293,29 @@ impl WordCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_hold_every_byte_zero_padded_for_every_length() {
+        let bytes: Vec<u8> = (0..MAX_WORD as u8).map(|i| 0xA0 ^ i.wrapping_mul(37)).collect();
+        for len in 1..=MAX_WORD {
+            let word = &bytes[..len];
+            let mut padded = [0u8; MAX_WORD];
+            padded[..len].copy_from_slice(word);
+            let expected: Vec<u64> = padded
+                .chunks(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            let key = Key::new(word).expect("short enough");
+            assert_eq!((key.len, key.word.to_vec()), (len as u64, expected), "{len}");
+            // A word and the same bytes with a trailing NUL are different keys.
+            let mut longer = word.to_vec();
+            longer.push(0);
+            if let Some(other) = Key::new(&longer) {
+                assert!(other != key && other.hash() != key.hash(), "{len}");
+            }
+        }
+        assert!(Key::new(b"").is_none() && Key::new(&[b'a'; MAX_WORD + 1]).is_none());
+    }
 
     #[test]
     fn hits_return_what_was_inserted_and_long_words_are_skipped() {
