@@ -25,7 +25,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
-
 /// Longest pre-token (in bytes) that is memoised.
 pub const MAX_WORD: usize = 24;
 /// Most token ids a memoised pre-token may encode to.
@@ -296,7 +295,9 @@ mod tests {
 
     #[test]
     fn keys_hold_every_byte_zero_padded_for_every_length() {
-        let bytes: Vec<u8> = (0..MAX_WORD as u8).map(|i| 0xA0 ^ i.wrapping_mul(37)).collect();
+        let bytes: Vec<u8> = (0..MAX_WORD as u8)
+            .map(|i| 0xA0 ^ i.wrapping_mul(37))
+            .collect();
         for len in 1..=MAX_WORD {
             let word = &bytes[..len];
             let mut padded = [0u8; MAX_WORD];
@@ -306,7 +307,11 @@ mod tests {
                 .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect();
             let key = Key::new(word).expect("short enough");
-            assert_eq!((key.len, key.word.to_vec()), (len as u64, expected), "{len}");
+            assert_eq!(
+                (key.len, key.word.to_vec()),
+                (len as u64, expected),
+                "{len}"
+            );
             // A word and the same bytes with a trailing NUL are different keys.
             let mut longer = word.to_vec();
             longer.push(0);
