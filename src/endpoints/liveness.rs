@@ -4,12 +4,11 @@
 //! reset, unroutable), or its host answers nothing at all (no connection within the timeout,
 //! twice in a row: `ScrapeStatus::connection_failed`); a slow answer is not enough — **and**
 //! its KV-event stream is disconnected (TCP keepalive ends the stream of a host that went
-//! silent, `kvevents::transport`). For an
-//! endpoint without a configured KV-event endpoint the scrape alone decides. Once down, only
-//! a scrape that answers makes it live again: a restarting vLLM binds its ZMQ publisher
-//! seconds before its HTTP server listens (about 7 s, measured on vLLM 0.32 by
-//! `scripts/vllm-e2e.sh`), so a reconnected event stream alone would bring back a pod that
-//! still refuses requests.
+//! silent, `kvevents::transport`). For an endpoint without a configured KV-event endpoint
+//! the scrape alone decides. Once down, only a scrape that answers makes it live again: a
+//! restarting vLLM binds its ZMQ publisher seconds before its HTTP server listens (about 7 s,
+//! measured on vLLM 0.32 by `scripts/vllm-e2e.sh`), so a reconnected event stream alone would
+//! bring back a pod that still refuses requests.
 //!
 //! Down endpoints are left out of the candidates, so a dead engine stops getting traffic;
 //! when every candidate is down all are kept (`super::live_candidates`): a pick among doubtful

@@ -94,6 +94,30 @@ async fn pod_view(kvpick: &Kvpick, addr: SocketAddr) -> Value {
         .unwrap_or_else(|| panic!("{addr} not in /debug/pods: {pods}"))
 }
 
+/// Sends 10 requests: each must be picked for `live` and served at the first attempt.
+async fn assert_picks_only(live: &Backend, url: &str, body: &[u8], tally: &mut Tally) {
+    for _ in 0..10 {
+        let reply = post_json(url, body).await;
+        tally.count(&reply);
+        assert_eq!(served_by(&reply), live.addr.to_string());
+        assert_eq!(
+            attempts(&reply),
+            "1",
+            "picked the pod left out: {:?}",
+            reply.headers
+        );
+    }
+}
+
+/// Waits (5 s at most) until kvpick counts `addr` up again.
+async fn await_up(kvpick: &Kvpick, addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pod_view(kvpick, addr).await["down"] != false {
+        assert!(Instant::now() < deadline, "not back up after 5 s");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers() {
     let (a, b) = (
@@ -145,17 +169,7 @@ async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers
     eprintln!("left out after {detected:?}");
 
     // Left out: kvpick itself picks the live pod, so Envoy needs no retry.
-    for _ in 0..10 {
-        let reply = post_json(&url, &body).await;
-        tally.count(&reply);
-        assert_eq!(served_by(&reply), live.addr.to_string());
-        assert_eq!(
-            attempts(&reply),
-            "1",
-            "picked the dead pod: {:?}",
-            reply.headers
-        );
-    }
+    assert_picks_only(live, &url, &body, &mut tally).await;
     let metrics = kvpick.metrics_text().await;
     let gauge = format!("kvpick_endpoint_down{{endpoint=\"{}\"}} 1", dead.addr);
     let transitions = format!("kvpick_endpoint_down_total{{endpoint=\"{}\"}} 1", dead.addr);
@@ -164,11 +178,7 @@ async fn a_pod_whose_listener_is_gone_is_left_out_and_comes_back_when_it_answers
 
     // It answers again: back among the candidates.
     dead.restart().await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pod_view(&kvpick, dead.addr).await["down"] != false {
-        assert!(Instant::now() < deadline, "not back up after 5 s");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    await_up(&kvpick, dead.addr).await;
     assert!(kvpick.metrics_text().await.contains(&format!(
         "kvpick_endpoint_down{{endpoint=\"{}\"}} 0",
         dead.addr
@@ -233,25 +243,11 @@ async fn a_pod_whose_host_went_silent_is_left_out_and_comes_back_when_it_answers
     eprintln!("left out after {:?}", silenced.elapsed());
 
     // Left out: kvpick picks the live pod, so Envoy spends no connect timeout on it.
-    for _ in 0..10 {
-        let reply = post_json(&url, &body).await;
-        tally.count(&reply);
-        assert_eq!(served_by(&reply), live.addr.to_string());
-        assert_eq!(
-            attempts(&reply),
-            "1",
-            "picked the silent pod: {:?}",
-            reply.headers
-        );
-    }
+    assert_picks_only(live, &url, &body, &mut tally).await;
 
     // Its host answers again: back among the candidates.
     silent.unblackhole();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pod_view(&kvpick, silent.addr).await["down"] != false {
-        assert!(Instant::now() < deadline, "not back up after 5 s");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    await_up(&kvpick, silent.addr).await;
     tally.assert_none_lost("silent pod left out and back");
 }
 
