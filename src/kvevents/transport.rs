@@ -494,9 +494,8 @@ impl SubListener {
 mod tests {
     use super::*;
 
-    /// Plays a PUB on `listener`'s next connection: greeting and READY, then holds it.
-    async fn raw_pub(listener: &TcpListener) -> TcpStream {
-        let (mut io, _) = listener.accept().await.expect("accept");
+    /// Plays a PUB on `io`: greeting and READY, then holds it.
+    async fn raw_pub(mut io: TcpStream) -> TcpStream {
         let mut hello = zmtp::greeting().to_vec();
         zmtp::encode_ready(&mut hello, "PUB");
         io.write_all(&hello).await.expect("greeting");
@@ -526,21 +525,14 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let endpoint = format!("tcp://{}", listener.local_addr().expect("addr"));
         // A SUB that connects (kvpick dials the pod).
-        let (connected, _publisher) = tokio::join!(
-            Connection::connect(&endpoint, Role::Sub, config),
-            raw_pub(&listener)
-        );
+        let (connected, _publisher) =
+            tokio::join!(Connection::connect(&endpoint, Role::Sub, config), async {
+                raw_pub(listener.accept().await.expect("accept").0).await
+            });
         assert_eq!(keepalive_of(&connected.expect("handshake").io), expected);
         // A SUB that accepts (the pod dials kvpick's bind address).
         let sub = SubListener::bind("tcp://127.0.0.1:0").await.expect("bind");
-        let dialer = async {
-            let addr = sub.local;
-            let mut io = TcpStream::connect(addr).await.expect("connect");
-            let mut hello = zmtp::greeting().to_vec();
-            zmtp::encode_ready(&mut hello, "PUB");
-            io.write_all(&hello).await.expect("greeting");
-            io
-        };
+        let dialer = async { raw_pub(TcpStream::connect(sub.local).await.expect("connect")).await };
         let (accepted, _publisher) = tokio::join!(
             async {
                 Connection::accept(sub.accept().await.expect("accept"), Role::Sub, config, None)
