@@ -16,6 +16,7 @@ use super::index::{PodEntry, PrefixIndex};
 use super::key::{BlockKey, KeyContext};
 use super::matching::PrefixLookup;
 use super::prompt_keys::PromptKeys;
+use super::span::{SpanBook, SpanRef};
 use crate::endpoints::PodId;
 use kvpick_kvevents_wire::Tier;
 
@@ -79,6 +80,19 @@ impl PrefixIndex {
 
     /// [`Self::record_routed_from`] over the prompt's keys at the pod's block size.
     pub(super) fn record_keys(&self, entry: &Arc<PodEntry>, keys: &[BlockKey], held: usize) {
+        self.record_keys_runs_from(entry, keys, held, RUN_FROM);
+    }
+
+    /// [`Self::record_keys`], adding an approximate pod's new stretches of `run_from` blocks
+    /// or more as runs ([`Self::add_new_run`]) and evicting as many or more shard by shard
+    /// (tests compare it with block by block).
+    fn record_keys_runs_from(
+        &self,
+        entry: &Arc<PodEntry>,
+        keys: &[BlockKey],
+        held: usize,
+        run_from: usize,
+    ) {
         let mut state = entry.lock();
         if state.retired {
             return;
@@ -118,7 +132,15 @@ impl PrefixIndex {
                 .checked_sub(1)
                 .and_then(|before| keys.get(before))
                 .and_then(|key| self.blocks.span_of(*key, entry.slot, Tier::Gpu));
-            for key in keys.get(stretch).unwrap_or_default() {
+            let mut stretch = keys.get(stretch).unwrap_or_default();
+            if stretch.len() >= run_from {
+                let (handled, new, last) =
+                    self.add_new_run(entry, &mut state.spans, stretch, previous);
+                entries += new;
+                stretch = stretch.get(handled..).unwrap_or_default();
+                previous = last;
+            }
+            for key in stretch {
                 let next = state.spans.next_after(previous, &entry.spans);
                 let (refs, span) = self.add_holder(*key, entry.slot, Tier::Gpu, next);
                 if refs == 1 {
@@ -128,12 +150,198 @@ impl PrefixIndex {
                 previous = Some(span);
             }
         }
-        for key in &evicted {
-            if self.remove_holder(entry, &mut state.spans, *key, Tier::Gpu) == Some(0) {
-                entries = entries.saturating_sub(1);
+        if evicted.len() >= run_from {
+            let spans = &mut state.spans;
+            let gone = self
+                .blocks
+                .remove_run(&evicted, entry.slot, Tier::Gpu, |span| {
+                    spans.left(span, &entry.spans)
+                });
+            entries = entries.saturating_sub(gone);
+        } else {
+            for key in &evicted {
+                if self.remove_holder(entry, &mut state.spans, *key, Tier::Gpu) == Some(0) {
+                    entries = entries.saturating_sub(1);
+                }
             }
         }
         state.entries = entries;
         entry.entries.store(state.entries as u64, Ordering::Relaxed);
+    }
+
+    /// Adds a stretch of blocks new to the pod as one chain, shard by shard
+    /// ([`super::blockmap::BlockMap::add_run`]); returns how many blocks it handled (the
+    /// ones after are left to the caller's block-by-block loop), how many of them are new
+    /// holders, and the span of the last one (the caller's `previous`).
+    ///
+    /// Block by block, each new block would continue the span of the one before it: the
+    /// blocks take consecutive offsets of one span, which this assigns up front. It is exact
+    /// as long as every block is new to the pod; a block it already held (a key repeated in
+    /// the prompt, or one the pod held outside its LRU set) would have kept its own span and
+    /// broken the chain. So the first such block ends the run: the blocks after it are taken
+    /// back (they were not held before: nothing else changes this pod's holders while its
+    /// mutex is held) and the caller goes on from it block by block.
+    fn add_new_run(
+        &self,
+        entry: &PodEntry,
+        spans: &mut SpanBook,
+        stretch: &[BlockKey],
+        previous: Option<SpanRef>,
+    ) -> (usize, usize, Option<SpanRef>) {
+        let first = spans.next_after(previous, &entry.spans);
+        // Block by block, a span ends at u16::MAX blocks and a new one starts; and with no
+        // span id left, blocks get none. Both go block by block.
+        if !first.is_some() || usize::from(first.offset) + stretch.len() >= usize::from(u16::MAX) {
+            return (0, 0, previous);
+        }
+        let added = self.blocks.add_run(stretch, entry.slot, Tier::Gpu, first);
+        let run = added
+            .iter()
+            .position(|(refs, _)| *refs != 1)
+            .unwrap_or(added.len());
+        // Taken back in reverse, so a key added twice after the run loses its second
+        // reference before its first.
+        for (key, (refs, _)) in stretch.iter().zip(&added).skip(run + 1).rev() {
+            if *refs > 0 {
+                // NOTE: their spans were never committed: nothing to tell the span book.
+                let _ = self.blocks.remove(*key, entry.slot, Tier::Gpu, |_| {});
+            }
+        }
+        for (k, key) in stretch.iter().enumerate().take(run) {
+            spans.commit(
+                SpanRef {
+                    id: first.id,
+                    offset: first.offset + k as u16,
+                },
+                &entry.spans,
+            );
+            self.speculative.confirm(key, entry.slot);
+        }
+        let last = match added.get(run) {
+            // The block that broke the run keeps what adding it did (one more reference, as
+            // block by block), and is where the caller goes on from.
+            Some((_, span)) => {
+                if let Some(key) = stretch.get(run) {
+                    self.speculative.confirm(key, entry.slot);
+                }
+                Some(*span)
+            }
+            None => run.checked_sub(1).map(|k| SpanRef {
+                id: first.id,
+                offset: first.offset + k as u16,
+            }),
+        };
+        let handled = (run + 1).min(stretch.len());
+        (handled, run, last)
+    }
+}
+
+/// Blocks a stretch (or an eviction) must have for a record to add (or remove) them shard by
+/// shard ([`PrefixIndex::add_new_run`]); fewer go block by block.
+const RUN_FROM: usize = 64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvcache::IndexConfig;
+
+    const POD: PodId = PodId(std::net::SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        8000,
+    )));
+
+    /// An index whose pod 0 has no events (approximate) and room for `capacity` blocks.
+    fn approximate(capacity: usize) -> (PrefixIndex, Arc<PodEntry>) {
+        let index = PrefixIndex::new(IndexConfig::default());
+        index.set_pod_capacity(POD, capacity);
+        let entry = index.pod_or_insert(POD);
+        (index, entry)
+    }
+
+    /// What a walk reads of the pod's holding of each key: references, span, and the span's
+    /// intact length.
+    fn holding(
+        index: &PrefixIndex,
+        entry: &PodEntry,
+        keys: &[BlockKey],
+    ) -> Vec<(u16, Option<(SpanRef, u32)>)> {
+        keys.iter()
+            .map(|key| {
+                let refs = index.blocks.tier_refs(*key, entry.slot, Tier::Gpu);
+                let span = index
+                    .blocks
+                    .span_of(*key, entry.slot, Tier::Gpu)
+                    .map(|span| (span, entry.spans.intact(span.id)));
+                (refs, span)
+            })
+            .collect()
+    }
+
+    fn keys(range: std::ops::Range<u64>) -> Vec<BlockKey> {
+        range
+            .map(|k| BlockKey(k.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1))
+            .collect()
+    }
+
+    /// Records `prompts` in turn into two indexes, one adding long stretches as runs and one
+    /// block by block, and checks every key of every prompt is held alike.
+    fn check_runs_equal_block_by_block(capacity: usize, prompts: &[Vec<BlockKey>]) {
+        let (runs, runs_entry) = approximate(capacity);
+        let (steps, steps_entry) = approximate(capacity);
+        for (n, prompt) in prompts.iter().enumerate() {
+            runs.record_keys_runs_from(&runs_entry, prompt, 0, RUN_FROM);
+            steps.record_keys_runs_from(&steps_entry, prompt, 0, usize::MAX);
+            for seen in &prompts[..=n] {
+                assert_eq!(
+                    holding(&runs, &runs_entry, seen),
+                    holding(&steps, &steps_entry, seen),
+                    "after prompt {n}"
+                );
+            }
+            assert_eq!(
+                runs_entry.entries.load(Ordering::Relaxed),
+                steps_entry.entries.load(Ordering::Relaxed)
+            );
+        }
+    }
+
+    #[test]
+    fn a_new_stretch_added_as_a_run_is_held_as_block_by_block() {
+        let base = keys(0..300);
+        let mut longer = base.clone();
+        longer.extend(keys(1_000..1_200));
+        check_runs_equal_block_by_block(10_000, &[base[..80].to_vec(), base.clone(), longer]);
+    }
+
+    #[test]
+    fn a_run_that_meets_a_key_already_held_goes_on_block_by_block_from_it() {
+        // A prompt whose keys repeat (what a 64-bit collision would look like): the run ends
+        // at the repeated key, which keeps its first span, and the rest continue from it.
+        let mut repeated = keys(0..200);
+        repeated[120] = repeated[40];
+        repeated[150] = repeated[140];
+        // And a prompt repeating a key of an earlier record far into its new stretch.
+        let mut again = keys(5_000..5_200);
+        again[100] = repeated[10];
+        check_runs_equal_block_by_block(10_000, &[repeated.clone(), again, repeated]);
+    }
+
+    #[test]
+    fn runs_that_evict_are_held_as_block_by_block() {
+        // Capacity for two prompts: each new one evicts the oldest, tail first.
+        let prompts: Vec<Vec<BlockKey>> =
+            (0..6).map(|p| keys(p * 10_000..p * 10_000 + 250)).collect();
+        check_runs_equal_block_by_block(520, &prompts);
+    }
+
+    #[test]
+    fn a_tail_evicted_by_a_run_and_routed_again_is_held_as_block_by_block() {
+        // Room for 300 blocks: each prompt evicts most of the other's tail (tail first), and
+        // routed again, the tail comes back after the head still held.
+        let a = keys(0..250);
+        let b = keys(50_000..50_200);
+        let mut a_longer = a.clone();
+        a_longer.extend(keys(90_000..90_080));
+        check_runs_equal_block_by_block(300, &[a.clone(), b.clone(), a.clone(), b, a_longer, a]);
     }
 }
