@@ -434,7 +434,8 @@ impl BlockMap {
     /// [`Self::add`] for each of `keys`, key `k` with span `first` + `k` (offsets one after
     /// another in `first`'s span), taking each shard's lock once for all its keys (in `keys`'
     /// order within a shard). Returns each key's (references after, the holder's span) as
-    /// `add` does, in `keys`' order.
+    /// `add` does, in `keys`' order. The offsets must fit: `first.offset + keys.len()` below
+    /// `u16::MAX` (the caller checks, as block by block a span never grows past it).
     ///
     /// NOTE: why not one `add` per key: a new key's table slot is a cache miss that the
     /// write stores into, and the lock's release (a locked instruction) waits for that store
