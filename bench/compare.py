@@ -159,6 +159,13 @@ class Progress(threading.Thread):
     def __init__(self, label, fleet, log_path, expected):
         super().__init__(daemon=True)
         self.label, self.fleet, self.log_path, self.expected = label, fleet, log_path, expected
+        # A log left in the directory by an earlier run (the same --out) holds every stage's
+        # lines already: read before inference-perf truncates it, it marked every stage at
+        # the first scrape, and each stage's engine counters came out empty.
+        try:
+            os.remove(log_path)
+        except FileNotFoundError:
+            pass
         self.stop = threading.Event()
         self.marks = {}
         # (seconds since start, per-pod waiting, per-pod running, per-pod finished), each

@@ -154,6 +154,37 @@ class ConversationOrderTest(unittest.TestCase):
         self.assertEqual(fixed_same, 5 * c)
 
 
+class ProgressTest(unittest.TestCase):
+    def test_a_log_left_by_an_earlier_run_marks_no_stage(self):
+        import tempfile
+
+        import compare
+
+        with tempfile.TemporaryDirectory() as d:
+            log = os.path.join(d, "inference-perf.log")
+            with open(log, "w") as f:
+                f.write("Stage 0 - run started\nStage 0 - run completed\n")
+            progress = compare.Progress("t", fleet=[], log_path=log, expected=1)
+            counters = [{"waiting": 0.0, "running": 0.0, "finished": 0.0}]
+
+            def scrape_once(_fleet):
+                progress.stop.set()  # one pass of the loop
+                return counters
+
+            real_scrape, compare.scrape = compare.scrape, scrape_once
+            try:
+                progress.run()
+                self.assertEqual(progress.marks, {})
+                # This run's own lines are marked.
+                with open(log, "w") as f:
+                    f.write("Stage 0 - run started\n")
+                progress.stop.clear()
+                progress.run()
+                self.assertEqual(list(progress.marks), [(0, "started")])
+            finally:
+                compare.scrape = real_scrape
+
+
 class ScenarioTest(unittest.TestCase):
     def test_build_workload_applies_the_kind_and_the_command_line(self):
         import compare
