@@ -454,11 +454,7 @@ impl BlockMap {
         let tier = tier.index() as u8;
         self.by_shard(keys, |shard, k, key| {
             if let Some(result) = added.get_mut(k) {
-                let span = SpanRef {
-                    id: first.id,
-                    offset: first.offset.saturating_add(k as u16),
-                };
-                *result = shard.add(key.0, slot, tier, span);
+                *result = shard.add(key.0, slot, tier, first.advanced(k));
             }
         });
         added

@@ -208,13 +208,7 @@ impl PrefixIndex {
             }
         }
         for (k, key) in stretch.iter().enumerate().take(run) {
-            spans.commit(
-                SpanRef {
-                    id: first.id,
-                    offset: first.offset + k as u16,
-                },
-                &entry.spans,
-            );
+            spans.commit(first.advanced(k), &entry.spans);
             self.speculative.confirm(key, entry.slot);
         }
         let last = match added.get(run) {
@@ -226,10 +220,7 @@ impl PrefixIndex {
                 }
                 Some(*span)
             }
-            None => run.checked_sub(1).map(|k| SpanRef {
-                id: first.id,
-                offset: first.offset + k as u16,
-            }),
+            None => run.checked_sub(1).map(|k| first.advanced(k)),
         };
         let handled = (run + 1).min(stretch.len());
         (handled, run, last)
@@ -245,16 +236,12 @@ mod tests {
     use super::*;
     use crate::kvcache::IndexConfig;
 
-    const POD: PodId = PodId(std::net::SocketAddr::V4(std::net::SocketAddrV4::new(
-        std::net::Ipv4Addr::LOCALHOST,
-        8000,
-    )));
-
-    /// An index whose pod 0 has no events (approximate) and room for `capacity` blocks.
+    /// An index whose one pod has no events (approximate) and room for `capacity` blocks.
     fn approximate(capacity: usize) -> (PrefixIndex, Arc<PodEntry>) {
+        let pod = PodId(std::net::SocketAddr::from(([127, 0, 0, 1], 8000)));
         let index = PrefixIndex::new(IndexConfig::default());
-        index.set_pod_capacity(POD, capacity);
-        let entry = index.pod_or_insert(POD);
+        index.set_pod_capacity(pod, capacity);
+        let entry = index.pod_or_insert(pod);
         (index, entry)
     }
 

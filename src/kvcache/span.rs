@@ -66,6 +66,16 @@ impl SpanRef {
     pub(crate) fn is_some(self) -> bool {
         self.id != Self::NONE.id
     }
+
+    /// The place `k` blocks further along the same span (saturating at the longest span).
+    pub(crate) fn advanced(self, k: usize) -> SpanRef {
+        SpanRef {
+            id: self.id,
+            offset: self
+                .offset
+                .saturating_add(u16::try_from(k).unwrap_or(u16::MAX)),
+        }
+    }
 }
 
 /// Per pod, span id → intact length, readable without locks.
