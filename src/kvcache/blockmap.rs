@@ -29,6 +29,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use hashbrown::HashTable;
 
 use super::key::{BlockKey, PrehashedState};
+use super::shards::write_by_shard;
 use super::span::{SPAN_BITS, SpanRef};
 use kvpick_kvevents_wire::Tier;
 
@@ -489,41 +490,8 @@ impl BlockMap {
 
     /// Calls `visit` with each shard's write guard, each key's position and the key, for
     /// every key of `keys`: shard by shard, each shard locked once, keys in order within it.
-    fn by_shard(&self, keys: &[BlockKey], mut visit: impl FnMut(&mut Shard, usize, BlockKey)) {
-        // A counting sort of the keys' positions by shard.
-        let mut starts = [0usize; SHARDS + 1];
-        for key in keys {
-            if let Some(count) = starts.get_mut(shard_of(key.0) + 1) {
-                *count += 1;
-            }
-        }
-        for s in 0..SHARDS {
-            starts[s + 1] += starts[s];
-        }
-        let mut next = starts;
-        let mut order = vec![0usize; keys.len()];
-        for (k, key) in keys.iter().enumerate() {
-            if let Some(at) = next.get_mut(shard_of(key.0))
-                && let Some(place) = order.get_mut(*at)
-            {
-                *place = k;
-                *at += 1;
-            }
-        }
-        for (s, lock) in self.shards.iter().enumerate() {
-            let Some(positions) = order.get(starts[s]..starts[s + 1]) else {
-                continue;
-            };
-            if positions.is_empty() {
-                continue;
-            }
-            let mut shard = lock.write().unwrap_or_else(|e| e.into_inner());
-            for &k in positions {
-                if let Some(key) = keys.get(k) {
-                    visit(&mut shard, k, *key);
-                }
-            }
-        }
+    fn by_shard(&self, keys: &[BlockKey], visit: impl FnMut(&mut Shard, usize, BlockKey)) {
+        write_by_shard(&self.shards, keys, |key| shard_of(key.0), visit);
     }
 
     /// Drops one reference of (slot, tier) from `key` (the block leaves with its last holder);

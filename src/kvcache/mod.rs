@@ -27,6 +27,7 @@ pub mod matching;
 pub mod metrics;
 mod prompt_keys;
 mod record;
+mod shards;
 mod span;
 mod speculative;
 
