@@ -1,7 +1,8 @@
 //! Prefix index figures: ingest rate (blocks/s, one core), match latency for a 2,048-block
 //! prompt over 100 pods, the routing record of a warm 6,250-block prompt and of a cold
 //! 3,500-block one (with the index in the CPU caches and pushed out of them), and memory per
-//! (block, pod) entry (printed).
+//! (block, pod) entry (printed); and decoding a store of 512 blocks and an eviction of 512, the
+//! one-pass reader against the reference.
 //!
 //! Run: `cargo bench --bench kvcache`.
 
@@ -145,6 +146,73 @@ fn ingest(c: &mut Criterion) {
         )
     });
     group.finish();
+}
+
+/// One chunked-prefill step's store event as vLLM publishes it (tagged map, 512 blocks of 16
+/// tokens, u64 hashes): what a pod sends per 8,192 prompt tokens it computes.
+fn store_payload() -> Vec<u8> {
+    use rmpv::Value;
+    let tokens = (0..512 * BLOCK as u64).map(|t| Value::from(t * 7_919 % 151_000));
+    let hashes = (0..512u64).map(|b| Value::from(b.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    let event = Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        ("block_hashes".into(), Value::Array(hashes.collect())),
+        ("parent_block_hash".into(), Value::from(42u64)),
+        ("token_ids".into(), Value::Array(tokens.collect())),
+        ("block_size".into(), Value::from(BLOCK as u64)),
+        ("lora_id".into(), Value::Nil),
+        ("medium".into(), "GPU".into()),
+        ("lora_name".into(), Value::Nil),
+        ("extra_keys".into(), Value::Nil),
+        ("group_idx".into(), Value::from(0)),
+    ]);
+    let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![event]), Value::Nil]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).expect("encoding into a Vec");
+    out
+}
+
+/// The eviction of 512 blocks as vLLM publishes it: one `BlockRemoved` event per block.
+fn removal_payload() -> Vec<u8> {
+    use rmpv::Value;
+    let events = (0..512u64).map(|b| {
+        Value::Map(vec![
+            ("type".into(), "BlockRemoved".into()),
+            (
+                "block_hashes".into(),
+                Value::Array(vec![Value::from(b.wrapping_mul(0x9e37_79b9_7f4a_7c15))]),
+            ),
+            ("medium".into(), "GPU".into()),
+            ("group_idx".into(), Value::from(0)),
+        ])
+    });
+    let batch = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(events.collect()),
+        Value::Nil,
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).expect("encoding into a Vec");
+    out
+}
+
+/// Decoding those payloads: the one-pass reader against the reference (rmpv's whole tree
+/// first).
+fn decode(c: &mut Criterion) {
+    for (name, payload) in [
+        ("decode_store_512_blocks", store_payload()),
+        ("decode_remove_512_blocks", removal_payload()),
+    ] {
+        let mut group = c.benchmark_group(name);
+        group.throughput(Throughput::Bytes(payload.len() as u64));
+        group.bench_function("reader", |b| {
+            b.iter(|| kvpick::kvevents::decode_payload(black_box(&payload)))
+        });
+        group.bench_function("reference", |b| {
+            b.iter(|| kvpick::kvevents::decode::decode_payload_reference(black_box(&payload)))
+        });
+        group.finish();
+    }
 }
 
 /// A 2,048-block prompt and an index of 100 pods; `shared` makes every pod hold a prefix of
@@ -412,6 +480,6 @@ criterion_group! {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))
         .sample_size(30);
-    targets = memory, ingest, matching, record, record_cold
+    targets = memory, decode, ingest, matching, record, record_cold
 }
 criterion_main!(benches);

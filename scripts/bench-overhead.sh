@@ -30,6 +30,12 @@
 # included) and Envoy's view of its requests (medians, from an access log every Envoy here
 # writes): first request byte to upstream, and the routing ext_proc call's turnaround (headers
 # message sent to kvpick's answer), beside Envoy alone's.
+# PODS=sim: the two backends are simulated vLLM pods (`kvpick-sim`, instant: --time-scale 0)
+# that publish KV events over ZMQ, and kvpick subscribes to them, as in production: its
+# routing records are the speculative ones a pod's events confirm, and its CPU includes taking
+# in the events. The setups (Envoy alone, each kvpick) get workloads of their own seeds, so no
+# setup's prompts are already cached by another's run. Each kvpick run also prints the KV
+# events kvpick applied per request. Default: PODS=instant (`kvpick-bench backend`, no events).
 # SKIP_BUILD=1: use the release binaries as they are.
 # STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
 # (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
@@ -48,7 +54,13 @@ else
   SIZES=8192; VARIANTS=fixed; PACES="conc:${3:-8}"
 fi
 scripts/setup-envoy.sh
-[ -n "${SKIP_BUILD:-}" ] || cargo build --release --quiet --bin kvpick --bin kvpick-bench
+PODS="${PODS:-instant}"
+case $PODS in
+  instant) ;;
+  sim) [ -z "${STREAM:-}" ] || { echo "bench-overhead: STREAM is for PODS=instant" >&2; exit 2; } ;;
+  *) echo "bench-overhead: PODS must be instant or sim, not $PODS" >&2; exit 2 ;;
+esac
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release --quiet --bin kvpick --bin kvpick-bench --bin kvpick-sim
 BIN="${CARGO_TARGET_DIR:-target}/release"
 read -r -a KVPICKS <<<"${KVPICK_BINS:-$BIN/kvpick}"
 WORK=$(mktemp -d)
@@ -56,11 +68,28 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-for port in 8101 8102; do
-  $BIN/kvpick-bench backend --listen 127.0.0.1:$port --stream-chunks "${STREAM:-0}" \
-    --chunk-gap-us "${STREAM_GAP_US:-300}" & PIDS+=($!)
-done
-printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' > "$WORK/pool.yaml"
+if [ "$PODS" = sim ]; then
+  # Room for ~16 prompts of 100k tokens per pod before a pod evicts (each eviction is a
+  # BlockRemoved event kvpick applies, as on a full GPU); prompts up to 128k tokens.
+  $BIN/kvpick-sim --pods 2 --base-port 8101 --events-base-port 5557 --replay-base-port 6557 \
+    --model bench-model --time-scale 0 --num-gpu-blocks 100000 --max-model-len 131072 \
+    --tokenizer assets/tokenizer >"$WORK/sim.log" 2>&1 & PIDS+=($!)
+  printf 'endpoints:\n' > "$WORK/pool.yaml"
+  for i in 0 1; do
+    printf '  - address: 127.0.0.1:%d\n    kvEvents: tcp://127.0.0.1:%d\n    kvReplay: tcp://127.0.0.1:%d\n' \
+      $((8101 + i)) $((5557 + i)) $((6557 + i)) >> "$WORK/pool.yaml"
+  done
+  for port in 8101 8102; do
+    for _ in $(seq 300); do curl -sf "127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
+    curl -sf "127.0.0.1:$port/health" >/dev/null || { echo "bench-overhead: the simulated pods did not start" >&2; tail "$WORK/sim.log" >&2; exit 1; }
+  done
+else
+  for port in 8101 8102; do
+    $BIN/kvpick-bench backend --listen 127.0.0.1:$port --stream-chunks "${STREAM:-0}" \
+      --chunk-gap-us "${STREAM_GAP_US:-300}" & PIDS+=($!)
+  done
+  printf 'endpoints:\n  - address: 127.0.0.1:8101\n  - address: 127.0.0.1:8102\n' > "$WORK/pool.yaml"
+fi
 
 # Envoy configs: the shipped one per kvpick (kvpick i on ports 9002+100i…, Envoy listening
 # on 8081+100i) and the shipped one without the ext_proc filter (Envoy alone, 8080).
@@ -173,6 +202,10 @@ routed() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^inference_objective_r
 # ext-proc messages Envoy sent to kvpick (one per request/response headers, body chunk, trailers).
 messages() { curl -sf "http://127.0.0.1:$1/stats" | awk -F': ' '/ext_proc\.stream_msgs_sent:/ {n += $2} END {print n + 0}'; }
 stages() { curl -sf "http://127.0.0.1:$1/metrics" | grep '^kvpick_request_stage_seconds_\(sum\|count\)' || true; }
+applied() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^kvpick_kv_events_applied_total/ {n += $NF} END {printf "%d", n}'; }
+# The workload's seed for a setup (0: Envoy alone, i + 1: kvpick i). With simulated pods each
+# setup gets text of its own: the pods keep what earlier runs cached, and kvpick learns of it.
+seed_of() { if [ "$PODS" = sim ]; then echo $(($1 + 100000 * $2)); else echo "$1"; fi; }
 # Envoy's timing log (see timing_log above): its length now, and the medians of the lines
 # written since a given length (to upstream; and the routing ext_proc call's turnaround).
 logged() { stat -c %s "$WORK/timing-$1.log" 2>/dev/null || echo 0; }
@@ -212,10 +245,10 @@ for r in $(seq "$ROUNDS"); do
     path=/v1/chat/completions; [ "$variant" = fixed ] && path=/v1/completions
     seed=$((seed + 1))
     alone_from=$(logged alone)
-    alone=$(run 8080 $path "$size" "$variant" "$pace" $seed)
+    alone=$(run 8080 $path "$size" "$variant" "$pace" "$(seed_of $seed 0)")
     for i in "${!KVPICKS[@]}"; do
       metrics=$((9090 + 100 * i))
-      before=$(stages $metrics); routed_before=$(routed $metrics)
+      before=$(stages $metrics); routed_before=$(routed $metrics); applied_before=$(applied $metrics)
       pid=${KVPICK_PIDS[$i]}
       rss_before=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status")
       echo 5 >"/proc/$pid/clear_refs" 2>/dev/null || true # resets VmHWM to the current RSS
@@ -225,8 +258,8 @@ for r in $(seq "$ROUNDS"); do
       threads_before=$(threads "$pid"); faults_before=$(awk '{print $10}' "/proc/$pid/stat")
       envoy_before=$(ticks "${ENVOY_PIDS[$i]}")
       from=$(logged "kvpick$i")
-      a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" $seed "${KVPICK_PIDS[$i]}")
-      after=$(stages $metrics); routed_after=$(routed $metrics)
+      a=$(run $((8081 + 100 * i)) $path "$size" "$variant" "$pace" "$(seed_of $seed $((i + 1)))" "${KVPICK_PIDS[$i]}")
+      after=$(stages $metrics); routed_after=$(routed $metrics); applied_after=$(applied $metrics)
       hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
       read -r vol_after invol_after < <(switches "$pid")
       msgs_after=$(messages $((9901 + 100 * i)))
@@ -256,6 +289,7 @@ print(", ".join(f"{k} {v * 1e4 / sent:.0f} µs" for k, v in sorted(parts.items()
       echo "#   kvpick$i page faults per request (minor: fresh or returned pages touched): $(python3 -c "print(f'{($faults_after - $faults_before) / $sent:.1f}')")"
       echo "#   kvpick$i its Envoy's CPU per request (warm-up included): $(python3 -c "print(f'{($envoy_after - $envoy_before) * 1e4 / $sent:.0f} µs')")"
       echo "#   kvpick$i ext-proc messages per request (Envoy to kvpick): $(python3 -c "print(f'{($msgs_after - $msgs_before) / $sent:.1f}')")"
+      [ "$PODS" = sim ] && echo "#   kvpick$i KV events applied per request: $(python3 -c "print(f'{($applied_after - $applied_before) / $sent:.1f}')")"
       cached=$(curl -sf "http://127.0.0.1:$metrics/metrics" | awk '/^kvpick_tokenize_prefix_cache_bytes/ {n += $NF} END {printf "%d", n / 1048576}')
       echo "#   kvpick$i memory: peak RSS $((hwm / 1024)) MiB during the run, $((rss_before / 1024)) MiB before it; prefix token cache after it ${cached} MiB"
       python3 - "$r" "$size" "$variant" "$pace" "kvpick$i" "$a" "$alone" "$before" "$after" \

@@ -1,5 +1,6 @@
 //! Fuzz the KV-event wire decoder: no input may panic, hang or allocate without bound, in the
-//! payload decoder, the frame splitter or the topic parser (all three read network bytes).
+//! payload decoder, the frame splitter or the topic parser (all three read network bytes); and
+//! the payload decoder must agree with its reference (`decode_payload_reference`).
 //!
 //! The index that consumes decoded batches is covered by tests/kv_index_proptest.rs (a
 //! differential property test); it is left out here so this target builds without kvpick.
@@ -7,7 +8,9 @@
 //! Seed corpus: fuzz/seeds/decode_payload/ (real vLLM 0.32 payloads, see its README).
 #![no_main]
 
-use kvpick_kvevents_wire::{KvEvent, decode_payload, split_frames, split_topic};
+use kvpick_kvevents_wire::{
+    KvEvent, decode_payload, decode_payload_reference, split_frames, split_topic,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,7 +23,11 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(frames.len(), 3);
         assert_eq!(message.payload.len(), frames[2].len());
     }
-    let Ok(batch) = decode_payload(data) else {
+    // The one-pass reader decodes exactly as the whole payload read by rmpv first does,
+    // errors included.
+    let decoded = decode_payload(data);
+    assert_eq!(decoded, decode_payload_reference(data));
+    let Ok(batch) = decoded else {
         return;
     };
     for event in &batch.events {

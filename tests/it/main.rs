@@ -33,6 +33,7 @@ mod k8s_leader;
 mod k8s_policy;
 mod kv_decode_fixtures;
 mod kv_decode_hostile;
+mod kv_decode_reader;
 mod kv_index_fixtures;
 mod kv_index_gallop;
 mod kv_index_proptest;

@@ -10,19 +10,21 @@
 //! since ~0.24, legacy tagged arrays before), omits fields at their default, and adds fields in
 //! new releases. A schema-bound deserializer would reject one of those; this one accepts both
 //! layouts, ignores unknown keys and trailing fields, and treats a missing key as "none".
+//! The payload is read in one pass (`reader`: the token ids and block hashes straight into
+//! typed vectors, the rest as values), then interpreted (`batch`).
 //!
 //! Every input here comes from the network: nothing panics on a payload, sizes are bounded
 //! ([`MAX_PAYLOAD_BYTES`], nesting depth) and every failure is a typed [`DecodeError`].
 
+mod batch;
+mod reader;
 pub mod zmtp;
 
-use rmpv::Value;
+use reader::RawBatch;
 use std::net::SocketAddr;
 
 /// Largest payload accepted (vLLM batches are a few KB; a full-report batch can reach ~1 MB).
 pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
-/// Deepest msgpack nesting accepted (real payloads nest 4 levels).
-const MAX_DEPTH: usize = 16;
 
 /// Why a message or payload could not be decoded.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -232,269 +234,35 @@ pub fn decode_payload(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(DecodeError::TooLarge(payload.len()));
     }
-    let mut reader = payload;
-    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
+    let mut rest = payload;
+    let batch = RawBatch::read(&mut rest).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes(rest.len()));
+    }
+    batch::decode_batch(batch)
+}
+
+/// [`decode_payload`] as it was before its reader: the whole payload read by rmpv into one
+/// value first. The same result for every input, slower; kept to test and fuzz against.
+#[doc(hidden)]
+pub fn decode_payload_reference(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    if payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(DecodeError::TooLarge(payload.len()));
+    }
+    let mut rest = payload;
+    let value = rmpv::decode::read_value_with_max_depth(&mut rest, reader::MAX_DEPTH)
         .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    if !reader.is_empty() {
-        return Err(DecodeError::TrailingBytes(reader.len()));
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes(rest.len()));
     }
-    decode_batch(&value)
-}
-
-fn decode_batch(value: &Value) -> Result<EventBatch, DecodeError> {
-    let Value::Array(fields) = value else {
-        return Err(DecodeError::BatchShape);
-    };
-    let ts = match fields.first() {
-        Some(v) => as_f64(v).ok_or(DecodeError::FieldType { field: "ts" })?,
-        None => return Err(DecodeError::BatchShape),
-    };
-    let events = match fields.get(1) {
-        Some(Value::Array(items)) => items.iter().map(decode_event).collect::<Result<_, _>>()?,
-        Some(_) => return Err(DecodeError::FieldType { field: "events" }),
-        None => return Err(DecodeError::BatchShape),
-    };
-    let dp_rank = match fields.get(2) {
-        None | Some(Value::Nil) => None,
-        Some(v) => Some(as_i64(v).ok_or(DecodeError::FieldType {
-            field: "data_parallel_rank",
-        })?),
-    };
-    Ok(EventBatch {
-        ts,
-        events,
-        dp_rank,
-    })
-}
-
-/// Field access over both layouts: a map by key, or a legacy array by position.
-enum Fields<'a> {
-    Map(&'a [(Value, Value)]),
-    Array(&'a [Value]),
-}
-
-impl<'a> Fields<'a> {
-    /// The field named `key` (map) or at `position` (array, after the tag); nil counts as
-    /// missing.
-    fn get(&self, key: &str, position: usize) -> Option<&'a Value> {
-        let found = match self {
-            Fields::Map(pairs) => pairs
-                .iter()
-                .find(|(k, _)| k.as_str() == Some(key))
-                .map(|(_, v)| v),
-            Fields::Array(items) => items.get(position + 1),
-        };
-        found.filter(|v| !v.is_nil())
-    }
-}
-
-fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
-    let (tag, fields) = match value {
-        Value::Map(pairs) => {
-            let tag = pairs
-                .iter()
-                .find(|(k, _)| k.as_str() == Some("type"))
-                .and_then(|(_, v)| v.as_str())
-                .ok_or(DecodeError::EventTag)?;
-            (tag, Fields::Map(pairs))
-        }
-        Value::Array(items) => {
-            let tag = items
-                .first()
-                .and_then(Value::as_str)
-                .ok_or(DecodeError::EventTag)?;
-            (tag, Fields::Array(items))
-        }
-        _ => return Err(DecodeError::EventTag),
-    };
-    match tag {
-        "BlockStored" => decode_stored(&fields).map(KvEvent::BlockStored),
-        "BlockRemoved" => decode_removed(&fields).map(KvEvent::BlockRemoved),
-        "AllBlocksCleared" => {
-            let medium = opt_str(fields.get("medium", 0), "medium")?;
-            Ok(KvEvent::AllBlocksCleared {
-                tier: medium.map(|m| Tier::from_medium(Some(m))),
-            })
-        }
-        other => Ok(KvEvent::Unknown(other.chars().take(64).collect())),
-    }
-}
-
-fn decode_stored(fields: &Fields<'_>) -> Result<BlockStored, DecodeError> {
-    let block_hashes = hash_list(
-        fields
-            .get("block_hashes", 0)
-            .ok_or(DecodeError::MissingField("block_hashes"))?,
-    )?;
-    let parent_block_hash = fields.get("parent_block_hash", 1).map(hash).transpose()?;
-    let token_ids = match fields.get("token_ids", 2) {
-        None => Vec::new(),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .and_then(|t| u32::try_from(t).ok())
-                    .ok_or(DecodeError::TokenId)
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(DecodeError::FieldType { field: "token_ids" }),
-    };
-    let block_size = match fields.get("block_size", 3) {
-        None => None,
-        Some(v) => Some(v.as_u64().and_then(|b| u32::try_from(b).ok()).ok_or(
-            DecodeError::FieldType {
-                field: "block_size",
-            },
-        )?),
-    };
-    let lora_id = opt_i64(fields.get("lora_id", 4), "lora_id")?;
-    let tier = Tier::from_medium(opt_str(fields.get("medium", 5), "medium")?);
-    let lora_name = opt_str(fields.get("lora_name", 6), "lora_name")?.map(str::to_string);
-    let extra = match fields.get("extra_keys", 7) {
-        None => Vec::new(),
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| block_extra(i, v, lora_name.as_deref()))
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(DecodeError::FieldType {
-                field: "extra_keys",
-            });
-        }
-    };
-    let group_idx = opt_i64(fields.get("group_idx", 8), "group_idx")?;
-    Ok(BlockStored {
-        block_hashes,
-        parent_block_hash,
-        token_ids,
-        block_size,
-        lora_id,
-        tier,
-        lora_name,
-        extra,
-        group_idx,
-    })
-}
-
-fn decode_removed(fields: &Fields<'_>) -> Result<BlockRemoved, DecodeError> {
-    let block_hashes = hash_list(
-        fields
-            .get("block_hashes", 0)
-            .ok_or(DecodeError::MissingField("block_hashes"))?,
-    )?;
-    let tier = Tier::from_medium(opt_str(fields.get("medium", 1), "medium")?);
-    let group_idx = opt_i64(fields.get("group_idx", 2), "group_idx")?;
-    Ok(BlockRemoved {
-        block_hashes,
-        tier,
-        group_idx,
-    })
-}
-
-/// One block's extra keys: vLLM orders them LoRA name, multimodal hashes, cache salt (block 0
-/// only). The LoRA name is already a seed of the key, the salt is taken as the last string of
-/// block 0, and anything else is digested into `opaque`.
-fn block_extra(
-    index: usize,
-    value: &Value,
-    lora_name: Option<&str>,
-) -> Result<BlockExtra, DecodeError> {
-    let items: &[Value] = match value {
-        Value::Nil => return Ok(BlockExtra::default()),
-        Value::Array(items) => items,
-        _ => {
-            return Err(DecodeError::FieldType {
-                field: "extra_keys",
-            });
-        }
-    };
-    let mut rest: Vec<&Value> = items
-        .iter()
-        .filter(|v| lora_name.is_none() || v.as_str() != lora_name)
-        .collect();
-    let mut cache_salt = None;
-    if index == 0
-        && let Some(last) = rest.last().and_then(|v| v.as_str())
-    {
-        cache_salt = Some(last.to_string());
-        rest.pop();
-    }
-    let opaque = if rest.is_empty() {
-        None
-    } else {
-        let mut bytes = Vec::new();
-        for item in rest {
-            // NOTE: writing into a Vec cannot fail; an error would only shorten the digest.
-            let _ = rmpv::encode::write_value(&mut bytes, item);
-        }
-        Some(xxhash_rust::xxh3::xxh3_64(&bytes))
-    };
-    Ok(BlockExtra { cache_salt, opaque })
-}
-
-fn hash_list(value: &Value) -> Result<Vec<EngineHash>, DecodeError> {
-    match value {
-        Value::Array(items) => items.iter().map(hash).collect(),
-        _ => Err(DecodeError::FieldType {
-            field: "block_hashes",
-        }),
-    }
-}
-
-/// A block hash: u64, i64 (reinterpreted), or bytes (the last 8 bytes, big-endian; shorter
-/// byte strings are left-padded with zeros).
-fn hash(value: &Value) -> Result<EngineHash, DecodeError> {
-    match value {
-        Value::Integer(i) => i
-            .as_u64()
-            .or_else(|| i.as_i64().map(|s| s as u64))
-            .map(EngineHash)
-            .ok_or(DecodeError::Hash),
-        Value::Binary(bytes) => {
-            if bytes.is_empty() {
-                return Err(DecodeError::Hash);
-            }
-            let tail = &bytes[bytes.len().saturating_sub(8)..];
-            let mut be = [0u8; 8];
-            be[8 - tail.len()..].copy_from_slice(tail);
-            Ok(EngineHash(u64::from_be_bytes(be)))
-        }
-        _ => Err(DecodeError::Hash),
-    }
-}
-
-fn as_f64(value: &Value) -> Option<f64> {
-    match value {
-        Value::F64(f) => Some(*f),
-        Value::F32(f) => Some(f64::from(*f)),
-        Value::Integer(i) => i.as_f64(),
-        _ => None,
-    }
-}
-
-fn as_i64(value: &Value) -> Option<i64> {
-    value.as_i64()
-}
-
-fn opt_i64(value: Option<&Value>, field: &'static str) -> Result<Option<i64>, DecodeError> {
-    value
-        .map(|v| as_i64(v).ok_or(DecodeError::FieldType { field }))
-        .transpose()
-}
-
-fn opt_str<'a>(
-    value: Option<&'a Value>,
-    field: &'static str,
-) -> Result<Option<&'a str>, DecodeError> {
-    value
-        .map(|v| v.as_str().ok_or(DecodeError::FieldType { field }))
-        .transpose()
+    batch::decode_batch(RawBatch::from_value(value))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use batch::block_extra;
+    use rmpv::Value;
 
     fn encode(value: &Value) -> Vec<u8> {
         let mut out = Vec::new();
