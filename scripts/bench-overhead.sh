@@ -34,8 +34,9 @@
 # that publish KV events over ZMQ, and kvpick subscribes to them, as in production: its
 # routing records are the speculative ones a pod's events confirm, and its CPU includes taking
 # in the events. The setups (Envoy alone, each kvpick) get workloads of their own seeds, so no
-# setup's prompts are already cached by another's run. Each kvpick run also prints the KV
-# events kvpick applied per request. Default: PODS=instant (`kvpick-bench backend`, no events).
+# setup's prompts are already cached by another's run, and the pods' caches are emptied
+# before each run. Each kvpick run also prints the KV-event batches kvpick applied per
+# request. Default: PODS=instant (`kvpick-bench backend`, no events).
 # SKIP_BUILD=1: use the release binaries as they are.
 # STREAM=K: every request asks for a streamed answer and the backends stream it like vLLM
 # (K token events of ~150 B, a usage event, [DONE]; each its own write), so with the shipped
@@ -69,10 +70,11 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 if [ "$PODS" = sim ]; then
-  # Room for ~16 prompts of 100k tokens per pod before a pod evicts (each eviction is a
-  # BlockRemoved event kvpick applies, as on a full GPU); prompts up to 128k tokens.
+  # Room for ~20 cold 220 KB prompts per pod before a pod evicts (each eviction is a
+  # BlockRemoved event kvpick applies, as on a full GPU); prompts up to 256k tokens (a 400 KB
+  # body of the bench's prose is ~142k tokens).
   $BIN/kvpick-sim --pods 2 --base-port 8101 --events-base-port 5557 --replay-base-port 6557 \
-    --model bench-model --time-scale 0 --num-gpu-blocks 100000 --max-model-len 131072 \
+    --model bench-model --time-scale 0 --num-gpu-blocks 100000 --max-model-len 262144 \
     --tokenizer assets/tokenizer >"$WORK/sim.log" 2>&1 & PIDS+=($!)
   printf 'endpoints:\n' > "$WORK/pool.yaml"
   for i in 0 1; do
@@ -206,6 +208,14 @@ applied() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^kvpick_kv_events_app
 # The workload's seed for a setup (0: Envoy alone, i + 1: kvpick i). With simulated pods each
 # setup gets text of its own: the pods keep what earlier runs cached, and kvpick learns of it.
 seed_of() { if [ "$PODS" = sim ]; then echo $(($1 + 100000 * $2)); else echo "$1"; fi; }
+# With simulated pods, every run starts from empty caches: otherwise a later run would find
+# fuller caches and take in more evictions than the one before it. The pods announce the
+# reset (AllBlocksCleared); the pause lets every kvpick apply it before its CPU is read.
+empty_pods() {
+  [ "$PODS" = sim ] || return 0
+  for port in 8101 8102; do curl -sf -X POST "127.0.0.1:$port/reset_prefix_cache" >/dev/null; done
+  sleep 0.3
+}
 # Envoy's timing log (see timing_log above): its length now, and the medians of the lines
 # written since a given length (to upstream; and the routing ext_proc call's turnaround).
 logged() { stat -c %s "$WORK/timing-$1.log" 2>/dev/null || echo 0; }
@@ -244,10 +254,12 @@ for r in $(seq "$ROUNDS"); do
   for size in $SIZES; do for variant in $VARIANTS; do for pace in $PACES; do
     path=/v1/chat/completions; [ "$variant" = fixed ] && path=/v1/completions
     seed=$((seed + 1))
+    empty_pods
     alone_from=$(logged alone)
     alone=$(run 8080 $path "$size" "$variant" "$pace" "$(seed_of $seed 0)")
     for i in "${!KVPICKS[@]}"; do
       metrics=$((9090 + 100 * i))
+      empty_pods
       before=$(stages $metrics); routed_before=$(routed $metrics); applied_before=$(applied $metrics)
       pid=${KVPICK_PIDS[$i]}
       rss_before=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status")
