@@ -1,19 +1,22 @@
 //! One pass over a payload's msgpack into a [`RawBatch`]: the batch's shape as published, with
-//! its two long arrays (token ids, block hashes) read straight into typed vectors and
-//! everything else as [`rmpv::Value`]s.
+//! its two long arrays (token ids, block hashes) read straight into typed vectors, map keys
+//! and string fields borrowed from the payload, and everything else as [`rmpv::Value`]s.
 //!
 //! Why not `rmpv::decode::read_value` of the whole payload, as before: a store event of a
 //! chunked prefill carries ~8,000 token ids, and rmpv reads each into a 32-byte `Value` of a
 //! vector grown by pushing (it does not trust a declared length), then kvpick copied them
-//! out and dropped the tree. With real pods publishing events, that was about a third of
-//! kvpick's CPU for a cold 220 KB prompt (docs/benchmarks.md, session 31).
+//! out and dropped the tree; and an eviction is one event per block, each with four keys and
+//! two strings rmpv allocates. With pods publishing events, that tree was ~30% of the event
+//! thread's CPU, and a cold 220 KB request cost 18 ms of kvpick CPU instead of 12
+//! (docs/benchmarks.md, session 31).
 //!
 //! Exactness: the result must be what reading the whole payload with rmpv gives
 //! ([`RawBatch::from_value`], the reference). So:
 //! - a typed array is read only when every element has the type its field accepts (a token
 //!   id that fits in `u32`; a hash that is an integer or non-empty bytes); on anything else,
 //!   including the end of the input, the reader goes back to the array's first byte and reads
-//!   it with rmpv, so the value and any error are rmpv's own;
+//!   it with rmpv, so the value and any error are rmpv's own; likewise a string that is not
+//!   UTF-8 (rmpv keeps it as a `Value::String` that is no `str`);
 //! - every other value is read with rmpv at the depth budget rmpv would have left at that
 //!   point (rmpv spends one unit per value and one more per array, map, string or bytes), so
 //!   "too deep" fails at the same byte;
