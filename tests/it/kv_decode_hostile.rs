@@ -3,6 +3,7 @@
 //! without panicking or growing past its bounds (the cargo-fuzz target in fuzz/ explores
 //! further).
 
+use crate::hostile_bytes::cuts_and_mutations;
 use crate::support::paths;
 
 use std::net::SocketAddr;
@@ -47,29 +48,14 @@ fn truncations_and_mutations_never_panic() {
         ..IndexConfig::default()
     });
     let pod = PodId(SocketAddr::from(([127, 0, 0, 1], 1)));
-    let mut decoded = 0;
-    let mut rejected = 0;
+    let (mut decoded, mut rejected) = (0, 0);
     let mut rng = fastrand::Rng::with_seed(7);
     for payload in payloads() {
-        for cut in 0..payload.len() {
-            if exercise(&index, pod, &payload[..cut]) {
-                decoded += 1;
-            } else {
-                rejected += 1;
-            }
-        }
-        for _ in 0..300 {
-            let mut mutated = payload.clone();
-            for _ in 0..rng.usize(1..4) {
-                let at = rng.usize(..mutated.len());
-                mutated[at] = rng.u8(..);
-            }
-            if exercise(&index, pod, &mutated) {
-                decoded += 1;
-            } else {
-                rejected += 1;
-            }
-        }
+        let (ok, refused) = cuts_and_mutations(&payload, 1, 300, &mut rng, |data| {
+            exercise(&index, pod, data)
+        });
+        decoded += ok;
+        rejected += refused;
     }
     assert!(
         decoded > 0 && rejected > 0,

@@ -3,6 +3,7 @@
 //! their messages included, for every real capture, every truncation and mutation of them,
 //! and generated batches of every shape the decoder tolerates or refuses.
 
+use crate::hostile_bytes::cuts_and_mutations;
 use crate::support::paths;
 
 use kvpick::kvevents::decode::{decode_payload, decode_payload_reference, decoded_alike};
@@ -65,30 +66,10 @@ fn every_capture_its_truncations_and_mutations_decode_as_the_reference_does() {
     for (i, payload) in captures.iter().enumerate() {
         assert!(assert_same(payload), "capture {i} does not decode");
         // Every cut of the first few, a spread of cuts of the rest (some are ~100 KB).
-        let step = if i < 4 {
-            1
-        } else {
-            (payload.len() / 200).max(1)
-        };
-        for cut in (0..payload.len()).step_by(step) {
-            if assert_same(&payload[..cut]) {
-                decoded += 1;
-            } else {
-                rejected += 1;
-            }
-        }
-        for _ in 0..200 {
-            let mut mutated = payload.clone();
-            for _ in 0..rng.usize(1..4) {
-                let at = rng.usize(..mutated.len());
-                mutated[at] = rng.u8(..);
-            }
-            if assert_same(&mutated) {
-                decoded += 1;
-            } else {
-                rejected += 1;
-            }
-        }
+        let step = if i < 4 { 1 } else { payload.len() / 200 };
+        let (ok, refused) = cuts_and_mutations(payload, step, 200, &mut rng, assert_same);
+        decoded += ok;
+        rejected += refused;
     }
     assert!(
         decoded > 0 && rejected > 0,

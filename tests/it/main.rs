@@ -12,6 +12,10 @@ mod fake_kube;
 // Random-token prompts (the tokenizer tests; benches/tokenize.rs includes it too).
 #[path = "../support/random_text.rs"]
 mod random_text;
+// Truncations and mutations of real payloads (the KV-event decoder tests; crates/kvpick-e2e
+// shares support/ but not this, nor its fastrand).
+#[path = "../support/hostile_bytes.rs"]
+mod hostile_bytes;
 
 mod app_reliability;
 mod conformance_hooks;

@@ -158,11 +158,7 @@ fn decode_event(event: RawEvent<'_>) -> Result<KvEvent, DecodeError> {
 }
 
 fn decode_stored(fields: &mut Fields<'_>) -> Result<BlockStored, DecodeError> {
-    let block_hashes = hash_list(
-        fields
-            .take("block_hashes", 0)
-            .ok_or(DecodeError::MissingField("block_hashes"))?,
-    )?;
+    let block_hashes = block_hashes(fields)?;
     let parent_block_hash = fields
         .get("parent_block_hash", 1, "parent_block_hash")?
         .map(|field| match field {
@@ -223,11 +219,7 @@ fn decode_stored(fields: &mut Fields<'_>) -> Result<BlockStored, DecodeError> {
 }
 
 fn decode_removed(fields: &mut Fields<'_>) -> Result<BlockRemoved, DecodeError> {
-    let block_hashes = hash_list(
-        fields
-            .take("block_hashes", 0)
-            .ok_or(DecodeError::MissingField("block_hashes"))?,
-    )?;
+    let block_hashes = block_hashes(fields)?;
     let tier = Tier::from_medium(opt_str(fields.get("medium", 1, "medium")?, "medium")?);
     let group_idx = opt_i64(fields.get("group_idx", 2, "group_idx")?, "group_idx")?;
     Ok(BlockRemoved {
@@ -276,6 +268,15 @@ pub(crate) fn block_extra(
         Some(xxhash_rust::xxh3::xxh3_64(&bytes))
     };
     Ok(BlockExtra { cache_salt, opaque })
+}
+
+/// A store's or removal's `block_hashes` (the first field of both layouts): required.
+fn block_hashes(fields: &mut Fields<'_>) -> Result<Vec<EngineHash>, DecodeError> {
+    hash_list(
+        fields
+            .take("block_hashes", 0)
+            .ok_or(DecodeError::MissingField("block_hashes"))?,
+    )
 }
 
 fn hash_list(slot: Slot<'_>) -> Result<Vec<EngineHash>, DecodeError> {

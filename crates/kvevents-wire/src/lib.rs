@@ -280,7 +280,8 @@ mod tests {
     use batch::block_extra;
     use rmpv::Value;
 
-    fn encode(value: &Value) -> Vec<u8> {
+    /// A value's msgpack bytes (the crate's tests build payloads with it).
+    pub(crate) fn encode(value: &Value) -> Vec<u8> {
         let mut out = Vec::new();
         rmpv::encode::write_value(&mut out, value).unwrap();
         out

@@ -406,12 +406,7 @@ fn hash(reader: &mut Reader<'_>) -> Option<EngineHash> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn encode(value: &Value) -> Vec<u8> {
-        let mut out = Vec::new();
-        rmpv::encode::write_value(&mut out, value).unwrap();
-        out
-    }
+    use crate::tests::encode;
 
     /// The batch as read, and checked against the reference.
     fn read(value: &Value) -> RawBatch<'static> {
