@@ -2,7 +2,8 @@
 //! prompt over 100 pods, the routing record of a warm 6,250-block prompt and of a cold
 //! 3,500-block one (with the index in the CPU caches and pushed out of them), and memory per
 //! (block, pod) entry (printed); and decoding a store of 512 blocks and an eviction of 512, the
-//! one-pass reader against the reference.
+//! one-pass reader against the reference; and a full fleet's steady ingest (a store and an
+//! eviction of 512 blocks, with tables larger than the CPU's caches).
 //!
 //! Run: `cargo bench --bench kvcache`.
 
@@ -146,6 +147,82 @@ fn ingest(c: &mut Criterion) {
         )
     });
     group.finish();
+}
+
+/// Pods of the steady-state ingest, and blocks each holds (a full cache: every store of a
+/// chain evicts the pod's oldest chain, as a vLLM pod at capacity does).
+const STEADY_PODS: usize = 8;
+const STEADY_CHAIN: usize = 512;
+const STEADY_HELD_CHAINS: usize = 200;
+
+/// Chain `n` of pod `p` in the steady-state ingest: one store of 512 blocks, its tokens and
+/// engine hashes derived from (p, n), so the eviction of chain `n` can be rebuilt later.
+fn steady_store(p: usize, n: usize) -> EventBatch {
+    let seed = (p * 1_000_003 + n) as u32;
+    let tokens: Vec<u32> = (0..STEADY_CHAIN * BLOCK)
+        .map(|t| seed.wrapping_mul(2_654_435_761) ^ t as u32)
+        .collect();
+    EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: steady_hashes(p, n),
+            parent_block_hash: None,
+            token_ids: tokens,
+            block_size: Some(BLOCK as u32),
+            tier: Tier::Gpu,
+            extra: vec![BlockExtra::default(); STEADY_CHAIN],
+            ..BlockStored::default()
+        })],
+        dp_rank: Some(0),
+    }
+}
+
+fn steady_hashes(p: usize, n: usize) -> Vec<EngineHash> {
+    (0..STEADY_CHAIN)
+        .map(|b| {
+            let raw = ((p as u64) << 48) ^ ((n as u64) << 16) ^ b as u64;
+            EngineHash(raw.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        })
+        .collect()
+}
+
+/// A full fleet's steady state: 8 pods holding 102,400 blocks each (~820k entries, tables
+/// larger than the CPU's caches, as in a production fleet), where each step one pod stores a
+/// new 512-block chain (one chunked-prefill step) and evicts its oldest 512 blocks, one
+/// `BlockRemoved` event each. What a step costs when every block is a cache miss.
+fn ingest_steady(c: &mut Criterion) {
+    let index = PrefixIndex::new(IndexConfig::default());
+    for n in 0..STEADY_HELD_CHAINS {
+        for p in 0..STEADY_PODS {
+            index.apply_batch(pod(p), "m", &steady_store(p, n));
+        }
+    }
+    let step = std::cell::Cell::new(0usize);
+    let mut group = c.benchmark_group("ingest_steady_8_pods_102400_blocks");
+    group.throughput(Throughput::Elements(2 * STEADY_CHAIN as u64));
+    group.bench_function("store_512_evict_512", |b| {
+        b.iter_batched(
+            || {
+                let s = step.get();
+                step.set(s + 1);
+                let (p, n) = (s % STEADY_PODS, STEADY_HELD_CHAINS + s / STEADY_PODS);
+                let evicted = steady_hashes(p, n - STEADY_HELD_CHAINS);
+                (p, steady_store(p, n), remove_batch(&evicted))
+            },
+            |(p, store, evict)| {
+                index.apply_batch(pod(p), "m", &store);
+                index.apply_batch(pod(p), "m", &evict);
+                (store, evict)
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    group.finish();
+    assert_eq!(
+        index.pod_entries(pod(0)),
+        STEADY_HELD_CHAINS * STEADY_CHAIN,
+        "every step evicts as much as it stores"
+    );
 }
 
 /// One chunked-prefill step's store event as vLLM publishes it (tagged map, 512 blocks of 16
@@ -480,6 +557,6 @@ criterion_group! {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))
         .sample_size(30);
-    targets = memory, decode, ingest, matching, record, record_cold
+    targets = memory, decode, ingest, ingest_steady, matching, record, record_cold
 }
 criterion_main!(benches);

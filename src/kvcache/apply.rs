@@ -2,14 +2,43 @@
 //! parent, placed in spans), removals and clears, with the bounds and the statistics of each
 //! batch. The concurrency rules are the index's ([`super::index`]): one writer per pod, under
 //! the pod's mutex.
+//!
+//! # Runs and reading ahead (why)
+//! A pod at capacity reports each chunked-prefill step as a store of up to 512 blocks and as
+//! many `BlockRemoved` events. In a fleet's index (tables larger than the CPU's caches) each
+//! block is then a cache miss in the pod's hash map and one in the block map, and applied one
+//! block after another, under a lock per block, those misses are paid one after the other
+//! (`Shard::remove` and `Shard::add` were a quarter of kvpick's CPU with pods publishing
+//! events, nearly all of it waiting on two loads). So:
+//! - a store's blocks new to the pod go in as runs ([`PrefixIndex::store_run`]): their hashes
+//!   claimed in one loop, the block map written shard by shard, so the misses overlap;
+//! - removals, and stores that go block by block, are read ahead: a stretch of up to
+//!   [`READ_AHEAD`] blocks is looked up once, results unused (independent reads, whose misses
+//!   overlap), and the apply that follows finds its memory in cache and decides exactly as
+//!   before. Only for pods whose maps are large ([`READ_AHEAD_FROM_HASHES`]): in cache, the
+//!   second lookup is only extra work.
 
+use std::collections::hash_map::Entry;
 use std::sync::atomic::Ordering;
 
 use super::index::{ApplyStats, PodBlocks, PodEntry, PrefixIndex};
 use super::key::{BlockKey, KeyContext, next_key};
+use super::record::RUN_FROM;
 use super::span::SpanRef;
 use crate::endpoints::PodId;
 use kvpick_kvevents_wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+
+/// Blocks read ahead at a time: their hash-map and block-map lines (~4 per block) stay well
+/// within a core's L2 cache until they are applied.
+const READ_AHEAD: usize = 256;
+
+/// Hashes a pod's map must hold for removals and block-by-block stores to be read ahead.
+///
+/// NOTE: reading ahead is a second lookup of each block; with tables that fit the CPU's
+/// caches it only adds that work (`ingest/*` in benches/kvcache.rs: 10–20% slower), while a
+/// fleet's index that does not fit gains more than it costs (`ingest_steady`). A pod's map
+/// of 16k hashes is ~400 KB, beside a block map at least as large.
+const READ_AHEAD_FROM_HASHES: usize = 16 << 10;
 
 /// One block of a store event, keyed.
 #[derive(Clone, Copy, Debug)]
@@ -56,6 +85,18 @@ impl PrefixIndex {
     /// Applies one decoded batch from `pod`, whose topic names `model`. Batches of one pod must
     /// be applied in sequence order, from one task at a time.
     pub fn apply_batch(&self, pod: PodId, model: &str, batch: &EventBatch) -> ApplyStats {
+        self.apply_batch_runs_from(pod, model, batch, RUN_FROM)
+    }
+
+    /// [`Self::apply_batch`], adding a store's new blocks as runs when `run_from` or more
+    /// lead a stretch (`usize::MAX`: block by block; tests compare the two).
+    pub(super) fn apply_batch_runs_from(
+        &self,
+        pod: PodId,
+        model: &str,
+        batch: &EventBatch,
+        run_from: usize,
+    ) -> ApplyStats {
         let entry = self.pod_or_insert(pod);
         let mut state = entry.lock();
         let mut stats = ApplyStats::default();
@@ -67,12 +108,18 @@ impl PrefixIndex {
             state.precise = true;
             self.drop_approx(&entry, &mut state);
         }
-        for event in &batch.events {
+        // Removals read ahead up to (not including) this event.
+        let mut read_until = 0;
+        for (i, event) in batch.events.iter().enumerate() {
             match event {
                 KvEvent::BlockStored(stored) => {
-                    self.apply_stored(&entry, &mut state, model, stored, &mut stats)
+                    self.apply_stored(&entry, &mut state, model, stored, run_from, &mut stats)
                 }
                 KvEvent::BlockRemoved(removed) => {
+                    if i >= read_until && state.by_hash.len() >= READ_AHEAD_FROM_HASHES {
+                        let ahead = batch.events.get(i..).unwrap_or_default();
+                        read_until = i + self.read_ahead_removals(&state, ahead);
+                    }
                     self.apply_removed(&entry, &mut state, removed, &mut stats)
                 }
                 KvEvent::AllBlocksCleared { tier } => {
@@ -93,6 +140,7 @@ impl PrefixIndex {
         state: &mut PodBlocks,
         model: &str,
         stored: &BlockStored,
+        run_from: usize,
         stats: &mut ApplyStats,
     ) {
         let blocks = stored.block_hashes.len();
@@ -172,22 +220,156 @@ impl PrefixIndex {
             Some(span) => ChainLink::After(span),
             None => ChainLink::Start,
         };
-        for (i, (hash, tokens)) in stored
-            .block_hashes
-            .iter()
-            .zip(stored.token_ids.chunks_exact(block_size))
+        // Every block keyed first, so a stretch of them can be added as a run or read ahead
+        // (module docs).
+        let keys: Vec<BlockKey> = stored
+            .token_ids
+            .chunks_exact(block_size)
             .enumerate()
-        {
-            let opaque = stored.extra.get(i).and_then(|e| e.opaque);
-            let key = next_key(previous, tokens, opaque);
-            previous = key.0;
+            .map(|(i, tokens)| {
+                let opaque = stored.extra.get(i).and_then(|e| e.opaque);
+                let key = next_key(previous, tokens, opaque);
+                previous = key.0;
+                key
+            })
+            .collect();
+        let hashes = &stored.block_hashes;
+        let (mut read_until, mut next_run) = (0, 0);
+        let mut i = 0;
+        while let (Some(hash), Some(key)) = (hashes.get(i), keys.get(i)) {
+            let end = (i + READ_AHEAD).min(keys.len());
+            if announcement == Announcement::New && i >= next_run {
+                let stretch = (
+                    hashes.get(i..end).unwrap_or_default(),
+                    keys.get(i..end).unwrap_or_default(),
+                );
+                match self.store_run(entry, state, stretch, tier, link, run_from, stats) {
+                    Some((handled, next)) => {
+                        (i, link) = (i + handled, next);
+                        continue;
+                    }
+                    // Not a run of new blocks here: block by block for a while.
+                    None => next_run = i.saturating_add(run_from.max(1)),
+                }
+            }
+            if i >= read_until && state.by_hash.len() >= READ_AHEAD_FROM_HASHES {
+                self.read_ahead(
+                    state,
+                    hashes.get(i..end).unwrap_or_default(),
+                    keys.get(i..end).unwrap_or_default(),
+                );
+                read_until = end;
+            }
             let block = StoredBlock {
                 hash: *hash,
-                key,
+                key: *key,
                 tier,
             };
             (announcement, link) = self.insert(entry, state, block, announcement, link, stats);
+            i += 1;
         }
+    }
+
+    /// Adds the leading blocks of `stretch` (engine hashes, keys) as one run when they are new
+    /// to the pod ([`PrefixIndex::add_new_run`]: shard by shard, so their cache misses
+    /// overlap); returns how many blocks it applied and the link of the next, or `None` (nothing
+    /// applied) when fewer than `run_from` lead the stretch.
+    ///
+    /// Block by block ([`Self::insert`]), a block whose hash the pod has not keyed, stored
+    /// after a chained block while no re-announcement is possible and below the pod's limits,
+    /// is keyed, added, and continues its predecessor's span when it is a new holder; a run
+    /// does exactly that for each. So a run takes the leading blocks whose hashes are new
+    /// (each claimed in the pod's map in turn, so a hash repeated in the stretch ends it), if
+    /// the pod's limits leave room for all of them; `add_new_run` stops at a block the pod
+    /// already holds in this tier, which counts one more reference (a duplicate store) as
+    /// block by block, and the blocks after it are given back to the caller, hashes unclaimed.
+    #[allow(clippy::too_many_arguments)]
+    fn store_run(
+        &self,
+        entry: &PodEntry,
+        state: &mut PodBlocks,
+        (hashes, keys): (&[EngineHash], &[BlockKey]),
+        tier: Tier,
+        link: ChainLink,
+        run_from: usize,
+        stats: &mut ApplyStats,
+    ) -> Option<(usize, ChainLink)> {
+        let previous = match link {
+            ChainLink::Unchained => return None,
+            ChainLink::Start => None,
+            ChainLink::After(span) => Some(span),
+        };
+        let room = state
+            .limit
+            .saturating_sub(state.entries.max(state.by_hash.len()));
+        let wanted = hashes.len().min(keys.len()).min(room);
+        if wanted < run_from.max(1) {
+            return None;
+        }
+        let mut claimed = 0;
+        for (hash, key) in hashes.iter().zip(keys).take(wanted) {
+            match state.by_hash.entry(*hash) {
+                Entry::Vacant(vacant) => {
+                    vacant.insert(*key);
+                    claimed += 1;
+                }
+                Entry::Occupied(_) => break,
+            }
+        }
+        let (handled, new, last) = if claimed >= run_from.max(1) {
+            let run = keys.get(..claimed).unwrap_or_default();
+            self.add_new_run(entry, &mut state.spans, run, previous, tier)
+        } else {
+            (0, 0, previous)
+        };
+        for hash in hashes.get(handled..claimed).unwrap_or_default() {
+            state.by_hash.remove(hash);
+        }
+        if handled == 0 {
+            return None;
+        }
+        state.entries += new;
+        stats.blocks_added += new as u64;
+        stats.duplicate_stores += (handled - new) as u64;
+        let last = last.unwrap_or(SpanRef::NONE);
+        Some((handled, ChainLink::continuing(true, last, ChainLink::Start)))
+    }
+
+    /// Reads what applying `hashes` (the pod's map) and `keys` (the block map) will read,
+    /// results unused, so that their cache misses overlap (module docs). Decides nothing.
+    fn read_ahead(&self, state: &PodBlocks, hashes: &[EngineHash], keys: &[BlockKey]) {
+        let mut sum = 0u64;
+        for hash in hashes {
+            sum = sum.wrapping_add(state.by_hash.get(hash).map_or(0, |key| key.0));
+        }
+        std::hint::black_box(sum);
+        std::hint::black_box(self.blocks.reader(keys.len()).probe(keys));
+    }
+
+    /// Reads ahead the removals at the start of `events` (consecutive `BlockRemoved` events, up
+    /// to [`READ_AHEAD`] hashes); returns how many events it covered (at least one).
+    fn read_ahead_removals(&self, state: &PodBlocks, events: &[KvEvent]) -> usize {
+        let mut keys = Vec::with_capacity(READ_AHEAD);
+        let mut covered = 0;
+        for event in events {
+            let KvEvent::BlockRemoved(removed) = event else {
+                break;
+            };
+            if keys.len() + removed.block_hashes.len() > READ_AHEAD && covered > 0 {
+                break;
+            }
+            covered += 1;
+            // The pod's map is read here already: these lookups are the read-ahead of it.
+            keys.extend(
+                removed
+                    .block_hashes
+                    .iter()
+                    .take(READ_AHEAD)
+                    .filter_map(|hash| state.by_hash.get(hash).copied()),
+            );
+        }
+        std::hint::black_box(self.blocks.reader(keys.len()).probe(&keys));
+        covered.max(1)
     }
 
     /// The span of a chain's parent block on (pod, tier), which the chain may continue.
@@ -315,3 +497,7 @@ impl PrefixIndex {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "apply_tests.rs"]
+mod tests;

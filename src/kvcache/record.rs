@@ -135,7 +135,7 @@ impl PrefixIndex {
             let mut stretch = keys.get(stretch).unwrap_or_default();
             if stretch.len() >= run_from {
                 let (handled, new, last) =
-                    self.add_new_run(entry, &mut state.spans, stretch, previous);
+                    self.add_new_run(entry, &mut state.spans, stretch, previous, Tier::Gpu);
                 entries += new;
                 stretch = stretch.get(handled..).unwrap_or_default();
                 previous = last;
@@ -169,7 +169,7 @@ impl PrefixIndex {
         entry.entries.store(state.entries as u64, Ordering::Relaxed);
     }
 
-    /// Adds a stretch of blocks new to the pod as one chain, shard by shard
+    /// Adds a stretch of blocks new to the pod (in `tier`) as one chain, shard by shard
     /// ([`super::blockmap::BlockMap::add_run`]); returns how many blocks it handled (the
     /// ones after are left to the caller's block-by-block loop), how many of them are new
     /// holders, and the span of the last one (the caller's `previous`).
@@ -181,12 +181,13 @@ impl PrefixIndex {
     /// broken the chain. So the first such block ends the run: the blocks after it are taken
     /// back (they were not held before: nothing else changes this pod's holders while its
     /// mutex is held) and the caller goes on from it block by block.
-    fn add_new_run(
+    pub(super) fn add_new_run(
         &self,
         entry: &PodEntry,
         spans: &mut SpanBook,
         stretch: &[BlockKey],
         previous: Option<SpanRef>,
+        tier: Tier,
     ) -> (usize, usize, Option<SpanRef>) {
         let first = spans.next_after(previous, &entry.spans);
         // Block by block, a span ends at u16::MAX blocks and a new one starts; and with no
@@ -194,7 +195,7 @@ impl PrefixIndex {
         if !first.is_some() || usize::from(first.offset) + stretch.len() >= usize::from(u16::MAX) {
             return (0, 0, previous);
         }
-        let added = self.blocks.add_run(stretch, entry.slot, Tier::Gpu, first);
+        let added = self.blocks.add_run(stretch, entry.slot, tier, first);
         let run = added
             .iter()
             .position(|(refs, _)| *refs != 1)
@@ -204,7 +205,7 @@ impl PrefixIndex {
         for (key, (refs, _)) in stretch.iter().zip(&added).skip(run + 1).rev() {
             if *refs > 0 {
                 // NOTE: their spans were never committed: nothing to tell the span book.
-                let _ = self.blocks.remove(*key, entry.slot, Tier::Gpu, |_| {});
+                let _ = self.blocks.remove(*key, entry.slot, tier, |_| {});
             }
         }
         for (k, key) in stretch.iter().enumerate().take(run) {
@@ -228,8 +229,9 @@ impl PrefixIndex {
 }
 
 /// Blocks a stretch (or an eviction) must have for a record to add (or remove) them shard by
-/// shard ([`PrefixIndex::add_new_run`]); fewer go block by block.
-const RUN_FROM: usize = 64;
+/// shard ([`PrefixIndex::add_new_run`]); fewer go block by block. A stored chain's new blocks
+/// too (`apply`).
+pub(super) const RUN_FROM: usize = 64;
 
 #[cfg(test)]
 mod tests {
