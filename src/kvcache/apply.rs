@@ -243,9 +243,16 @@ impl PrefixIndex {
                     hashes.get(i..end).unwrap_or_default(),
                     keys.get(i..end).unwrap_or_default(),
                 );
+                let stretch_len = stretch.0.len();
                 match self.store_run(entry, state, stretch, tier, link, run_from, stats) {
                     Some((handled, next)) => {
                         (i, link) = (i + handled, next);
+                        // A run cut short (a block already held, the pod's limit): block by
+                        // block for a while, so blocks held under new hashes (an engine that
+                        // hashes anew) cost no run attempt each.
+                        if handled < stretch_len {
+                            next_run = i.saturating_add(run_from.max(1));
+                        }
                         continue;
                     }
                     // Not a run of new blocks here: block by block for a while.
@@ -304,6 +311,12 @@ impl PrefixIndex {
             .saturating_sub(state.entries.max(state.by_hash.len()));
         let wanted = hashes.len().min(keys.len()).min(room);
         if wanted < run_from.max(1) {
+            return None;
+        }
+        // A stretch whose first block the pod holds already is no run (and would be taken
+        // back whole): one lookup spares the attempt.
+        let first = keys.first()?;
+        if self.blocks.tier_refs(*first, entry.slot, tier) > 0 {
             return None;
         }
         let mut claimed = 0;

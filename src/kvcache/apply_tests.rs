@@ -9,6 +9,7 @@ use std::sync::Arc;
 use super::*;
 use crate::kvcache::index::IndexConfig;
 use crate::kvcache::key::{KeyContext, block_keys};
+use crate::kvcache::record::RUN_FROM;
 use kvpick_kvevents_wire::BlockExtra;
 
 const BLOCK: usize = 4;
@@ -120,7 +121,8 @@ fn random_batch(
                         let at = rng.below(hashes.len());
                         hashes[at] = engine_hash((d + 1) % DOCS, rng.below(DOC_BLOCKS), g);
                     }
-                    // The same tokens twice within the chain (a repeated key).
+                    // The same tokens twice within the chain (not a repeated key: keys chain
+                    // on their predecessor; `record`'s tests repeat keys in a run).
                     2 if hashes.len() > 8 => {
                         let at = 4 + rng.below(hashes.len() - 4);
                         let (head, tail) = tokens.split_at_mut(at * BLOCK);
@@ -224,6 +226,8 @@ struct Pair {
     steps: PrefixIndex,
     pods: usize,
     keys: BTreeSet<BlockKey>,
+    /// The runs' index adds runs from this many blocks.
+    run_from: usize,
 }
 
 impl Pair {
@@ -237,6 +241,7 @@ impl Pair {
             steps: PrefixIndex::new(config),
             pods,
             keys,
+            run_from: 1,
         };
         if let Some(capacity) = capacity {
             for p in 0..pods {
@@ -249,11 +254,18 @@ impl Pair {
 
     /// Applies `batch` from pod `p` to both and checks they agree; the batch's counters.
     fn apply(&mut self, p: usize, batch: &EventBatch, what: &str) -> ApplyStats {
-        let a = self.runs.apply_batch_runs_from(pod(p), "m", batch, 1);
+        let a = self
+            .runs
+            .apply_batch_runs_from(pod(p), "m", batch, self.run_from);
         let b = self
             .steps
             .apply_batch_runs_from(pod(p), "m", batch, usize::MAX);
         assert_eq!(a, b, "{what}: the batch's counters");
+        assert_eq!(
+            self.runs.distinct_blocks(),
+            self.steps.distinct_blocks(),
+            "{what}: blocks in the index"
+        );
         for index in [&self.runs, &self.steps] {
             for q in 0..self.pods {
                 let entry = index.pod_or_insert(pod(q));
@@ -271,7 +283,7 @@ impl Pair {
     }
 }
 
-fn check_runs_equal_block_by_block(seed: u64, capacity: Option<usize>) {
+fn check_runs_equal_block_by_block(seed: u64, capacity: Option<usize>, run_from: usize) {
     const PODS: usize = 2;
     let docs: Vec<Vec<u32>> = (0..DOCS).map(doc_tokens).collect();
     let keys = docs
@@ -279,6 +291,7 @@ fn check_runs_equal_block_by_block(seed: u64, capacity: Option<usize>) {
         .flat_map(|tokens| block_keys(&KeyContext::model("m"), tokens, BLOCK as u32))
         .collect();
     let mut pair = Pair::new(PODS, capacity, keys);
+    pair.run_from = run_from;
     let mut rng = Rng(seed | 1);
     let mut held: Vec<Vec<(EngineHash, Tier)>> = vec![Vec::new(); PODS];
     let mut added = 0;
@@ -294,16 +307,17 @@ fn check_runs_equal_block_by_block(seed: u64, capacity: Option<usize>) {
 
 #[test]
 fn stores_added_as_runs_are_held_as_block_by_block() {
-    for seed in 1..=12 {
-        check_runs_equal_block_by_block(seed * 0x9e37_79b9, None);
+    for seed in 1..=8 {
+        check_runs_equal_block_by_block(seed * 0x9e37_79b9, None, 1);
+        check_runs_equal_block_by_block(seed * 0xc2b2_ae35, None, RUN_FROM);
     }
 }
 
 #[test]
 fn stores_added_as_runs_near_the_pods_limit_are_held_as_block_by_block() {
     // Capacity 300: limit 300 × 2 + 64 = 664 entries, so long chains meet the limit.
-    for seed in 1..=12 {
-        check_runs_equal_block_by_block(seed * 0x85eb_ca6b, Some(300));
+    for seed in 1..=8 {
+        check_runs_equal_block_by_block(seed * 0x85eb_ca6b, Some(300), 1);
     }
 }
 
@@ -377,4 +391,101 @@ fn a_run_stops_at_the_limit_of_the_pods_hash_map() {
     };
     let stats = pair.apply(0, &chain, "a chain at the limit");
     assert_eq!((stats.blocks_added, stats.capacity_drops), (64, 86));
+}
+
+#[test]
+fn a_chain_stored_again_under_new_hashes_is_duplicates_as_block_by_block() {
+    // An engine that hashes anew stores blocks the pod holds under other hashes: each is one
+    // more reference. The run path declines at once (its first block is held) and backs off.
+    let tokens = doc_tokens(3);
+    let mut pair = Pair::new(1, None, BTreeSet::new());
+    pair.run_from = RUN_FROM;
+    for g in 0..3 {
+        // Generation 0 from block 0; later ones continue its block 0 (a chain from block 0
+        // whose blocks are held would be a re-announcement instead).
+        let from = if g == 0 { 0 } else { 1 };
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![store(
+                (from..300).map(|b| engine_hash(3, b, g)).collect(),
+                (g > 0).then(|| engine_hash(3, 0, 0)),
+                tokens[from * BLOCK..300 * BLOCK].to_vec(),
+                Tier::Gpu,
+            )],
+            dp_rank: None,
+        };
+        let stats = pair.apply(0, &batch, &format!("generation {g}"));
+        let expected = if g == 0 { (300, 0) } else { (0, 299) };
+        assert_eq!((stats.blocks_added, stats.duplicate_stores), expected);
+    }
+}
+
+#[test]
+fn a_large_pods_removals_and_repeats_are_read_ahead_and_apply_exactly() {
+    // 17,000 blocks: past READ_AHEAD_FROM_HASHES, so removals and block-by-block stores read
+    // ahead. What they apply must be exact.
+    let index = PrefixIndex::new(IndexConfig::default());
+    let chains: Vec<(Vec<EngineHash>, Vec<u32>)> = (0..34u32)
+        .map(|c| {
+            let hashes = (0..500)
+                .map(|b| EngineHash(u64::from(c) << 32 | b))
+                .collect();
+            let tokens = (0..500 * BLOCK as u32)
+                .map(|t| c * 10_000_000 + t)
+                .collect();
+            (hashes, tokens)
+        })
+        .collect();
+    for (hashes, tokens) in &chains {
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![store(hashes.clone(), None, tokens.clone(), Tier::Gpu)],
+            dp_rank: None,
+        };
+        index.apply_batch(pod(0), "m", &batch);
+    }
+    assert_eq!(index.pod_entries(pod(0)), 17_000);
+    assert!(17_000 >= READ_AHEAD_FROM_HASHES);
+    // Chain 0 announced again in full: block by block, each block a re-announcement.
+    let again = EventBatch {
+        ts: 0.0,
+        events: vec![store(
+            chains[0].0.clone(),
+            None,
+            chains[0].1.clone(),
+            Tier::Gpu,
+        )],
+        dp_rank: None,
+    };
+    let stats = index.apply_batch(pod(0), "m", &again);
+    assert_eq!((stats.reannounced, stats.blocks_added), (500, 0));
+    // Chain 1 evicted tail first with 100 unknown hashes among its 500 (several read-ahead
+    // stretches of 256), then chain 2's first 10 blocks twice.
+    let mut events: Vec<KvEvent> = Vec::new();
+    for (k, hash) in chains[1].0.iter().rev().enumerate() {
+        events.push(removed(*hash, Tier::Gpu));
+        if k % 5 == 0 {
+            events.push(removed(EngineHash(u64::MAX - k as u64), Tier::Gpu));
+        }
+    }
+    for hash in chains[2]
+        .0
+        .iter()
+        .take(10)
+        .chain(chains[2].0.iter().take(10))
+    {
+        events.push(removed(*hash, Tier::Gpu));
+    }
+    let stats = index.apply_batch(
+        pod(0),
+        "m",
+        &EventBatch {
+            ts: 0.0,
+            events,
+            dp_rank: None,
+        },
+    );
+    assert_eq!((stats.blocks_removed, stats.unknown_removals), (510, 110));
+    assert_eq!(index.pod_entries(pod(0)), 16_490);
+    assert_eq!(index.distinct_blocks(), 16_490);
 }

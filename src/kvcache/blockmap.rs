@@ -17,6 +17,9 @@
 //!   shard ([`BlockMap::add_run`], [`BlockMap::remove_run`]): each shard locked once for its
 //!   share of the keys, still one shard at a time.
 //! - A reader of one key ([`BlockMap::holds`], short walks) locks that key's shard only.
+//! - An event applier reading ahead (`apply`) takes every shard's read guard as a long walk
+//!   does, under its pod's mutex (the index's lock order: pod mutex, then shards), and drops
+//!   them before it writes.
 //! - A long walk ([`BlockMap::reader`] with many blocks) takes the read guards of **all** shards
 //!   up front, in shard order, and keeps them for the walk: one lock operation per shard instead
 //!   of two per block (half the cost of a 2,000-block match). Acquiring in one fixed order while
