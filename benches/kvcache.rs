@@ -63,6 +63,21 @@ fn pod(i: usize) -> PodId {
     )))
 }
 
+/// A store of one chain from block 0 in GPU, as vLLM sends it: `block_hashes` and their
+/// `BLOCK` tokens each.
+fn gpu_chain(block_hashes: Vec<EngineHash>, token_ids: Vec<u32>) -> KvEvent {
+    let blocks = block_hashes.len();
+    KvEvent::BlockStored(BlockStored {
+        block_hashes,
+        parent_block_hash: None,
+        token_ids,
+        block_size: Some(BLOCK as u32),
+        tier: Tier::Gpu,
+        extra: vec![BlockExtra::default(); blocks],
+        ..BlockStored::default()
+    })
+}
+
 /// `chains` chains of `per_chain` blocks each, with distinct tokens; engine hashes are
 /// arbitrary distinct numbers (the index never interprets them).
 fn store_batch(seed: u32, chains: usize, per_chain: usize) -> (EventBatch, Vec<EngineHash>) {
@@ -80,15 +95,7 @@ fn store_batch(seed: u32, chains: usize, per_chain: usize) -> (EventBatch, Vec<E
             })
             .collect();
         hashes.extend(&chain_hashes);
-        events.push(KvEvent::BlockStored(BlockStored {
-            block_hashes: chain_hashes,
-            parent_block_hash: None,
-            token_ids: tokens,
-            block_size: Some(BLOCK as u32),
-            tier: Tier::Gpu,
-            extra: vec![BlockExtra::default(); per_chain],
-            ..BlockStored::default()
-        }));
+        events.push(gpu_chain(chain_hashes, tokens));
     }
     let batch = EventBatch {
         ts: 0.0,
@@ -164,15 +171,7 @@ fn steady_store(p: usize, n: usize) -> EventBatch {
         .collect();
     EventBatch {
         ts: 0.0,
-        events: vec![KvEvent::BlockStored(BlockStored {
-            block_hashes: steady_hashes(p, n),
-            parent_block_hash: None,
-            token_ids: tokens,
-            block_size: Some(BLOCK as u32),
-            tier: Tier::Gpu,
-            extra: vec![BlockExtra::default(); STEADY_CHAIN],
-            ..BlockStored::default()
-        })],
+        events: vec![gpu_chain(steady_hashes(p, n), tokens)],
         dp_rank: Some(0),
     }
 }

@@ -10,6 +10,7 @@ use super::*;
 use crate::kvcache::index::IndexConfig;
 use crate::kvcache::key::{KeyContext, block_keys};
 use crate::kvcache::record::RUN_FROM;
+use crate::kvcache::test_rng::TestRng as Rng;
 use kvpick_kvevents_wire::BlockExtra;
 
 const BLOCK: usize = 4;
@@ -18,22 +19,6 @@ const DOC_BLOCKS: usize = 400;
 
 fn pod(i: usize) -> PodId {
     PodId(SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16)))
-}
-
-/// A small xorshift generator: the streams are reproducible from their seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
 }
 
 /// Documents that share prefixes: doc `d` follows doc 0 for its first `40·d` blocks.

@@ -409,6 +409,7 @@ impl LruBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kvcache::test_rng::TestRng as Rng;
     use std::collections::HashSet;
 
     /// The LRU as it was before segments: one tick per block (the reference).
@@ -461,31 +462,17 @@ mod tests {
         keys
     }
 
-    /// A small deterministic generator (xorshift).
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n.max(1)
-        }
-    }
-
     #[test]
     fn segments_evict_exactly_like_a_tick_per_block() {
         for seed in 1..=40u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let capacity = 5 + rng.below(120) as usize;
+            let capacity = 5 + rng.below(120);
             let (mut segments, mut reference) = (LruBlocks::default(), PerBlock::default());
             // Prompts that share prefixes: new ones extend, cut or fork earlier ones.
             let mut prompts: Vec<Vec<u64>> = vec![vec![]];
             for step in 0..300 {
-                let base = prompts[rng.below(prompts.len() as u64) as usize].clone();
-                let keep = rng.below(base.len() as u64 + 1) as usize;
+                let base = prompts[rng.below(prompts.len())].clone();
+                let keep = rng.below(base.len() + 1);
                 let mut prompt = base[..keep].to_vec();
                 for _ in 0..rng.below(40) {
                     prompt.push(rng.next());
@@ -506,7 +493,7 @@ mod tests {
                 assert_eq!(segments.len(), reference.tick_of.len());
                 prompts.push(prompt);
                 if prompts.len() > 12 {
-                    prompts.remove(rng.below(12) as usize);
+                    prompts.remove(rng.below(12));
                 }
             }
             let held: HashSet<BlockKey> = segments.drain().into_iter().collect();

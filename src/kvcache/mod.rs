@@ -30,6 +30,8 @@ mod record;
 mod shards;
 mod span;
 mod speculative;
+#[cfg(test)]
+mod test_rng;
 
 pub use exchange::ForeignRecord;
 pub use homes::PrefixHome;
