@@ -208,22 +208,20 @@ impl PrefixIndex {
                 let _ = self.blocks.remove(*key, entry.slot, tier, |_| {});
             }
         }
-        for (k, key) in stretch.iter().enumerate().take(run) {
+        for k in 0..run {
             spans.commit(first.advanced(k), &entry.spans);
-            self.speculative.confirm(key, entry.slot);
         }
         let last = match added.get(run) {
             // The block that broke the run keeps what adding it did (one more reference, as
             // block by block), and is where the caller goes on from.
-            Some((_, span)) => {
-                if let Some(key) = stretch.get(run) {
-                    self.speculative.confirm(key, entry.slot);
-                }
-                Some(*span)
-            }
+            Some((_, span)) => Some(*span),
             None => run.checked_sub(1).map(|k| first.advanced(k)),
         };
         let handled = (run + 1).min(stretch.len());
+        // Every block added (the run's, and the one that broke it) is held now, as after
+        // `add_holder`.
+        self.speculative
+            .confirm_keys(stretch.get(..handled).unwrap_or_default(), entry.slot);
         (handled, run, last)
     }
 }

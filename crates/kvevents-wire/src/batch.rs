@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use rmpv::Value;
 
-use crate::reader::{BatchItem, Key, RawBatch, RawEvent, Slot};
+use crate::reader::{BatchItem, Events, Key, RawBatch, RawEvent, Slot};
 use crate::{
     BlockExtra, BlockRemoved, BlockStored, DecodeError, EngineHash, EventBatch, KvEvent, Tier,
 };
@@ -21,10 +21,20 @@ pub(crate) fn decode_batch(batch: RawBatch<'_>) -> Result<EventBatch, DecodeErro
         None => return Err(DecodeError::BatchShape),
     };
     let events = match items.get_mut(1) {
-        Some(BatchItem::Events(list)) => std::mem::take(list)
-            .into_iter()
-            .map(decode_event)
-            .collect::<Result<_, _>>()?,
+        Some(BatchItem::Events(events)) => {
+            let Events {
+                list,
+                pairs,
+                fields,
+            } = events;
+            // NOTE: not `collect::<Result<_, _>>`, which cannot size the list up front (an
+            // eviction's thousands of events were copied as it grew).
+            let mut decoded = Vec::with_capacity(list.len());
+            for event in list.iter() {
+                decoded.push(decode_event(event, pairs, fields)?);
+            }
+            decoded
+        }
         Some(BatchItem::Value(_)) => return Err(DecodeError::FieldType { field: "events" }),
         None => return Err(DecodeError::BatchShape),
     };
@@ -47,9 +57,9 @@ pub(crate) fn decode_batch(batch: RawBatch<'_>) -> Result<EventBatch, DecodeErro
 }
 
 /// Field access over both layouts: a map by key, or a legacy array by position.
-enum Fields<'a> {
-    Map(Vec<(Key<'a>, Slot<'a>)>),
-    Array(Vec<Slot<'a>>),
+enum Fields<'e, 'a> {
+    Map(&'e mut [(Key<'a>, Slot<'a>)]),
+    Array(&'e mut [Slot<'a>]),
 }
 
 /// A field's value as the reader left it: an rmpv value, or a string borrowed from the payload.
@@ -82,7 +92,7 @@ impl<'f> FieldRef<'f> {
     }
 }
 
-impl<'a> Fields<'a> {
+impl<'a> Fields<'_, 'a> {
     /// The field named `key` (map: its first pair) or at `position` (array, after the tag).
     fn slot(&mut self, key: &str, position: usize) -> Option<&mut Slot<'a>> {
         match self {
@@ -131,14 +141,22 @@ fn tag<'a>(slot: Option<&Slot<'a>>) -> Option<Cow<'a, str>> {
     }
 }
 
-fn decode_event(event: RawEvent<'_>) -> Result<KvEvent, DecodeError> {
+/// Decodes one event, whose fields are in `pairs` (a map) or `fields` (an array); it takes
+/// the long ones out of them.
+fn decode_event<'a>(
+    event: &RawEvent,
+    pairs: &mut [(Key<'a>, Slot<'a>)],
+    fields: &mut [Slot<'a>],
+) -> Result<KvEvent, DecodeError> {
     let (tag, mut fields) = match event {
-        RawEvent::Map(pairs) => {
+        RawEvent::Map(range) => {
+            let pairs = pairs.get_mut(range.clone()).ok_or(DecodeError::EventTag)?;
             let found = pairs.iter().find(|(k, _)| k.as_str() == Some("type"));
             let tag = tag(found.map(|(_, v)| v)).ok_or(DecodeError::EventTag)?;
             (tag, Fields::Map(pairs))
         }
-        RawEvent::Array(items) => {
+        RawEvent::Array(range) => {
+            let items = fields.get_mut(range.clone()).ok_or(DecodeError::EventTag)?;
             let tag = tag(items.first()).ok_or(DecodeError::EventTag)?;
             (tag, Fields::Array(items))
         }
@@ -157,7 +175,7 @@ fn decode_event(event: RawEvent<'_>) -> Result<KvEvent, DecodeError> {
     }
 }
 
-fn decode_stored(fields: &mut Fields<'_>) -> Result<BlockStored, DecodeError> {
+fn decode_stored(fields: &mut Fields<'_, '_>) -> Result<BlockStored, DecodeError> {
     let block_hashes = block_hashes(fields)?;
     let parent_block_hash = fields
         .get("parent_block_hash", 1, "parent_block_hash")?
@@ -218,7 +236,7 @@ fn decode_stored(fields: &mut Fields<'_>) -> Result<BlockStored, DecodeError> {
     })
 }
 
-fn decode_removed(fields: &mut Fields<'_>) -> Result<BlockRemoved, DecodeError> {
+fn decode_removed(fields: &mut Fields<'_, '_>) -> Result<BlockRemoved, DecodeError> {
     let block_hashes = block_hashes(fields)?;
     let tier = Tier::from_medium(opt_str(fields.get("medium", 1, "medium")?, "medium")?);
     let group_idx = opt_i64(fields.get("group_idx", 2, "group_idx")?, "group_idx")?;
@@ -271,7 +289,7 @@ pub(crate) fn block_extra(
 }
 
 /// A store's or removal's `block_hashes` (the first field of both layouts): required.
-fn block_hashes(fields: &mut Fields<'_>) -> Result<Vec<EngineHash>, DecodeError> {
+fn block_hashes(fields: &mut Fields<'_, '_>) -> Result<Vec<EngineHash>, DecodeError> {
     hash_list(
         fields
             .take("block_hashes", 0)

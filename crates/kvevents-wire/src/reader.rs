@@ -20,12 +20,18 @@
 //! - every other value is read with rmpv at the depth budget rmpv would have left at that
 //!   point (rmpv spends one unit per value and one more per array, map, string or bytes), so
 //!   "too deep" fails at the same byte;
-//! - declared lengths reserve at most one element per byte left, so a hostile length cannot
-//!   allocate more than the payload's size.
+//! - declared lengths reserve at most one element per byte left and at most
+//!   [`RESERVE_BYTES`], so a hostile length cannot make the reader allocate more than what
+//!   it reads (a list longer than that grows as its elements are read).
+
+use std::ops::Range;
 
 use rmpv::Value;
 
 use crate::EngineHash;
+
+/// The most a declared length may reserve up front, in bytes.
+const RESERVE_BYTES: usize = 1 << 20;
 
 /// Deepest msgpack nesting accepted (real payloads nest 4 levels), as rmpv counts it.
 pub(crate) const MAX_DEPTH: usize = 16;
@@ -51,18 +57,32 @@ pub(crate) enum RawBatch<'a> {
 #[derive(Debug, PartialEq)]
 pub(crate) enum BatchItem<'a> {
     /// The events: the item at index 1, when it is an array.
-    Events(Vec<RawEvent<'a>>),
+    Events(Events<'a>),
     /// Any other item.
     Value(Value),
 }
 
+/// The batch's events, their fields kept in two lists shared by all of them: one allocation
+/// per batch rather than one per event (a pod evicting publishes one event per block).
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Events<'a> {
+    /// The events in order.
+    pub(crate) list: Vec<RawEvent>,
+    /// The tagged maps' key–field pairs.
+    pub(crate) pairs: Vec<(Key<'a>, Slot<'a>)>,
+    /// The tagged arrays' fields.
+    pub(crate) fields: Vec<Slot<'a>>,
+}
+
 /// One event as read.
 #[derive(Debug, PartialEq)]
-pub(crate) enum RawEvent<'a> {
-    /// The tagged-map layout (vLLM ≥ ~0.24): its key–field pairs in order.
-    Map(Vec<(Key<'a>, Slot<'a>)>),
-    /// The legacy tagged-array layout: tag first, then the fields by position.
-    Array(Vec<Slot<'a>>),
+pub(crate) enum RawEvent {
+    /// The tagged-map layout (vLLM ≥ ~0.24): its key–field pairs in order, in
+    /// [`Events::pairs`].
+    Map(Range<usize>),
+    /// The legacy tagged-array layout: tag first, then the fields by position, in
+    /// [`Events::fields`].
+    Array(Range<usize>),
     /// Neither.
     Other(Value),
 }
@@ -121,8 +141,12 @@ impl<'a> RawBatch<'a> {
             .into_iter()
             .enumerate()
             .map(|(i, item)| match (i, item) {
-                (1, Value::Array(events)) => {
-                    BatchItem::Events(events.into_iter().map(RawEvent::from_value).collect())
+                (1, Value::Array(values)) => {
+                    let mut events = Events::default();
+                    for value in values {
+                        events.push_value(value);
+                    }
+                    BatchItem::Events(events)
                 }
                 (_, item) => BatchItem::Value(item),
             });
@@ -130,18 +154,25 @@ impl<'a> RawBatch<'a> {
     }
 }
 
-impl RawEvent<'_> {
-    fn from_value(value: Value) -> Self {
-        match value {
-            Value::Map(pairs) => RawEvent::Map(
-                pairs
-                    .into_iter()
-                    .map(|(k, v)| (Key::Value(k), Slot::Value(v)))
-                    .collect(),
-            ),
-            Value::Array(items) => RawEvent::Array(items.into_iter().map(Slot::Value).collect()),
+impl Events<'_> {
+    /// Adds an event read whole by rmpv (the reference), every field a [`Slot::Value`].
+    fn push_value(&mut self, value: Value) {
+        let event = match value {
+            Value::Map(pairs) => {
+                let start = self.pairs.len();
+                let pairs = pairs.into_iter();
+                self.pairs
+                    .extend(pairs.map(|(k, v)| (Key::Value(k), Slot::Value(v))));
+                RawEvent::Map(start..self.pairs.len())
+            }
+            Value::Array(items) => {
+                let start = self.fields.len();
+                self.fields.extend(items.into_iter().map(Slot::Value));
+                RawEvent::Array(start..self.fields.len())
+            }
             other => RawEvent::Other(other),
-        }
+        };
+        self.list.push(event);
     }
 }
 
@@ -182,14 +213,27 @@ impl<'a> Reader<'a> {
         let Some(len) = self.array_len() else {
             return Ok(RawBatch::Other(self.value(MAX_DEPTH)?));
         };
-        let mut items = Vec::with_capacity(self.bounded(len));
+        let mut items = Vec::with_capacity(self.bounded::<BatchItem>(len));
         for i in 0..len {
             let item = if i == 1
                 && let Some(events) = self.array_len()
             {
-                let mut list = Vec::with_capacity(self.bounded(events));
-                for _ in 0..events {
-                    list.push(self.event()?);
+                let mut list = Events {
+                    list: Vec::with_capacity(self.bounded::<RawEvent>(events)),
+                    ..Events::default()
+                };
+                for e in 0..events {
+                    self.event(&mut list)?;
+                    if e == 0 {
+                        // A batch's events nearly always have one shape (an eviction is one
+                        // event per block): room for the rest at once, rather than growing
+                        // the lists, and copying them, as they fill.
+                        let more = events - 1;
+                        let pairs = list.pairs.len().saturating_mul(more);
+                        let fields = list.fields.len().saturating_mul(more);
+                        list.pairs.reserve(self.bounded::<(Key, Slot)>(pairs));
+                        list.fields.reserve(self.bounded::<Slot>(fields));
+                    }
                 }
                 BatchItem::Events(list)
             } else {
@@ -200,9 +244,12 @@ impl<'a> Reader<'a> {
         Ok(RawBatch::Array(items))
     }
 
-    fn event(&mut self) -> Result<RawEvent<'a>, rmpv::decode::Error> {
-        if let Some(len) = self.map_len() {
-            let mut pairs = Vec::with_capacity(self.bounded(len));
+    /// Reads one event into `events`.
+    fn event(&mut self, events: &mut Events<'a>) -> Result<(), rmpv::decode::Error> {
+        let event = if let Some(len) = self.map_len() {
+            let pairs = &mut events.pairs;
+            let start = pairs.len();
+            pairs.reserve(self.bounded::<(Key, Slot)>(len));
             for _ in 0..len {
                 let key = match self.str() {
                     Some(key) => Key::Str(key),
@@ -211,12 +258,13 @@ impl<'a> Reader<'a> {
                 let field = self.field(Typed::of_key(&key))?;
                 pairs.push((key, field));
             }
-            return Ok(RawEvent::Map(pairs));
-        }
-        if let Some(len) = self.array_len() {
-            let mut fields: Vec<Slot<'a>> = Vec::with_capacity(self.bounded(len));
+            RawEvent::Map(start..pairs.len())
+        } else if let Some(len) = self.array_len() {
+            let fields = &mut events.fields;
+            let start = fields.len();
+            fields.reserve(self.bounded::<Slot>(len));
             for i in 0..len {
-                let tag = match fields.first() {
+                let tag = match fields.get(start) {
                     Some(Slot::Str(tag)) => Some(*tag),
                     Some(Slot::Value(tag)) => tag.as_str(),
                     _ => None,
@@ -224,9 +272,12 @@ impl<'a> Reader<'a> {
                 let field = self.field(Typed::of_index(tag, i))?;
                 fields.push(field);
             }
-            return Ok(RawEvent::Array(fields));
-        }
-        Ok(RawEvent::Other(self.value(EVENT_DEPTH)?))
+            RawEvent::Array(start..fields.len())
+        } else {
+            RawEvent::Other(self.value(EVENT_DEPTH)?)
+        };
+        events.list.push(event);
+        Ok(())
     }
 
     /// One field: as a typed array when `typed` says so and every element fits, a string as
@@ -236,7 +287,10 @@ impl<'a> Reader<'a> {
         let read = match typed {
             Typed::Tokens => self.typed_array(token).map(Slot::Tokens),
             Typed::Hashes => self.typed_array(hash).map(Slot::Hashes),
-            Typed::No => self.str().map(Slot::Str),
+            Typed::No => match self.str() {
+                Some(text) => Some(Slot::Str(text)),
+                None => self.scalar().map(Slot::Value),
+            },
         };
         match read {
             Some(slot) => Ok(slot),
@@ -251,7 +305,7 @@ impl<'a> Reader<'a> {
     /// (the caller rewinds).
     fn typed_array<T>(&mut self, element: fn(&mut Self) -> Option<T>) -> Option<Vec<T>> {
         let len = self.array_len()?;
-        let mut out = Vec::with_capacity(self.bounded(len));
+        let mut out = Vec::with_capacity(self.bounded::<T>(len));
         for _ in 0..len {
             out.push(element(self)?);
         }
@@ -278,9 +332,35 @@ impl<'a> Reader<'a> {
             _ => return None,
         };
         let (text, rest) = rest.split_at_checked(len)?;
-        let text = std::str::from_utf8(text).ok()?;
+        let text = match known_str(text) {
+            Some(known) => known,
+            None => std::str::from_utf8(text).ok()?,
+        };
         self.rest = rest;
         Some(text)
+    }
+
+    /// The next value if it is nil, a boolean or an integer, as rmpv reads it (else `None`,
+    /// with the input left anywhere: the caller rewinds). An event's small fields
+    /// (`group_idx`, `lora_id`, `block_size`, …) are these, and rmpv's reader costs more than
+    /// the value.
+    ///
+    /// NOTE: rmpv spends one unit of depth on a scalar; where this is called it has more.
+    fn scalar(&mut self) -> Option<Value> {
+        match self.rest.first()? {
+            0xc0 => {
+                self.rest = self.rest.get(1..)?;
+                Some(Value::Nil)
+            }
+            &marker @ (0xc2 | 0xc3) => {
+                self.rest = self.rest.get(1..)?;
+                Some(Value::Boolean(marker == 0xc3))
+            }
+            _ => Some(match self.integer()? {
+                Integer::Unsigned(n) => Value::from(n),
+                Integer::Signed(n) => Value::from(n),
+            }),
+        }
     }
 
     /// One value by rmpv, with `depth` of its depth budget left.
@@ -288,9 +368,11 @@ impl<'a> Reader<'a> {
         rmpv::decode::read_value_with_max_depth(&mut self.rest, depth)
     }
 
-    /// At most one element per byte left: what a declared length may reserve.
-    fn bounded(&self, len: usize) -> usize {
+    /// What a declared length of `len` elements of `T` may reserve: at most one per byte left
+    /// and [`RESERVE_BYTES`] in all.
+    fn bounded<T>(&self, len: usize) -> usize {
         len.min(self.rest.len())
+            .min(RESERVE_BYTES / size_of::<T>().max(1))
     }
 
     /// An array's length, its marker consumed; `None` (nothing consumed) if the next value is
@@ -351,6 +433,30 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Strings every event repeats (keys, tags, tiers), matched as bytes: equal bytes are the same
+/// valid UTF-8, so they skip the check (a removal event carries five strings).
+fn known_str(bytes: &[u8]) -> Option<&'static str> {
+    Some(match bytes {
+        b"type" => "type",
+        b"block_hashes" => "block_hashes",
+        b"medium" => "medium",
+        b"group_idx" => "group_idx",
+        b"BlockRemoved" => "BlockRemoved",
+        b"BlockStored" => "BlockStored",
+        b"GPU" => "GPU",
+        b"CPU" => "CPU",
+        b"parent_block_hash" => "parent_block_hash",
+        b"token_ids" => "token_ids",
+        b"block_size" => "block_size",
+        b"lora_id" => "lora_id",
+        b"lora_name" => "lora_name",
+        b"extra_keys" => "extra_keys",
+        b"kv_cache_spec_kind" => "kv_cache_spec_kind",
+        b"AllBlocksCleared" => "AllBlocksCleared",
+        _ => return None,
+    })
+}
+
 /// An integer as rmpv keeps it: non-negative ones as unsigned, whatever their marker.
 #[derive(Clone, Copy)]
 enum Integer {
@@ -369,6 +475,22 @@ impl Integer {
 
 /// A token id: an integer that fits in `u32` (the decoder's rule, `crate::batch`).
 fn token(reader: &mut Reader<'_>) -> Option<u32> {
+    // A 151k vocabulary's ids, read here first: a store carries 8,192 of them.
+    let (&marker, rest) = reader.rest.split_first()?;
+    let fast = match marker {
+        0x00..=0x7f => Some((u32::from(marker), rest)),
+        0xcd => rest
+            .split_first_chunk::<2>()
+            .map(|(id, rest)| (u32::from(u16::from_be_bytes(*id)), rest)),
+        0xce => rest
+            .split_first_chunk::<4>()
+            .map(|(id, rest)| (u32::from_be_bytes(*id), rest)),
+        _ => None,
+    };
+    if let Some((id, rest)) = fast {
+        reader.rest = rest;
+        return Some(id);
+    }
     match reader.integer()? {
         Integer::Unsigned(id) => u32::try_from(id).ok(),
         Integer::Signed(_) => None,
@@ -404,169 +526,5 @@ fn hash(reader: &mut Reader<'_>) -> Option<EngineHash> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tests::encode;
-
-    /// The batch as read, and checked against the reference.
-    fn read(value: &Value) -> RawBatch<'static> {
-        // NOTE: leaked so the batch can borrow it; a test's few bytes.
-        let payload: &'static [u8] = Vec::leak(encode(value));
-        assert_eq!(
-            crate::batch::decode_batch(RawBatch::from_value(value.clone())),
-            crate::decode_payload(payload),
-        );
-        let mut rest = payload;
-        let batch = RawBatch::read(&mut rest).unwrap();
-        assert!(rest.is_empty());
-        batch
-    }
-
-    fn only_event(batch: RawBatch<'static>) -> RawEvent<'static> {
-        let RawBatch::Array(mut items) = batch else {
-            panic!("not an array")
-        };
-        let Some(BatchItem::Events(mut events)) = items.drain(..).nth(1) else {
-            panic!("no events")
-        };
-        events.remove(0)
-    }
-
-    fn batch_of(event: Value) -> Value {
-        Value::Array(vec![Value::F64(1.0), Value::Array(vec![event])])
-    }
-
-    #[test]
-    fn a_store_events_arrays_are_read_typed_in_both_layouts() {
-        let hashes = Value::Array(vec![
-            Value::from(7u64),
-            Value::from(-1i64),
-            Value::Binary(vec![1, 2]),
-        ]);
-        let tokens = Value::Array((0..48u32).map(|t| Value::from(t * 5_000)).collect());
-        let map = batch_of(Value::Map(vec![
-            ("type".into(), "BlockStored".into()),
-            ("block_hashes".into(), hashes.clone()),
-            ("token_ids".into(), tokens.clone()),
-        ]));
-        let RawEvent::Map(pairs) = only_event(read(&map)) else {
-            panic!("not a map")
-        };
-        let expected_hashes = vec![EngineHash(7), EngineHash(u64::MAX), EngineHash(0x0102)];
-        assert_eq!(pairs[1].1, Slot::Hashes(expected_hashes.clone()));
-        assert_eq!(
-            pairs[2].1,
-            Slot::Tokens((0..48u32).map(|t| t * 5_000).collect())
-        );
-        let legacy = batch_of(Value::Array(vec![
-            "BlockStored".into(),
-            hashes,
-            Value::Nil,
-            tokens,
-        ]));
-        let RawEvent::Array(fields) = only_event(read(&legacy)) else {
-            panic!("not an array")
-        };
-        assert_eq!(fields[1], Slot::Hashes(expected_hashes));
-        assert!(matches!(&fields[3], Slot::Tokens(ids) if ids.len() == 48));
-        // A removal's hashes too; not another event's fields at those places.
-        let removed = batch_of(Value::Array(vec![
-            "BlockRemoved".into(),
-            Value::Array(vec![Value::from(3u64)]),
-            Value::Nil,
-            Value::Array(vec![Value::from(1u64)]),
-        ]));
-        let RawEvent::Array(fields) = only_event(read(&removed)) else {
-            panic!("not an array")
-        };
-        assert_eq!(fields[1], Slot::Hashes(vec![EngineHash(3)]));
-        assert!(matches!(fields[3], Slot::Value(Value::Array(_))));
-    }
-
-    #[test]
-    fn keys_and_string_fields_are_borrowed_and_an_invalid_one_is_rmpvs() {
-        let event = batch_of(Value::Map(vec![
-            ("type".into(), "BlockRemoved".into()),
-            ("block_hashes".into(), Value::Array(vec![Value::from(3u64)])),
-            ("medium".into(), "CPU".into()),
-            (Value::from(7), Value::Nil),
-        ]));
-        let RawEvent::Map(pairs) = only_event(read(&event)) else {
-            panic!("not a map")
-        };
-        assert_eq!(pairs[0], (Key::Str("type"), Slot::Str("BlockRemoved")));
-        assert_eq!(pairs[2], (Key::Str("medium"), Slot::Str("CPU")));
-        assert_eq!(
-            pairs[3],
-            (Key::Value(Value::from(7)), Slot::Value(Value::Nil))
-        );
-        // A string that is not UTF-8: rmpv's value (which is no `str`), as the reference has it.
-        let mut payload = vec![0x92, 0x01, 0x91, 0x92, 0xa2, 0xff, 0xfe, 0xc0];
-        let mut rest: &[u8] = &payload;
-        let RawBatch::Array(items) = RawBatch::read(&mut rest).unwrap() else {
-            panic!("not an array")
-        };
-        let BatchItem::Events(events) = &items[1] else {
-            panic!("no events")
-        };
-        let RawEvent::Array(fields) = &events[0] else {
-            panic!("not an array")
-        };
-        assert!(matches!(&fields[0], Slot::Value(Value::String(s)) if s.as_str().is_none()));
-        assert_eq!(
-            crate::decode_payload(&payload),
-            Err(crate::DecodeError::EventTag)
-        );
-        payload[4] = 0xa1; // the string cut short: rmpv's error
-        assert_eq!(
-            crate::decode_payload(&payload[..6]),
-            crate::decode_payload_reference(&payload[..6])
-        );
-    }
-
-    #[test]
-    fn an_element_the_field_does_not_take_sends_the_array_back_to_rmpv() {
-        for bad in [
-            Value::from(u64::from(u32::MAX) + 1),
-            Value::from(-1i64),
-            Value::F64(2.0),
-        ] {
-            let tokens = Value::Array(vec![Value::from(1u32), bad]);
-            let event = batch_of(Value::Map(vec![
-                ("type".into(), "BlockStored".into()),
-                ("block_hashes".into(), Value::Array(vec![Value::from(1u64)])),
-                ("token_ids".into(), tokens.clone()),
-            ]));
-            let RawEvent::Map(pairs) = only_event(read(&event)) else {
-                panic!("not a map")
-            };
-            assert_eq!(pairs[2].1, Slot::Value(tokens));
-        }
-        let hashes = Value::Array(vec![Value::from(1u64), Value::Binary(Vec::new())]);
-        let event = batch_of(Value::Array(vec!["BlockRemoved".into(), hashes.clone()]));
-        let RawEvent::Array(fields) = only_event(read(&event)) else {
-            panic!("not an array")
-        };
-        assert_eq!(fields[1], Slot::Value(hashes));
-    }
-
-    #[test]
-    fn a_declared_length_past_the_input_is_rmpvs_error_and_reserves_nothing_past_it() {
-        // An event array declaring 2^32 - 1 token ids, with three present.
-        let mut payload = vec![0x92, 0x01, 0x91, 0x82];
-        payload.extend(encode(&Value::from("type")));
-        payload.extend(encode(&Value::from("BlockStored")));
-        payload.extend(encode(&Value::from("token_ids")));
-        payload.extend([0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02, 0x03]);
-        let fast = crate::decode_payload(&payload);
-        assert!(
-            matches!(fast, Err(crate::DecodeError::Msgpack(_))),
-            "{fast:?}"
-        );
-        assert_eq!(fast, crate::decode_payload_reference(&payload));
-        let reader = Reader {
-            rest: &payload[..4],
-        };
-        assert_eq!(reader.bounded(u32::MAX as usize), 4);
-    }
-}
+#[path = "reader_tests.rs"]
+mod tests;

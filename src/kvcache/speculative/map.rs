@@ -78,6 +78,18 @@ impl SpecMap {
         });
     }
 
+    /// Calls `visit` with the shard table of each key of `keys` and the key: shard by shard,
+    /// each locked once, in `keys`' order within a shard.
+    pub(super) fn write_tables(
+        &self,
+        keys: &[BlockKey],
+        mut visit: impl FnMut(&mut Table, BlockKey),
+    ) {
+        write_by_shard(&self.shards, keys, shard_of, |table, _, key| {
+            visit(table, key)
+        });
+    }
+
     /// Keeps the holders `keep` says to keep (it sees each key's list and trims it); a key
     /// whose list ends up empty leaves. One shard locked at a time.
     pub(super) fn retain(&self, mut keep: impl FnMut(&BlockKey, &mut Holders)) {

@@ -392,9 +392,32 @@ impl Speculative {
         if self.is_empty() || !self.may_hold(key) {
             return;
         }
-        let Some(mut table) = self.entries.write(*key) else {
+        if let Some(mut table) = self.entries.write(*key) {
+            self.confirm_in(&mut table, key, slot);
+        }
+    }
+
+    /// [`Self::confirm`] of each of `keys` (a stored chain's run of new blocks), each shard of
+    /// the map locked once for all its keys, so their cache misses overlap as the run's own
+    /// writes do (`map::SpecMap::write_keys`). The result is confirming them one by one: each
+    /// key's confirmation touches only its own entries, and the runs' counts only go down.
+    pub(crate) fn confirm_keys(&self, keys: &[BlockKey], slot: u32) {
+        if self.is_empty() {
             return;
-        };
+        }
+        // The filter first: most keys of a run nobody routed recently have no entries.
+        let maybe: Vec<BlockKey> = keys.iter().filter(|k| self.may_hold(k)).copied().collect();
+        match maybe.as_slice() {
+            [] => {}
+            [key] => self.confirm(key, slot),
+            _ => self
+                .entries
+                .write_tables(&maybe, |table, key| self.confirm_in(table, &key, slot)),
+        }
+    }
+
+    /// Drops `slot`'s entry of `key` from its shard's `table`, held locked.
+    fn confirm_in(&self, table: &mut map::Table, key: &BlockKey, slot: u32) {
         if let Some(list) = table.get_mut(key) {
             let before = list.len();
             list.retain(|e| {

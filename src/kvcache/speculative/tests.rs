@@ -240,6 +240,68 @@ async fn a_long_record_written_shard_by_shard_ends_as_block_by_block() {
     }
 }
 
+#[tokio::test(start_paused = true)]
+async fn confirming_a_run_of_keys_at_once_ends_as_one_by_one() {
+    let ttl = Duration::from_secs(2);
+    let (at_once, one_by_one) = (
+        Speculative::new(ttl, 1 << 20),
+        Speculative::new(ttl, 1 << 20),
+    );
+    let key = |i: u64| BlockKey(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let span = |from: u64, n: u64| (from..from + n).map(key).collect::<Vec<_>>();
+    let (shared, other) = (span(0, 200), span(1_000, 120));
+    let all = [shared.clone(), other.clone(), span(5_000, 50)].concat();
+    let now = Instant::now();
+    for s in [&at_once, &one_by_one] {
+        // Two pods on the shared prompt, one of them also on another; a key twice in a run.
+        assert_eq!(s.record(1, &shared, now), 0);
+        assert_eq!(s.record(2, &shared[..150], now), 0);
+        assert_eq!(
+            s.record(1, &[other.clone(), vec![shared[5]]].concat(), now),
+            0
+        );
+    }
+    // Confirmed: a stretch in the middle of pod 1's run (keys with and without entries, one
+    // listed twice, keys nobody speculates on), then the head of pod 2's, then one key.
+    let confirms: Vec<(u32, Vec<BlockKey>)> = vec![
+        (
+            1,
+            [shared[40..120].to_vec(), vec![shared[50]], span(5_000, 50)].concat(),
+        ),
+        (2, shared[..100].to_vec()),
+        (1, vec![other[7]]),
+        (3, shared.clone()),
+    ];
+    for (step, (slot, keys)) in confirms.iter().enumerate() {
+        at_once.confirm_keys(keys, *slot);
+        for key in keys {
+            one_by_one.confirm(key, *slot);
+        }
+        assert_eq!(
+            view(&at_once, &all, now),
+            view(&one_by_one, &all, now),
+            "step {step}"
+        );
+        assert_eq!(at_once.len(), one_by_one.len(), "step {step}");
+        for key in &all {
+            assert_eq!(at_once.may_hold(key), one_by_one.may_hold(key));
+        }
+    }
+    // Something was confirmed, and something is left: the comparison saw both.
+    assert!(at_once.len() < 200 + 150 + 121 && !at_once.is_empty());
+    assert!(
+        view(&at_once, &shared[40..120], now)
+            .iter()
+            .all(|h| h.iter().all(|h| h.0 != 1))
+    );
+    // Both purge to nothing.
+    tokio::time::advance(Duration::from_secs(3)).await;
+    for s in [&at_once, &one_by_one] {
+        s.purge_expired(Instant::now());
+        assert_eq!(s.len(), 0);
+    }
+}
+
 #[test]
 fn a_long_record_near_the_bound_goes_block_by_block_and_stops_at_it() {
     let speculative = Speculative::new(Duration::from_secs(2), 100);
