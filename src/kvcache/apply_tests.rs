@@ -133,13 +133,33 @@ fn random_batch(
             }
             // Evictions, newest first (as vLLM evicts a chain's leaves first), one event per
             // block.
+            // Sometimes several blocks of one tier in one event, and now and then a hash the
+            // pod never stored.
             6..=7 => {
                 let count = rng.below(200);
+                let per_event = 1 + rng.below(3);
                 for _ in 0..count {
                     let Some((hash, tier)) = held.pop() else {
                         break;
                     };
-                    events.push(removed(hash, tier));
+                    let same_tier = |held: &Vec<(EngineHash, Tier)>| {
+                        held.last().filter(|(_, t)| *t == tier).map(|(h, _)| *h)
+                    };
+                    let mut hashes = vec![hash];
+                    while hashes.len() < per_event
+                        && let Some(next) = same_tier(held)
+                    {
+                        held.pop();
+                        hashes.push(next);
+                    }
+                    if rng.below(16) == 0 {
+                        hashes.push(EngineHash(0xdead_0000 + rng.below(1 << 16) as u64));
+                    }
+                    events.push(KvEvent::BlockRemoved(BlockRemoved {
+                        block_hashes: hashes,
+                        tier,
+                        group_idx: None,
+                    }));
                 }
             }
             // Evictions in any order, so a chain stored again may meet blocks still held

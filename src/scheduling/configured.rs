@@ -359,6 +359,7 @@ impl ConfiguredScheduler {
                         estimate_ttft_ms(
                             &model,
                             pod,
+                            placement::fleet_line(&cycle.pods),
                             cycle.prompt_tokens,
                             cycle.prefix_hit(i).cached_tokens,
                         )
@@ -409,10 +410,14 @@ impl ConfiguredScheduler {
         if pods.is_empty() {
             return None;
         }
-        if self.placement.is_some() {
+        // The placement and cost scorers predict from each pod's prefill backlog and fitted
+        // time to first token; only placement reads the blocks held.
+        if self.placement.is_some() || self.cost_model.is_some() {
             for pod in &mut pods {
                 pod.prefill = pod.endpoint.prefill.view(now);
-                pod.held_blocks = self.deps.index.pod_entries(pod.id) as u64;
+                if self.placement.is_some() {
+                    pod.held_blocks = self.deps.index.pod_entries(pod.id) as u64;
+                }
             }
         }
         let mut cycle = Cycle {
@@ -581,21 +586,30 @@ impl ConfiguredScheduler {
 
 impl ConfiguredScheduler {
     /// What the pick (`order[0]`) is expected to cost: its uncached tokens and, under a
-    /// placement scorer, its predicted time to first token.
+    /// placement or cost scorer, its predicted time to first token (the placement scorer's
+    /// when both are configured).
     fn expected(&self, cycle: &Cycle<'_>, order: &[usize]) -> Expected {
         let has_prompt = !matches!(cycle.request.prompt.prompt(), PromptTokens::Empty);
         let uncached = uncached_tokens(cycle, order);
-        let ttft_ms = self.placement.as_ref().and_then(|params| {
-            let pod = cycle.pods.get(*order.first()?)?;
-            let fleet = placement::fleet_line(&cycle.pods);
-            Some(placement::predict_ttft_ms(
+        let pick = order.first().and_then(|i| cycle.pods.get(*i));
+        let fleet = || placement::fleet_line(&cycle.pods);
+        let ttft_ms = match (pick, &self.placement, &self.cost_model) {
+            (Some(pod), Some(params), _) => Some(placement::predict_ttft_ms(
                 pod,
-                fleet,
+                fleet(),
                 params,
                 cycle.prompt_tokens,
                 uncached,
-            ))
-        });
+            )),
+            (Some(pod), None, Some(model)) => Some(estimate_ttft_ms(
+                model,
+                pod,
+                fleet(),
+                cycle.prompt_tokens,
+                cycle.prompt_tokens - uncached,
+            )),
+            _ => None,
+        };
         Expected {
             uncached_tokens: has_prompt.then_some(uncached),
             cached_tokens: (cycle.prompt_tokens - uncached).max(0.0),

@@ -145,7 +145,7 @@ pub struct Expected {
     pub uncached_tokens: Option<f64>,
     /// Prompt tokens the primary holds (0 without a prompt or a prefix lookup).
     pub cached_tokens: f64,
-    /// Predicted time to first token, ms (under `kv-placement-scorer`).
+    /// Predicted time to first token, ms (under `kv-placement-scorer` or `ttft-cost-scorer`).
     pub ttft_ms: Option<f64>,
 }
 

@@ -11,24 +11,38 @@
 //!   waiting, 0.8 there is room to load it, else 0; all 1.0 for base-model requests.
 //! - session affinity and no-hit-LRU: see [`super::affinity`].
 //! - placement (`kv-placement-scorer`): see [`super::placement`].
-//! - cost (`ttft-cost-scorer`): an estimate of each endpoint's time to first token,
+//! - cost (`ttft-cost-scorer`): a prediction of each endpoint's time to first token. Once
+//!   kvpick has timed first response bytes (`crate::endpoints::prefill`: a line per pod,
+//!   fitted online from the time from pick to first byte against the prefill work ahead of
+//!   and in the request), the pod's own line, or the fleet's median line for a pod without
+//!   one, predicts it as the placement scorer does:
+//!
+//!   ```text
+//!   ttft = base_ms + slope_ms × (queued_work_tokens + uncached_tokens)
+//!   queued_work_tokens = kvpick's own prefill backlog on the pod
+//!                      + other senders' waiting requests × the pod's mean uncached size
+//!   ```
+//!
+//!   Before any line is fitted (a fresh start, no response observed), the coefficients:
 //!
 //!   ```text
 //!   ttft = queued × queued_request_ms
 //!        + uncached_tokens × prefill_ms_per_token × (1 + decode_slowdown_per_running × running)
 //!   uncached_tokens = prompt_tokens − cached_tokens(prefix hit)
-//!   score = min_ttft / ttft          (1.0 for the fastest; 2× slower → 0.5)
 //!   ```
 //!
+//!   and either way `score = min_ttft / ttft` (1.0 for the fastest; 2× slower → 0.5).
 //!   Defaults ([`CostModel`]): prefill 0.1 ms/token (~10k tokens/s), a queued request costs
 //!   100 ms (a ~1k-token prefill), each running request slows prefill by 2% (chunked prefill
 //!   shares the batch with decodes), 4 characters per token for approximate prompts. Why a
 //!   ratio rather than min-max: min-max would blow up a 1 ms difference into the full [0, 1]
 //!   range; the ratio keeps "twice as slow" meaning half the score. This is the scorer that
 //!   trades cache against load in one unit (milliseconds): a cache hit is worth exactly the
-//!   prefill it saves, and a queue costs what it delays.
+//!   prefill it saves, and a queue costs what it delays. Its predictions against what kvpick
+//!   then observes are the `kvpick_ttft_prediction_ratio` metric.
 
 use crate::endpoints::PodId;
+use crate::endpoints::prefill::FittedLine;
 
 use super::affinity::{NoHitLru, SessionAffinity};
 use super::cycle::{Cycle, PodView};
@@ -115,12 +129,14 @@ impl Scorer {
             }
             Self::NoHitLru(state) => state.score(cycle.any_prefix_hit(), &ids(pods), out),
             Self::Cost(model) => {
+                let fleet = super::placement::fleet_line(pods);
                 let ttft: Vec<f64> = (0..pods.len())
                     .zip(pods)
                     .map(|(i, pod)| {
                         estimate_ttft_ms(
                             model,
                             pod,
+                            fleet,
                             cycle.prompt_tokens,
                             cycle.prefix_hit(i).cached_tokens,
                         )
@@ -205,14 +221,21 @@ pub(crate) fn lora_has_room(lora: &crate::scrape::LoraState) -> bool {
     (loaded.len() as u64) < u64::from(lora.max_loras)
 }
 
-/// The cost model's TTFT estimate for one endpoint, in ms.
+/// The cost model's TTFT prediction for one endpoint, in ms: from the pod's fitted line (or
+/// `fleet`, the candidates' median line) once there is one, else from the coefficients.
 pub fn estimate_ttft_ms(
     model: &CostModel,
     pod: &PodView,
+    fleet: Option<FittedLine>,
     prompt_tokens: f64,
     cached_tokens: f64,
 ) -> f64 {
     let uncached = (prompt_tokens - cached_tokens).max(0.0);
+    if let Some(line) = pod.prefill.line.or(fleet) {
+        let work = super::placement::queued_work_tokens(pod, prompt_tokens) + uncached;
+        let ttft = line.predict_ms(work);
+        return if ttft.is_finite() { ttft } else { f64::MAX };
+    }
     let slowdown = 1.0 + model.decode_slowdown_per_running.max(0.0) * pod.running().max(0.0);
     let ttft = pod.queued().max(0.0) * model.queued_request_ms.max(0.0)
         + uncached * model.prefill_ms_per_token.max(0.0) * slowdown;
@@ -371,8 +394,8 @@ mod tests {
             view(0, Some(metrics(5.0, 0.0, 0.0)), 0),
             view(1, Some(metrics(0.0, 0.0, 0.0)), 0),
         ];
-        let t0 = estimate_ttft_ms(&model, &pods[0], 10_000.0, 9_000.0);
-        let t1 = estimate_ttft_ms(&model, &pods[1], 10_000.0, 0.0);
+        let t0 = estimate_ttft_ms(&model, &pods[0], None, 10_000.0, 9_000.0);
+        let t1 = estimate_ttft_ms(&model, &pods[1], None, 10_000.0, 0.0);
         assert!((t0 - (500.0 + 100.0)).abs() < 1e-9, "{t0}");
         assert!((t1 - 1000.0).abs() < 1e-9, "{t1}");
         let scorer = Scorer::Cost(model);
@@ -400,13 +423,60 @@ mod tests {
         assert!(out[1] > out[0], "{out:?}");
         // Decode load slows prefill.
         let busy = view(0, Some(metrics(0.0, 50.0, 0.0)), 50);
-        assert!((estimate_ttft_ms(&model, &busy, 1000.0, 0.0) - 200.0).abs() < 1e-9);
+        assert!((estimate_ttft_ms(&model, &busy, None, 1000.0, 0.0) - 200.0).abs() < 1e-9);
         // Empty prompts on idle pods are all equal.
         let pods = vec![
             view(0, Some(metrics(0.0, 0.0, 0.0)), 0),
             view(1, Some(metrics(0.0, 0.0, 0.0)), 0),
         ];
         assert_eq!(run(&scorer, &req, pods, vec![], 0.0), vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn cost_predicts_from_each_pods_fitted_line_once_it_has_one() {
+        let model = CostModel::default();
+        let req = SchedulingRequest::default();
+        let line = |base_ms, slope_ms| FittedLine { base_ms, slope_ms };
+        let with = |i, line: Option<FittedLine>, backlog_tokens| {
+            let mut pod = view(i, Some(metrics(0.0, 0.0, 0.0)), 0);
+            pod.prefill.line = line;
+            pod.prefill.backlog_tokens = backlog_tokens;
+            pod
+        };
+        // Pod 0 was measured 4× slower per token than the prior says, pod 1 at the prior with
+        // a 20 ms base; pod 1 has 1,000 tokens of kvpick's own prefill queued.
+        let (slow, fast) = (line(10.0, 0.4), line(20.0, 0.1));
+        let pods = vec![with(0, Some(slow), 0.0), with(1, Some(fast), 1_000.0)];
+        let t0 = estimate_ttft_ms(&model, &pods[0], None, 1_000.0, 0.0);
+        let t1 = estimate_ttft_ms(&model, &pods[1], None, 1_000.0, 0.0);
+        assert!((t0 - (10.0 + 0.4 * 1_000.0)).abs() < 1e-9, "{t0}");
+        assert!((t1 - (20.0 + 0.1 * 2_000.0)).abs() < 1e-9, "{t1}");
+        // The coefficients alone would call them equal (idle, cold, same prompt): the lines
+        // send the request to the pod that is faster with its queue.
+        let scorer = Scorer::Cost(model);
+        let out = run(
+            &scorer,
+            &req,
+            pods,
+            vec![hit(0.0, 0.0), hit(0.0, 0.0)],
+            1_000.0,
+        );
+        assert_eq!(out[1], 1.0);
+        assert!((out[0] - 220.0 / 410.0).abs() < 1e-9, "{out:?}");
+        // A pod without a line of its own is predicted by the candidates' median line, so a
+        // newcomer is compared in the same units as the pods measured.
+        let pods = vec![with(0, Some(slow), 0.0), with(1, None, 0.0)];
+        let out = run(
+            &scorer,
+            &req,
+            pods,
+            vec![hit(0.0, 0.0), hit(0.0, 0.0)],
+            1_000.0,
+        );
+        assert_eq!(out, vec![1.0, 1.0]);
+        // With no line anywhere: the coefficients (1,000 tokens × 0.1 ms).
+        let cold = with(0, None, 0.0);
+        assert!((estimate_ttft_ms(&model, &cold, None, 1_000.0, 0.0) - 100.0).abs() < 1e-9);
     }
 
     #[test]

@@ -81,11 +81,15 @@ fn pool_yaml(pods: &[FleetPod]) -> String {
 }
 
 async fn kvpick(pods: &[FleetPod], extra: &[&str]) -> Kvpick {
-    let config = repo("deploy/config/kvpick-recommended.yaml");
+    kvpick_with(pods, &repo("deploy/config/kvpick-recommended.yaml"), extra).await
+}
+
+/// kvpick with the EndpointPickerConfig at `config`.
+async fn kvpick_with(pods: &[FleetPod], config: &str, extra: &[&str]) -> Kvpick {
     let tokenizer = repo("assets/tokenizer");
     let mut args = vec![
         "--config-file",
-        config.as_str(),
+        config,
         "--tokenizer",
         tokenizer.as_str(),
         "--scrape-timeout",
@@ -494,7 +498,40 @@ async fn the_placement_model_calibrates_itself_from_first_bytes() {
     // them several times (observed / predicted ≈ 9.5 with the fit disabled).
     let pods = fleet(2, 8.0, Vec::new()).await;
     let kvpick = kvpick(&pods, &[]).await;
-    let envoy = Envoy::start(&kvpick, EnvoyOptions::default()).await;
+    predictions_converge_after_first_bytes(&kvpick).await;
+}
+
+/// A profile scored by the cost scorer alone (no placement scorer).
+const COST_SCORED: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: ttft-cost-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: ttft-cost-scorer
+  - pluginRef: max-score-picker
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cost_scorer_calibrates_itself_from_first_bytes() {
+    // The same slow pods under `ttft-cost-scorer` alone: its coefficients (0.1 ms per token,
+    // nothing per step) are the prior the fitted lines replace.
+    let dir = std::env::temp_dir().join(format!("kvpick-cost-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let config = dir.join("cost.yaml");
+    std::fs::write(&config, COST_SCORED).expect("write the config");
+    let pods = fleet(2, 8.0, Vec::new()).await;
+    let kvpick = kvpick_with(&pods, config.to_str().expect("utf-8 path"), &[]).await;
+    predictions_converge_after_first_bytes(&kvpick).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Sends 24 streamed requests one at a time (the fit's first bytes), then 24 more, and checks
+/// that each of the later ones was predicted, within a quarter of what happened on average.
+async fn predictions_converge_after_first_bytes(kvpick: &Kvpick) {
+    let envoy = Envoy::start(kvpick, EnvoyOptions::default()).await;
     let url = envoy.url("/v1/completions");
     let streamed = |i: usize| {
         // Unique prompts of ~15 to ~300 tokens, one at a time: no cache, no queue, so the
