@@ -454,25 +454,13 @@ mod tests {
         // The coefficients alone would call them equal (idle, cold, same prompt): the lines
         // send the request to the pod that is faster with its queue.
         let scorer = Scorer::Cost(model);
-        let out = run(
-            &scorer,
-            &req,
-            pods,
-            vec![hit(0.0, 0.0), hit(0.0, 0.0)],
-            1_000.0,
-        );
+        let cold_1k = |pods| run(&scorer, &req, pods, vec![hit(0.0, 0.0); 2], 1_000.0);
+        let out = cold_1k(pods);
         assert_eq!(out[1], 1.0);
         assert!((out[0] - 220.0 / 410.0).abs() < 1e-9, "{out:?}");
         // A pod without a line of its own is predicted by the candidates' median line, so a
         // newcomer is compared in the same units as the pods measured.
-        let pods = vec![with(0, Some(slow), 0.0), with(1, None, 0.0)];
-        let out = run(
-            &scorer,
-            &req,
-            pods,
-            vec![hit(0.0, 0.0), hit(0.0, 0.0)],
-            1_000.0,
-        );
+        let out = cold_1k(vec![with(0, Some(slow), 0.0), with(1, None, 0.0)]);
         assert_eq!(out, vec![1.0, 1.0]);
         // With no line anywhere: the coefficients (1,000 tokens × 0.1 ms).
         let cold = with(0, None, 0.0);
