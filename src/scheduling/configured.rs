@@ -339,6 +339,7 @@ impl ConfiguredScheduler {
         totals: &[f64],
     ) -> Vec<CandidateExplain> {
         let placement = self.placement.map(|p| placement::costs(cycle, &p));
+        let fleet = placement::fleet_line(&cycle.pods);
         cycle
             .pods
             .iter()
@@ -359,7 +360,7 @@ impl ConfiguredScheduler {
                         estimate_ttft_ms(
                             &model,
                             pod,
-                            placement::fleet_line(&cycle.pods),
+                            fleet,
                             cycle.prompt_tokens,
                             cycle.prefix_hit(i).cached_tokens,
                         )

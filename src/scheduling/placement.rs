@@ -200,7 +200,12 @@ pub fn predict_ttft_ms(
     prompt_tokens: f64,
     uncached: f64,
 ) -> f64 {
-    let line = line_for(pod, fleet, params);
+    predict_on_line(line_for(pod, fleet, params), pod, prompt_tokens, uncached)
+}
+
+/// The time to first token `line` predicts on `pod` for a request with `uncached` tokens:
+/// the prefill work queued ahead of it and its own.
+pub fn predict_on_line(line: FittedLine, pod: &PodView, prompt_tokens: f64, uncached: f64) -> f64 {
     let ttft = line.predict_ms(queued_work_tokens(pod, prompt_tokens) + uncached.max(0.0));
     if ttft.is_finite() { ttft } else { f64::MAX }
 }

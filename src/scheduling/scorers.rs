@@ -232,9 +232,7 @@ pub fn estimate_ttft_ms(
 ) -> f64 {
     let uncached = (prompt_tokens - cached_tokens).max(0.0);
     if let Some(line) = pod.prefill.line.or(fleet) {
-        let work = super::placement::queued_work_tokens(pod, prompt_tokens) + uncached;
-        let ttft = line.predict_ms(work);
-        return if ttft.is_finite() { ttft } else { f64::MAX };
+        return super::placement::predict_on_line(line, pod, prompt_tokens, uncached);
     }
     let slowdown = 1.0 + model.decode_slowdown_per_running.max(0.0) * pod.running().max(0.0);
     let ttft = pod.queued().max(0.0) * model.queued_request_ms.max(0.0)
