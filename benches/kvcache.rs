@@ -225,7 +225,8 @@ fn ingest_steady(c: &mut Criterion) {
 }
 
 /// One chunked-prefill step's store event as vLLM publishes it (tagged map, 512 blocks of 16
-/// tokens, u64 hashes): what a pod sends per 8,192 prompt tokens it computes.
+/// tokens, u64 hashes, one nil extra key per block and the spec kind, as vLLM 0.32 does):
+/// what a pod sends per 8,192 prompt tokens it computes.
 fn store_payload() -> Vec<u8> {
     use rmpv::Value;
     let tokens = (0..512 * BLOCK as u64).map(|t| Value::from(t * 7_919 % 151_000));
@@ -239,8 +240,9 @@ fn store_payload() -> Vec<u8> {
         ("lora_id".into(), Value::Nil),
         ("medium".into(), "GPU".into()),
         ("lora_name".into(), Value::Nil),
-        ("extra_keys".into(), Value::Nil),
+        ("extra_keys".into(), Value::Array(vec![Value::Nil; 512])),
         ("group_idx".into(), Value::from(0)),
+        ("kv_cache_spec_kind".into(), "full_attention".into()),
     ]);
     let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![event]), Value::Nil]);
     let mut out = Vec::new();
@@ -260,6 +262,7 @@ fn removal_payload() -> Vec<u8> {
             ),
             ("medium".into(), "GPU".into()),
             ("group_idx".into(), Value::from(0)),
+            ("kv_cache_spec_kind".into(), "full_attention".into()),
         ])
     });
     let batch = Value::Array(vec![

@@ -142,6 +142,110 @@ async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
     assert_alive_and_bounded(&mut kvpick);
 }
 
+/// A msgpack string of up to 31 bytes.
+fn fixstr(text: &str) -> Vec<u8> {
+    let mut out = vec![0xa0 | text.len() as u8];
+    out.extend(text.as_bytes());
+    out
+}
+
+/// `[1, [event], 0]` (rank 0, the capture's) where `event` is a map of `pairs` key–field
+/// pairs: `head` first (already encoded), then `fill` (one-byte values) to make up the count.
+fn one_event_batch(pairs: u32, head: &[u8], fill: &[u8]) -> Vec<u8> {
+    let mut out = vec![0x93, 0x01, 0x91, 0xdf];
+    out.extend(pairs.to_be_bytes());
+    out.extend(head);
+    out.extend(fill);
+    out.push(0x00);
+    out
+}
+
+/// Well-framed payloads of 15 MiB built of one-byte elements that no decoded event keeps;
+/// read into msgpack values (32 bytes each, a map pair 64) they grew ~30×, ~500 MB. Each
+/// with whether it decodes (the others are malformed batches, counted and skipped).
+fn amplifying_payloads() -> Vec<(&'static str, Vec<u8>, bool)> {
+    const ELEMENTS: u32 = 15 << 20;
+    let nils = |n: u32| {
+        let mut out = vec![0xdd];
+        out.extend(n.to_be_bytes());
+        out.resize(out.len() + n as usize, 0xc0);
+        out
+    };
+    let removal_head = [
+        fixstr("type"),
+        fixstr("BlockRemoved"),
+        fixstr("block_hashes"),
+        vec![0x91, 0x05],
+    ]
+    .concat();
+    // A removal whose map is followed by pairs of one-byte keys and fields.
+    let pairs = ELEMENTS / 2;
+    let fill = vec![0x01; 2 * (pairs as usize - 2)];
+    let many_pairs = one_event_batch(pairs, &removal_head, &fill);
+    // An events array of nils.
+    let mut nil_events = vec![0x93, 0x01];
+    nil_events.extend(nils(ELEMENTS));
+    nil_events.push(0x00);
+    // A removal with a field no version knows, an array of nils.
+    let unknown_field = one_event_batch(
+        3,
+        &[removal_head.clone(), fixstr("future_field"), nils(ELEMENTS)].concat(),
+        &[],
+    );
+    // A store of one block whose extra keys are nils.
+    let store_head = [
+        fixstr("type"),
+        fixstr("BlockStored"),
+        fixstr("block_hashes"),
+        vec![0x91, 0x05],
+        fixstr("extra_keys"),
+        nils(ELEMENTS),
+    ]
+    .concat();
+    let long_extra = one_event_batch(3, &store_head, &[]);
+    vec![
+        ("one event of 7.5 M pairs", many_pairs, true),
+        ("15 M events that are nil", nil_events, false),
+        ("an unknown field of 15 M nils", unknown_field, true),
+        ("extra keys of 15 M nils for one block", long_extra, false),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_that_grew_as_they_were_read_keep_kvpick_bounded() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let events = listener.local_addr().unwrap();
+    let pod = format!("127.0.0.1:{}", free_port());
+    let pool = format!("endpoints:\n  - address: {pod}\n    kvEvents: tcp://{events}\n");
+    let mut kvpick = Kvpick::start(&pool, &[]).await;
+    let mut publisher = RawPub::accept(&listener, Duration::from_secs(10)).await;
+    let topic = format!("kv@{pod}@tiny");
+    publish_capture(&mut publisher, &topic, &kvpick).await;
+
+    let payloads = amplifying_payloads();
+    let malformed = payloads.iter().filter(|(_, _, decodes)| !decodes).count() as u64;
+    for (i, (shape, payload, _)) in payloads.iter().enumerate() {
+        assert!(payload.len() < 16 << 20, "{shape}: {} bytes", payload.len());
+        publisher
+            .send_batch(topic.as_bytes(), 68 + i as u64, payload)
+            .await;
+    }
+    let last = 67 + payloads.len() as u64;
+    wait_until("the payloads handled", Duration::from_secs(30), || async {
+        let pods = send("GET", &kvpick.debug_url("/debug/pods"), &[], Vec::new())
+            .await
+            .expect("/debug/pods")
+            .json();
+        let stream = &pods["pods"][0]["kv_events"];
+        stream["last_seq"] == last && stream["malformed"] == malformed
+    })
+    .await;
+    assert_alive_and_bounded(&mut kvpick);
+    // The stream is still in order and applied: the capture's blocks are all there (the
+    // removals named a hash the pod never stored).
+    assert_eq!(index_blocks(&kvpick).await, 62);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_peers_dialing_the_bind_socket_are_bounded() {
     let bind = format!("127.0.0.1:{}", free_port());

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use rmpv::Value;
 
-use crate::reader::{BatchItem, Events, Key, RawBatch, RawEvent, Slot};
+use crate::reader::{BatchItem, Events, Key, RawBatch, RawEvent, RawList, Slot};
 use crate::{
     BlockExtra, BlockRemoved, BlockStored, DecodeError, EngineHash, EventBatch, KvEvent, Tier,
 };
@@ -17,7 +17,9 @@ pub(crate) fn decode_batch(batch: RawBatch<'_>) -> Result<EventBatch, DecodeErro
     };
     let ts = match items.first() {
         Some(BatchItem::Value(v)) => as_f64(v).ok_or(DecodeError::FieldType { field: "ts" })?,
-        Some(BatchItem::Events(_)) => return Err(DecodeError::FieldType { field: "ts" }),
+        Some(BatchItem::Events(_) | BatchItem::Skipped) => {
+            return Err(DecodeError::FieldType { field: "ts" });
+        }
         None => return Err(DecodeError::BatchShape),
     };
     let events = match items.get_mut(1) {
@@ -35,7 +37,9 @@ pub(crate) fn decode_batch(batch: RawBatch<'_>) -> Result<EventBatch, DecodeErro
             }
             decoded
         }
-        Some(BatchItem::Value(_)) => return Err(DecodeError::FieldType { field: "events" }),
+        Some(BatchItem::Value(_) | BatchItem::Skipped) => {
+            return Err(DecodeError::FieldType { field: "events" });
+        }
         None => return Err(DecodeError::BatchShape),
     };
     let dp_rank = match items.get(2) {
@@ -43,7 +47,7 @@ pub(crate) fn decode_batch(batch: RawBatch<'_>) -> Result<EventBatch, DecodeErro
         Some(BatchItem::Value(v)) => Some(as_i64(v).ok_or(DecodeError::FieldType {
             field: "data_parallel_rank",
         })?),
-        Some(BatchItem::Events(_)) => {
+        Some(BatchItem::Events(_) | BatchItem::Skipped) => {
             return Err(DecodeError::FieldType {
                 field: "data_parallel_rank",
             });
@@ -62,11 +66,14 @@ enum Fields<'e, 'a> {
     Array(&'e mut [Slot<'a>]),
 }
 
-/// A field's value as the reader left it: an rmpv value, or a string borrowed from the payload.
+/// A field's value as the reader left it: an rmpv value, a string borrowed from the payload,
+/// an array left in it, or a collection of no type a scalar field takes.
 #[derive(Clone, Copy)]
 enum FieldRef<'f> {
     Value(&'f Value),
     Str(&'f str),
+    List(RawList<'f>),
+    Skipped,
 }
 
 impl<'f> FieldRef<'f> {
@@ -74,20 +81,21 @@ impl<'f> FieldRef<'f> {
         match self {
             FieldRef::Value(v) => v.as_str(),
             FieldRef::Str(s) => Some(s),
+            FieldRef::List(_) | FieldRef::Skipped => None,
         }
     }
 
     fn as_u64(self) -> Option<u64> {
         match self {
             FieldRef::Value(v) => v.as_u64(),
-            FieldRef::Str(_) => None,
+            _ => None,
         }
     }
 
     fn as_i64(self) -> Option<i64> {
         match self {
             FieldRef::Value(v) => v.as_i64(),
-            FieldRef::Str(_) => None,
+            _ => None,
         }
     }
 }
@@ -118,7 +126,11 @@ impl<'a> Fields<'_, 'a> {
             None | Some(Slot::Taken | Slot::Value(Value::Nil)) => Ok(None),
             Some(Slot::Value(v)) => Ok(Some(FieldRef::Value(v))),
             Some(Slot::Str(s)) => Ok(Some(FieldRef::Str(s))),
-            Some(Slot::Tokens(_) | Slot::Hashes(_)) => Err(DecodeError::FieldType { field }),
+            Some(Slot::Extra(list)) => Ok(Some(FieldRef::List(*list))),
+            Some(Slot::Skipped) => Ok(Some(FieldRef::Skipped)),
+            Some(Slot::Tokens(_) | Slot::Hashes(_) | Slot::Invalid(_)) => {
+                Err(DecodeError::FieldType { field })
+            }
         }
     }
 
@@ -160,7 +172,7 @@ fn decode_event<'a>(
             let tag = tag(items.first()).ok_or(DecodeError::EventTag)?;
             (tag, Fields::Array(items))
         }
-        RawEvent::Other(_) => return Err(DecodeError::EventTag),
+        RawEvent::Other => return Err(DecodeError::EventTag),
     };
     match tag.as_ref() {
         "BlockStored" => decode_stored(&mut fields).map(KvEvent::BlockStored),
@@ -181,12 +193,13 @@ fn decode_stored(fields: &mut Fields<'_, '_>) -> Result<BlockStored, DecodeError
         .get("parent_block_hash", 1, "parent_block_hash")?
         .map(|field| match field {
             FieldRef::Value(v) => hash(v),
-            FieldRef::Str(_) => Err(DecodeError::Hash),
+            _ => Err(DecodeError::Hash),
         })
         .transpose()?;
     let token_ids = match fields.take("token_ids", 2) {
         None => Vec::new(),
         Some(Slot::Tokens(ids)) => ids,
+        Some(Slot::Invalid(error)) => return Err(error),
         Some(Slot::Value(Value::Array(items))) => items
             .iter()
             .map(|v| {
@@ -209,19 +222,11 @@ fn decode_stored(fields: &mut Fields<'_, '_>) -> Result<BlockStored, DecodeError
     let tier = Tier::from_medium(opt_str(fields.get("medium", 5, "medium")?, "medium")?);
     let lora_name =
         opt_str(fields.get("lora_name", 6, "lora_name")?, "lora_name")?.map(str::to_string);
-    let extra = match fields.get("extra_keys", 7, "extra_keys")? {
-        None => Vec::new(),
-        Some(FieldRef::Value(Value::Array(items))) => items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| block_extra(i, v, lora_name.as_deref()))
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(DecodeError::FieldType {
-                field: "extra_keys",
-            });
-        }
-    };
+    let extra = extra_keys(
+        fields.get("extra_keys", 7, "extra_keys")?,
+        block_hashes.len(),
+        lora_name.as_deref(),
+    )?;
     let group_idx = opt_i64(fields.get("group_idx", 8, "group_idx")?, "group_idx")?;
     Ok(BlockStored {
         block_hashes,
@@ -245,6 +250,80 @@ fn decode_removed(fields: &mut Fields<'_, '_>) -> Result<BlockRemoved, DecodeErr
         tier,
         group_idx,
     })
+}
+
+/// Most msgpack values one block's extra keys may hold. vLLM's hold a LoRA name, the hashes
+/// of the multimodal items the block overlaps and a salt; the bound keeps a hostile entry from
+/// growing ~30× as it is read into values.
+const EXTRA_VALUES_PER_BLOCK: usize = 1024;
+
+/// A store's `extra_keys`: at most one entry per block (as vLLM publishes them), each of at
+/// most [`EXTRA_VALUES_PER_BLOCK`] values, read one entry at a time. Empty when no block has
+/// any (the common case: one nil per block), so a store costs nothing for them.
+fn extra_keys(
+    field: Option<FieldRef<'_>>,
+    blocks: usize,
+    lora_name: Option<&str>,
+) -> Result<Vec<BlockExtra>, DecodeError> {
+    const WRONG: DecodeError = DecodeError::FieldType {
+        field: "extra_keys",
+    };
+    enum Entries<'f> {
+        Values(std::slice::Iter<'f, Value>),
+        Raw(RawList<'f>),
+    }
+    let (len, mut entries) = match field {
+        None => return Ok(Vec::new()),
+        Some(FieldRef::Value(Value::Array(items))) => (items.len(), Entries::Values(items.iter())),
+        Some(FieldRef::List(list)) => (list.len, Entries::Raw(list)),
+        Some(_) => return Err(WRONG),
+    };
+    if len > blocks {
+        return Err(WRONG);
+    }
+    let mut extra = Vec::new();
+    for i in 0..len {
+        let entry = match &mut entries {
+            Entries::Values(items) => {
+                let value = items.next().ok_or(WRONG)?;
+                if value_count(value) > EXTRA_VALUES_PER_BLOCK {
+                    return Err(WRONG);
+                }
+                block_extra(i, value, lora_name)?
+            }
+            Entries::Raw(list) => {
+                let value = list
+                    .next_within(EXTRA_VALUES_PER_BLOCK)
+                    .map_err(|e| DecodeError::Msgpack(e.to_string()))?
+                    .ok_or(WRONG)?;
+                block_extra(i, &value, lora_name)?
+            }
+        };
+        if extra.is_empty() && entry == BlockExtra::default() {
+            continue;
+        }
+        if extra.is_empty() {
+            extra.reserve_exact(len);
+            extra.resize(i, BlockExtra::default());
+        }
+        extra.push(entry);
+    }
+    Ok(extra)
+}
+
+/// How many msgpack values `value` holds: itself, its elements, a map's keys and fields (as
+/// [`crate::skip::skip`] counts them).
+fn value_count(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(value_count).sum::<usize>(),
+        Value::Map(pairs) => {
+            1 + pairs
+                .iter()
+                .map(|(k, v)| value_count(k) + value_count(v))
+                .sum::<usize>()
+        }
+        _ => 1,
+    }
 }
 
 /// One block's extra keys: vLLM orders them LoRA name, multimodal hashes, cache salt (block 0
@@ -300,6 +379,7 @@ fn block_hashes(fields: &mut Fields<'_, '_>) -> Result<Vec<EngineHash>, DecodeEr
 fn hash_list(slot: Slot<'_>) -> Result<Vec<EngineHash>, DecodeError> {
     match slot {
         Slot::Hashes(hashes) => Ok(hashes),
+        Slot::Invalid(error) => Err(error),
         Slot::Value(Value::Array(items)) => items.iter().map(hash).collect(),
         _ => Err(DecodeError::FieldType {
             field: "block_hashes",

@@ -14,10 +14,13 @@
 //! typed vectors, the rest as values), then interpreted (`batch`).
 //!
 //! Every input here comes from the network: nothing panics on a payload, sizes are bounded
-//! ([`MAX_PAYLOAD_BYTES`], nesting depth) and every failure is a typed [`DecodeError`].
+//! ([`MAX_PAYLOAD_BYTES`], nesting depth) and every failure is a typed [`DecodeError`]. What
+//! the decoder never reads is stepped over (`skip`), not kept, so a payload costs about what
+//! its decoded batch holds, whatever its shape.
 
 mod batch;
 mod reader;
+mod skip;
 pub mod zmtp;
 
 use reader::RawBatch;
@@ -135,7 +138,8 @@ pub struct BlockStored {
     pub tier: Tier,
     /// The LoRA adapter's name, when any.
     pub lora_name: Option<String>,
-    /// Per block extra keys, aligned with `block_hashes` (empty when not published).
+    /// Per block extra keys, aligned with `block_hashes`; empty when not published or when no
+    /// block has any (vLLM publishes one nil per block), so read it with `get(i)`.
     pub extra: Vec<BlockExtra>,
     /// KV-cache group (hybrid models), when published.
     pub group_idx: Option<i64>,

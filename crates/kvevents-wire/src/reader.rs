@@ -23,6 +23,16 @@
 //! - declared lengths reserve at most one element per byte left and at most
 //!   [`RESERVE_BYTES`], so a hostile length cannot make the reader allocate more than what
 //!   it reads (a list longer than that grows as its elements are read).
+//!
+//! Memory: the reader keeps only what the decoder reads, and steps over the rest with
+//! [`crate::skip`] (which fails where rmpv would). Kept: the first pair of each key the
+//! decoder knows ([`FIELD_KEYS`]), a legacy event's first [`LEGACY_FIELDS`] fields, the
+//! events up to the first that is neither a map nor an array (decoding stops there), and the
+//! batch's first three items. A collection where the decoder takes a scalar is checked and
+//! kept as [`Slot::Skipped`]; a typed array with an element its field does not take as
+//! [`Slot::Invalid`]; `extra_keys` as its bytes ([`RawList`]), read entry by entry when
+//! decoded. So no payload makes the reader hold much more than the decoded batch: before,
+//! a message of one-byte elements where nothing reads them grew ~30× as rmpv read it.
 
 use std::ops::Range;
 
@@ -44,13 +54,48 @@ const FIELD_DEPTH: usize = EVENT_DEPTH - 2;
 // A typed array's elements (FIELD_DEPTH - 2) must have room for a bytes value (2 units).
 const _: () = assert!(FIELD_DEPTH >= 4);
 
+/// The keys of a tagged map's fields that the decoder reads (`crate::batch`); the reader
+/// keeps no other.
+const FIELD_KEYS: [&str; 10] = [
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+];
+
+/// A key's index in [`FIELD_KEYS`], if the decoder reads it.
+fn field_key(key: &str) -> Option<usize> {
+    Some(match key {
+        "type" => 0,
+        "block_hashes" => 1,
+        "parent_block_hash" => 2,
+        "token_ids" => 3,
+        "block_size" => 4,
+        "lora_id" => 5,
+        "medium" => 6,
+        "lora_name" => 7,
+        "extra_keys" => 8,
+        "group_idx" => 9,
+        _ => return None,
+    })
+}
+
+/// The fields of a legacy tagged array the decoder reads: the tag and `BlockStored`'s nine.
+const LEGACY_FIELDS: usize = 10;
+
 /// A payload's top level as read.
 #[derive(Debug, PartialEq)]
 pub(crate) enum RawBatch<'a> {
-    /// An array `[ts, events, dp_rank, …]`.
+    /// An array `[ts, events, dp_rank, …]` (the reader keeps its first three items).
     Array(Vec<BatchItem<'a>>),
     /// Anything else.
-    Other(Value),
+    Other,
 }
 
 /// One item of the batch array.
@@ -60,6 +105,8 @@ pub(crate) enum BatchItem<'a> {
     Events(Events<'a>),
     /// Any other item.
     Value(Value),
+    /// An array or map where the decoder takes none (checked, not kept).
+    Skipped,
 }
 
 /// The batch's events, their fields kept in two lists shared by all of them: one allocation
@@ -83,8 +130,8 @@ pub(crate) enum RawEvent {
     /// The legacy tagged-array layout: tag first, then the fields by position, in
     /// [`Events::fields`].
     Array(Range<usize>),
-    /// Neither.
-    Other(Value),
+    /// Neither (the reader keeps no event after it: decoding stops here).
+    Other,
 }
 
 /// A tagged map's key.
@@ -117,8 +164,47 @@ pub(crate) enum Slot<'a> {
     Tokens(Vec<u32>),
     /// `block_hashes`, every element a hash.
     Hashes(Vec<EngineHash>),
+    /// `extra_keys` as an array, checked and left in the payload.
+    Extra(RawList<'a>),
+    /// An array or map where the field takes none (checked, not kept): the decoder's type
+    /// error, as for any value of the wrong type.
+    Skipped,
+    /// A typed field's array with an element the field does not take: the decoder's error
+    /// for it (`Hash`, `TokenId`).
+    Invalid(crate::DecodeError),
     /// Already taken by the decoder.
     Taken,
+}
+
+/// An array left in the payload: its length, and its elements' bytes (checked by
+/// [`crate::skip`] at [`RawList::DEPTH`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RawList<'a> {
+    /// How many elements.
+    pub(crate) len: usize,
+    /// The elements' bytes, after the array's header.
+    pub(crate) bytes: &'a [u8],
+}
+
+impl RawList<'_> {
+    /// The depth budget rmpv had for the elements (a field's array spent 2).
+    pub(crate) const DEPTH: usize = FIELD_DEPTH - 2;
+
+    /// Reads the next element into a value if it holds at most `cap` values; `Ok(None)` if
+    /// it holds more (the element is passed over either way).
+    pub(crate) fn next_within(&mut self, cap: usize) -> Result<Option<Value>, rmpv::decode::Error> {
+        // What vLLM publishes for a block without extra keys: one nil each.
+        if let Some((0xc0, rest)) = self.bytes.split_first() {
+            self.bytes = rest;
+            return Ok(Some(Value::Nil));
+        }
+        let start = self.bytes;
+        if crate::skip::skip(&mut self.bytes, Self::DEPTH)? > cap {
+            return Ok(None);
+        }
+        let mut element = start;
+        rmpv::decode::read_value_with_max_depth(&mut element, Self::DEPTH).map(Some)
+    }
 }
 
 impl<'a> RawBatch<'a> {
@@ -135,7 +221,7 @@ impl<'a> RawBatch<'a> {
     /// against.
     pub(crate) fn from_value(value: Value) -> RawBatch<'a> {
         let Value::Array(items) = value else {
-            return RawBatch::Other(value);
+            return RawBatch::Other;
         };
         let items = items
             .into_iter()
@@ -170,7 +256,7 @@ impl Events<'_> {
                 self.fields.extend(items.into_iter().map(Slot::Value));
                 RawEvent::Array(start..self.fields.len())
             }
-            other => RawEvent::Other(other),
+            _ => RawEvent::Other,
         };
         self.list.push(event);
     }
@@ -181,6 +267,8 @@ impl Events<'_> {
 enum Typed {
     Tokens,
     Hashes,
+    /// `extra_keys`: an array is left in the payload ([`Slot::Extra`]).
+    Extra,
     No,
 }
 
@@ -190,6 +278,7 @@ impl Typed {
         match key.as_str() {
             Some("token_ids") => Typed::Tokens,
             Some("block_hashes") => Typed::Hashes,
+            Some("extra_keys") => Typed::Extra,
             _ => Typed::No,
         }
     }
@@ -199,6 +288,7 @@ impl Typed {
         match (tag, index) {
             (Some("BlockStored" | "BlockRemoved"), 1) => Typed::Hashes,
             (Some("BlockStored"), 3) => Typed::Tokens,
+            (Some("BlockStored"), 8) => Typed::Extra,
             _ => Typed::No,
         }
     }
@@ -211,37 +301,58 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn batch(&mut self) -> Result<RawBatch<'a>, rmpv::decode::Error> {
         let Some(len) = self.array_len() else {
-            return Ok(RawBatch::Other(self.value(MAX_DEPTH)?));
+            self.skip(MAX_DEPTH)?;
+            return Ok(RawBatch::Other);
         };
-        let mut items = Vec::with_capacity(self.bounded::<BatchItem>(len));
+        // The decoder reads `ts`, the events and `dp_rank`: the rest is only checked.
+        let mut items = Vec::with_capacity(len.min(3));
         for i in 0..len {
             let item = if i == 1
                 && let Some(events) = self.array_len()
             {
-                let mut list = Events {
-                    list: Vec::with_capacity(self.bounded::<RawEvent>(events)),
-                    ..Events::default()
-                };
-                for e in 0..events {
-                    self.event(&mut list)?;
-                    if e == 0 {
-                        // A batch's events nearly always have one shape (an eviction is one
-                        // event per block): room for the rest at once, rather than growing
-                        // the lists, and copying them, as they fill.
-                        let more = events - 1;
-                        let pairs = list.pairs.len().saturating_mul(more);
-                        let fields = list.fields.len().saturating_mul(more);
-                        list.pairs.reserve(self.bounded::<(Key, Slot)>(pairs));
-                        list.fields.reserve(self.bounded::<Slot>(fields));
+                BatchItem::Events(self.events(events)?)
+            } else if i < 3 {
+                match self.collection_ahead() {
+                    true => {
+                        self.skip(ITEM_DEPTH)?;
+                        BatchItem::Skipped
                     }
+                    false => BatchItem::Value(self.value(ITEM_DEPTH)?),
                 }
-                BatchItem::Events(list)
             } else {
-                BatchItem::Value(self.value(ITEM_DEPTH)?)
+                self.skip(ITEM_DEPTH)?;
+                continue;
             };
             items.push(item);
         }
         Ok(RawBatch::Array(items))
+    }
+
+    /// The events array's `len` events, its header read.
+    fn events(&mut self, len: usize) -> Result<Events<'a>, rmpv::decode::Error> {
+        let mut events = Events {
+            list: Vec::with_capacity(self.bounded::<RawEvent>(len)),
+            ..Events::default()
+        };
+        for e in 0..len {
+            if events.list.last() == Some(&RawEvent::Other) {
+                // Decoding fails at that event: the rest are only checked.
+                self.skip(EVENT_DEPTH)?;
+                continue;
+            }
+            self.event(&mut events)?;
+            if e == 0 {
+                // A batch's events nearly always have one shape (an eviction is one event per
+                // block): room for the rest at once, rather than growing the lists, and
+                // copying them, as they fill.
+                let more = len - 1;
+                let pairs = events.pairs.len().saturating_mul(more);
+                let fields = events.fields.len().saturating_mul(more);
+                events.pairs.reserve(self.bounded::<(Key, Slot)>(pairs));
+                events.fields.reserve(self.bounded::<Slot>(fields));
+            }
+        }
+        Ok(events)
     }
 
     /// Reads one event into `events`.
@@ -249,21 +360,38 @@ impl<'a> Reader<'a> {
         let event = if let Some(len) = self.map_len() {
             let pairs = &mut events.pairs;
             let start = pairs.len();
-            pairs.reserve(self.bounded::<(Key, Slot)>(len));
+            pairs.reserve(len.min(FIELD_KEYS.len()));
+            // The known keys this event has kept, by their index in FIELD_KEYS.
+            let mut kept = 0u16;
             for _ in 0..len {
-                let key = match self.str() {
-                    Some(key) => Key::Str(key),
-                    None => Key::Value(self.value(FIELD_DEPTH)?),
-                };
-                let field = self.field(Typed::of_key(&key))?;
-                pairs.push((key, field));
+                let key = self.str();
+                let known = key.and_then(field_key);
+                // NOTE: the decoder reads a key's first pair; later ones are only checked.
+                match known {
+                    Some(index) if kept & (1 << index) == 0 => {
+                        kept |= 1 << index;
+                        let key = Key::Str(FIELD_KEYS[index]);
+                        let field = self.field(Typed::of_key(&key))?;
+                        pairs.push((key, field));
+                    }
+                    _ => {
+                        if key.is_none() {
+                            self.skip(FIELD_DEPTH)?;
+                        }
+                        self.skip(FIELD_DEPTH)?;
+                    }
+                }
             }
             RawEvent::Map(start..pairs.len())
         } else if let Some(len) = self.array_len() {
             let fields = &mut events.fields;
             let start = fields.len();
-            fields.reserve(self.bounded::<Slot>(len));
+            fields.reserve(len.min(LEGACY_FIELDS));
             for i in 0..len {
+                if i >= LEGACY_FIELDS {
+                    self.skip(FIELD_DEPTH)?;
+                    continue;
+                }
                 let tag = match fields.get(start) {
                     Some(Slot::Str(tag)) => Some(*tag),
                     Some(Slot::Value(tag)) => tag.as_str(),
@@ -274,31 +402,52 @@ impl<'a> Reader<'a> {
             }
             RawEvent::Array(start..fields.len())
         } else {
-            RawEvent::Other(self.value(EVENT_DEPTH)?)
+            self.skip(EVENT_DEPTH)?;
+            RawEvent::Other
         };
         events.list.push(event);
         Ok(())
     }
 
     /// One field: as a typed array when `typed` says so and every element fits, a string as
-    /// borrowed, else by rmpv.
+    /// borrowed, a scalar in place; an array or map the field cannot take checked and not
+    /// kept; anything else by rmpv.
     fn field(&mut self, typed: Typed) -> Result<Slot<'a>, rmpv::decode::Error> {
         let start = self.rest;
         let read = match typed {
             Typed::Tokens => self.typed_array(token).map(Slot::Tokens),
             Typed::Hashes => self.typed_array(hash).map(Slot::Hashes),
-            Typed::No => match self.str() {
-                Some(text) => Some(Slot::Str(text)),
-                None => self.scalar().map(Slot::Value),
-            },
+            Typed::Extra | Typed::No => None,
         };
-        match read {
-            Some(slot) => Ok(slot),
-            None => {
-                self.rest = start;
-                Ok(Slot::Value(self.value(FIELD_DEPTH)?))
-            }
+        if let Some(slot) = read {
+            return Ok(slot);
         }
+        self.rest = start;
+        if let Some(text) = self.str() {
+            return Ok(Slot::Str(text));
+        }
+        if let Some(value) = self.scalar() {
+            return Ok(Slot::Value(value));
+        }
+        self.rest = start;
+        if !self.collection_ahead() {
+            // Floats, binaries, exts and strings that are not UTF-8: no larger than their bytes.
+            return Ok(Slot::Value(self.value(FIELD_DEPTH)?));
+        }
+        let array = self.array_len();
+        let elements = self.rest;
+        self.rest = start;
+        self.skip(FIELD_DEPTH)?;
+        Ok(match (typed, array) {
+            (Typed::Extra, Some(len)) => Slot::Extra(RawList {
+                len,
+                bytes: &elements[..elements.len() - self.rest.len()],
+            }),
+            // The reference gives each field's own error for an element it does not take.
+            (Typed::Tokens, Some(_)) => Slot::Invalid(crate::DecodeError::TokenId),
+            (Typed::Hashes, Some(_)) => Slot::Invalid(crate::DecodeError::Hash),
+            _ => Slot::Skipped,
+        })
     }
 
     /// An array whose every element `element` reads; `None` at the first one it cannot
@@ -366,6 +515,16 @@ impl<'a> Reader<'a> {
     /// One value by rmpv, with `depth` of its depth budget left.
     fn value(&mut self, depth: usize) -> Result<Value, rmpv::decode::Error> {
         rmpv::decode::read_value_with_max_depth(&mut self.rest, depth)
+    }
+
+    /// Steps over one value with `depth` of rmpv's depth budget left, failing as rmpv would.
+    fn skip(&mut self, depth: usize) -> Result<usize, rmpv::decode::Error> {
+        crate::skip::skip(&mut self.rest, depth)
+    }
+
+    /// Whether the next value is an array or a map.
+    fn collection_ahead(&self) -> bool {
+        matches!(self.rest.first(), Some(0x80..=0x9f | 0xdc..=0xdf))
     }
 
     /// What a declared length of `len` elements of `T` may reserve: at most one per byte left

@@ -90,7 +90,8 @@ fn a_store_events_arrays_are_read_typed_in_both_layouts() {
         panic!("not an array")
     };
     assert_eq!(fields[1], Slot::Hashes(vec![EngineHash(3)]));
-    assert!(matches!(fields[3], Slot::Value(Value::Array(_))));
+    // An array where `group_idx` takes an integer: checked, not kept.
+    assert_eq!(fields[3], Slot::Skipped);
 }
 
 #[test]
@@ -106,10 +107,8 @@ fn keys_and_string_fields_are_borrowed_and_an_invalid_one_is_rmpvs() {
     };
     assert_eq!(pairs[0], (Key::Str("type"), Slot::Str("BlockRemoved")));
     assert_eq!(pairs[2], (Key::Str("medium"), Slot::Str("CPU")));
-    assert_eq!(
-        pairs[3],
-        (Key::Value(Value::from(7)), Slot::Value(Value::Nil))
-    );
+    // A key the decoder never reads is not kept.
+    assert_eq!(pairs.len(), 3);
     // A string that is not UTF-8: rmpv's value (which is no `str`), as the reference has it.
     let mut payload = vec![0x92, 0x01, 0x91, 0x92, 0xa2, 0xff, 0xfe, 0xc0];
     let mut rest: &[u8] = &payload;
@@ -192,11 +191,11 @@ fn events_of_both_layouts_in_one_batch_keep_their_own_fields() {
             RawEvent::Map(0..3),
             RawEvent::Array(0..3),
             RawEvent::Map(3..6),
-            RawEvent::Other(Value::Nil),
-            RawEvent::Array(3..6),
-            RawEvent::Map(6..9),
+            // Decoding stops at the event that is neither: the rest are checked, not kept.
+            RawEvent::Other,
         ]
     );
+    assert_eq!((events.pairs.len(), events.fields.len()), (6, 3));
     // Without the event that is neither, the decoding in order.
     let mut values = match batch {
         Value::Array(mut items) => match items.remove(1) {
@@ -322,7 +321,7 @@ fn token_ids_in_any_integer_marker_are_read_as_rmpv_reads_them() {
 }
 
 #[test]
-fn an_element_the_field_does_not_take_sends_the_array_back_to_rmpv() {
+fn an_element_the_field_does_not_take_is_the_fields_error_without_reading_the_rest() {
     for bad in [
         Value::from(u64::from(u32::MAX) + 1),
         Value::from(-1i64),
@@ -337,14 +336,14 @@ fn an_element_the_field_does_not_take_sends_the_array_back_to_rmpv() {
         let OneEvent::Map(pairs) = only_event(read(&event)) else {
             panic!("not a map")
         };
-        assert_eq!(pairs[2].1, Slot::Value(tokens));
+        assert_eq!(pairs[2].1, Slot::Invalid(crate::DecodeError::TokenId));
     }
     let hashes = Value::Array(vec![Value::from(1u64), Value::Binary(Vec::new())]);
     let event = batch_of(Value::Array(vec!["BlockRemoved".into(), hashes.clone()]));
     let OneEvent::Array(fields) = only_event(read(&event)) else {
         panic!("not an array")
     };
-    assert_eq!(fields[1], Slot::Value(hashes));
+    assert_eq!(fields[1], Slot::Invalid(crate::DecodeError::Hash));
 }
 
 #[test]
@@ -370,4 +369,206 @@ fn a_declared_length_past_the_input_is_rmpvs_error_and_reserves_nothing_past_it(
     let reader = Reader { rest: &long };
     assert_eq!(reader.bounded::<u32>(u32::MAX as usize), RESERVE_BYTES / 4);
     assert_eq!(reader.bounded::<(Key, Slot)>(10), 10);
+}
+
+/// A payload whose events array holds `event` `count` times, built as bytes (a 32-bit length).
+fn repeated_event(event: &[u8], count: u32) -> Vec<u8> {
+    let mut payload = vec![0x92, 0x01, 0xdd];
+    payload.extend(count.to_be_bytes());
+    for _ in 0..count {
+        payload.extend_from_slice(event);
+    }
+    payload
+}
+
+#[test]
+fn what_the_decoder_never_reads_is_checked_not_kept() {
+    let removal = |extra: Vec<(Value, Value)>| {
+        let mut pairs = vec![
+            ("type".into(), "BlockRemoved".into()),
+            ("block_hashes".into(), Value::Array(vec![Value::from(9u64)])),
+        ];
+        pairs.extend(extra);
+        batch_of(Value::Map(pairs))
+    };
+    // Unknown keys, a key that is no string, a known key repeated (the decoder reads its
+    // first pair): only the known keys' first pairs are kept, and the decoding is the
+    // reference's (`read` checks it).
+    let nested = Value::Array((0..50).map(|_| Value::Map(vec![])).collect());
+    let event = removal(vec![
+        ("future".into(), nested.clone()),
+        (nested.clone(), Value::Nil),
+        ("medium".into(), "CPU".into()),
+        ("medium".into(), nested.clone()),
+        ("type".into(), "BlockStored".into()),
+    ]);
+    let OneEvent::Map(pairs) = only_event(read(&event)) else {
+        panic!("not a map")
+    };
+    let keys: Vec<_> = pairs.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, [Some("type"), Some("block_hashes"), Some("medium")]);
+    // A collection where a scalar field is read: the field's type error, as the reference.
+    for (key, error) in [
+        ("medium", crate::DecodeError::FieldType { field: "medium" }),
+        (
+            "group_idx",
+            crate::DecodeError::FieldType { field: "group_idx" },
+        ),
+    ] {
+        let event = removal(vec![(key.into(), Value::Map(vec![(1.into(), 2.into())]))]);
+        let payload = encode(&event);
+        assert_eq!(crate::decode_payload(&payload), Err(error));
+        let OneEvent::Map(pairs) = only_event(read(&event)) else {
+            panic!("not a map")
+        };
+        assert_eq!(pairs[2].1, Slot::Skipped);
+    }
+    // A legacy event's fields past the ten the decoder reads, and batch items past dp_rank.
+    let mut legacy = vec!["BlockRemoved".into(), Value::Array(vec![Value::from(1u64)])];
+    legacy.extend((0..20).map(|_| nested.clone()));
+    let OneEvent::Array(fields) = only_event(read(&batch_of(Value::Array(legacy)))) else {
+        panic!("not an array")
+    };
+    assert_eq!(fields.len(), LEGACY_FIELDS);
+    let long_batch = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![]),
+        Value::from(2),
+        nested.clone(),
+        nested,
+    ]);
+    let RawBatch::Array(items) = read(&long_batch) else {
+        panic!("not an array")
+    };
+    assert_eq!(items.len(), 3);
+    // A timestamp or rank that is a collection: their type errors.
+    for (index, field) in [(0, "ts"), (1, "events"), (2, "data_parallel_rank")] {
+        let mut items = vec![Value::F64(1.0), Value::Array(vec![]), Value::Nil];
+        items[index] = Value::Map(vec![]);
+        let batch = Value::Array(items);
+        assert_eq!(
+            crate::decode_payload(&encode(&batch)),
+            Err(crate::DecodeError::FieldType { field })
+        );
+        read(&batch);
+    }
+}
+
+#[test]
+fn a_hostile_shape_keeps_no_more_than_its_decoded_batch() {
+    // An event map of a million one-byte pairs: rmpv kept 80 bytes a pair.
+    let mut event = vec![0xdf, 0x00, 0x10, 0x00, 0x00];
+    event.extend(encode(&"type".into()));
+    event.extend(encode(&"BlockRemoved".into()));
+    event.extend(encode(&"block_hashes".into()));
+    event.extend([0x91, 0x05]);
+    event.resize(event.len() + 2 * ((1 << 20) - 2), 0x01);
+    let payload = repeated_event(&event, 1);
+    let mut rest = &payload[..];
+    let RawBatch::Array(items) = RawBatch::read(&mut rest).unwrap() else {
+        panic!("not an array")
+    };
+    let BatchItem::Events(events) = &items[1] else {
+        panic!("no events")
+    };
+    assert!(
+        events.pairs.capacity() <= FIELD_KEYS.len(),
+        "{}",
+        events.pairs.capacity()
+    );
+    let decoded = crate::decode_payload(&payload).unwrap();
+    assert_eq!(decoded.events.len(), 1);
+
+    // A million events that are nil: decoding stops at the first, nothing after it is kept.
+    let payload = repeated_event(&[0xc0], 1 << 20);
+    let mut rest = &payload[..];
+    let RawBatch::Array(items) = RawBatch::read(&mut rest).unwrap() else {
+        panic!("not an array")
+    };
+    let BatchItem::Events(events) = &items[1] else {
+        panic!("no events")
+    };
+    assert_eq!(events.list, [RawEvent::Other]);
+    assert_eq!(
+        crate::decode_payload(&payload),
+        Err(crate::DecodeError::EventTag)
+    );
+    // … but the rest is still checked: cut short, it is rmpv's error.
+    let cut = &payload[..payload.len() - 1];
+    assert!(matches!(
+        crate::decode_payload(cut),
+        Err(crate::DecodeError::Msgpack(_))
+    ));
+}
+
+/// A store of `blocks` blocks with `extra` as its `extra_keys`.
+fn store_with_extra(blocks: u64, extra: Value) -> Value {
+    batch_of(Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        (
+            "block_hashes".into(),
+            Value::Array((0..blocks).map(Value::from).collect()),
+        ),
+        ("extra_keys".into(), extra),
+        ("lora_name".into(), "adapter".into()),
+    ]))
+}
+
+fn stored_extra(batch: &Value) -> Result<Vec<crate::BlockExtra>, crate::DecodeError> {
+    read(batch);
+    match crate::decode_payload(&encode(batch))?.events.remove(0) {
+        crate::KvEvent::BlockStored(stored) => Ok(stored.extra),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn extra_keys_are_read_entry_by_entry_one_per_block_at_most() {
+    let salted = Value::Array(vec![
+        Value::Array(vec!["adapter".into(), "salt".into()]),
+        Value::Nil,
+        Value::Array(vec!["mm-hash".into()]),
+    ]);
+    let batch = store_with_extra(3, salted);
+    let OneEvent::Map(pairs) = only_event(read(&batch)) else {
+        panic!("not a map")
+    };
+    assert!(matches!(pairs[2].1, Slot::Extra(RawList { len: 3, .. })));
+    let extra = stored_extra(&batch).unwrap();
+    assert_eq!(extra.len(), 3);
+    assert_eq!(extra[0].cache_salt.as_deref(), Some("salt"));
+    assert_eq!(extra[1], crate::BlockExtra::default());
+    assert!(extra[2].opaque.is_some());
+    // One nil per block (what vLLM publishes without extras): nothing kept.
+    let nils = Value::Array(vec![Value::Nil; 4]);
+    assert_eq!(stored_extra(&store_with_extra(4, nils)), Ok(Vec::new()));
+    // A salt only on a later block: the defaults before it are filled in.
+    let late = Value::Array(vec![Value::Nil, Value::Array(vec!["mm".into()])]);
+    let extra = stored_extra(&store_with_extra(2, late)).unwrap();
+    assert_eq!(extra.len(), 2);
+    assert_eq!(extra[0], crate::BlockExtra::default());
+    // More entries than blocks, or an entry of more values than a block's keys hold: the
+    // field's type error (in the reference too: `stored_extra` reads through `read`).
+    let wrong = Err(crate::DecodeError::FieldType {
+        field: "extra_keys",
+    });
+    let long = Value::Array(vec![Value::Nil; 3]);
+    assert_eq!(stored_extra(&store_with_extra(2, long)), wrong);
+    let wide = Value::Array(vec![Value::Array(vec![Value::Nil; 1024])]);
+    assert_eq!(stored_extra(&store_with_extra(1, wide)), wrong);
+    let within = Value::Array(vec![Value::Array(vec![Value::Nil; 1023])]);
+    assert!(stored_extra(&store_with_extra(1, within)).is_ok());
+    // Not an array: its type error; an entry that is neither nil nor an array: likewise.
+    let map = Value::Map(vec![]);
+    assert_eq!(stored_extra(&store_with_extra(1, map)), wrong);
+    let scalar_entry = Value::Array(vec![Value::from(3)]);
+    assert_eq!(stored_extra(&store_with_extra(1, scalar_entry)), wrong);
+}
+
+#[test]
+fn every_field_key_is_found_at_its_index() {
+    for (index, key) in FIELD_KEYS.iter().enumerate() {
+        assert_eq!(field_key(key), Some(index));
+    }
+    assert_eq!(field_key("kv_cache_spec_kind"), None);
 }
