@@ -457,3 +457,6 @@ const IN_FLIGHT_COST_SHARE: f64 = 0.02;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod timeline_tests;

@@ -1,4 +1,5 @@
-//! Unit tests of `kv-placement-scorer`: one per decision rule, on hand-built pod views.
+//! Unit tests of `kv-placement-scorer`: one per decision rule, on hand-built pod views (the
+//! same rules over time, on a clock the test advances: `timeline_tests.rs`).
 
 use super::super::SchedulingRequest;
 use super::super::cycle::test_support::*;

@@ -1,0 +1,273 @@
+//! The placement rules over time: two full pods serving prefix groups whose arrival rates rise
+//! and stop, on a clock the test advances. The scheduler takes `now` from its caller (the
+//! pods' prefill state, their heat, the first bytes), so the test's instants are its paused
+//! clock: nothing here waits on the wall clock, and every run is the same.
+//!
+//! Each pod is a FIFO prefill server with known costs (10 ms + 0.4 ms per uncached token);
+//! its cache is full (a working set that fills the fleet). kvpick's side is real: each pod's
+//! `PrefillLoad` counts the backlog of the requests routed there, learns the pod's line from
+//! the first bytes the simulated pod returns, and heats with the cache hits it serves; and
+//! `kv-placement-scorer` picks. A pod holds a group's prefix from the first byte of the first
+//! request it prefilled for that group (vLLM stores the blocks as it prefills).
+
+use super::super::SchedulingRequest;
+use super::super::cycle::PrefixHit;
+use super::super::cycle::test_support::*;
+use super::*;
+use crate::endpoints::{PrefillGuard, PrefillLoad};
+use crate::scrape::PodMetrics;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const BASE_MS: f64 = 10.0;
+const MS_PER_TOKEN: f64 = 0.4;
+/// Blocks per pod, all occupied.
+const CAPACITY: u64 = 1000;
+/// Every group's prompt, and the part of it its holder has cached.
+const PROMPT: f64 = 2200.0;
+const SHARED: f64 = 2000.0;
+
+type Group = u32;
+
+/// One simulated pod, and kvpick's state for it.
+struct Pod {
+    load: Arc<PrefillLoad>,
+    /// When its prefill queue empties.
+    free_at: Instant,
+    /// Requests routed there: when their first byte comes, the group, kvpick's guard.
+    pending: Vec<(Instant, Group, PrefillGuard)>,
+    holds: HashSet<Group>,
+}
+
+/// One pick: where, what the pod then had awaiting, and the time to first token it got.
+#[derive(Debug, Clone, Copy)]
+struct Pick {
+    group: Group,
+    at_s: f64,
+    pod: usize,
+    /// kvpick's requests awaiting their first byte on each pod at the pick.
+    awaiting: [f64; 2],
+    /// Whether the pod already held the group's prefix.
+    held: bool,
+    ttft_ms: f64,
+}
+
+struct Fleet {
+    t0: Instant,
+    pods: Vec<Pod>,
+    params: PlacementParams,
+    /// Every pod's line as given, not as learned (so that only what else differs decides).
+    given_line: Option<FittedLine>,
+}
+
+impl Fleet {
+    /// Two pods, pod 0 holding group 0's prefix and pod 1 group 1's.
+    fn new() -> Self {
+        let t0 = Instant::now();
+        let pods = (0..2)
+            .map(|i| Pod {
+                load: Arc::new(PrefillLoad::default()),
+                free_at: t0,
+                pending: Vec::new(),
+                holds: HashSet::from([i as Group]),
+            })
+            .collect();
+        Self {
+            t0,
+            pods,
+            params: PlacementParams::default(),
+            given_line: None,
+        }
+    }
+
+    /// First bytes up to `now`, in time order: the guards learn, the pods hold the groups
+    /// they prefilled.
+    fn deliver(&mut self, now: Instant) {
+        for pod in &mut self.pods {
+            pod.pending.sort_by_key(|(at, ..)| *at);
+            let due = pod.pending.partition_point(|(at, ..)| *at <= now);
+            for (at, group, mut guard) in pod.pending.drain(..due) {
+                guard.first_byte(at);
+                pod.holds.insert(group);
+            }
+        }
+    }
+
+    /// Routes one request of `group` arriving `at_s` seconds in.
+    fn route(&mut self, group: Group, at_s: f64) -> Pick {
+        let now = self.t0 + Duration::from_secs_f64(at_s);
+        self.deliver(now);
+        let views: Vec<PodView> = self
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| {
+                let mut prefill = pod.load.view(now);
+                prefill.line = self.given_line.or(prefill.line);
+                let metrics = PodMetrics {
+                    block_size: Some(16),
+                    num_blocks: Some(CAPACITY),
+                    ..metrics(0.0, 0.0, 1.0)
+                };
+                let mut view = view(i, Some(metrics), prefill.awaiting as u64);
+                view.held_blocks = CAPACITY;
+                view.prefill = prefill;
+                view
+            })
+            .collect();
+        let awaiting = [views[0].prefill.awaiting, views[1].prefill.awaiting];
+        let cached: Vec<f64> = self
+            .pods
+            .iter()
+            .map(|pod| {
+                if pod.holds.contains(&group) {
+                    SHARED
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let request = SchedulingRequest::default();
+        let cycle = Cycle {
+            request: &request,
+            prefix: cached
+                .iter()
+                .map(|c| PrefixHit {
+                    score: c / PROMPT,
+                    cached_tokens: *c,
+                })
+                .collect(),
+            pods: views,
+            prompt_tokens: PROMPT,
+            lookup: None,
+            home: None,
+        };
+        let mut scores = [0.0; 2];
+        score(&cycle, &self.params, &mut scores);
+        let best = if scores[1] > scores[0] { 1 } else { 0 };
+        let uncached = PROMPT - cached[best];
+        let pod = &mut self.pods[best];
+        let guard = pod.load.start(uncached, cached[best], None, now);
+        let start = pod.free_at.max(now);
+        let first_byte = start + Duration::from_secs_f64((BASE_MS + MS_PER_TOKEN * uncached) / 1e3);
+        pod.free_at = first_byte;
+        pod.pending.push((first_byte, group, guard));
+        Pick {
+            group,
+            at_s,
+            pod: best,
+            awaiting,
+            held: cached[best] > 0.0,
+            ttft_ms: (first_byte - now).as_secs_f64() * 1e3,
+        }
+    }
+
+    /// `rates[g]` requests per second of each group `g` from `from_s` to `to_s`, merged in
+    /// time order (group `g` offset by `g` ms so arrivals never coincide).
+    fn run(&mut self, rates: &[f64], from_s: f64, to_s: f64) -> Vec<Pick> {
+        let mut arrivals: Vec<(f64, Group)> = Vec::new();
+        for (g, rate) in rates.iter().enumerate() {
+            if *rate <= 0.0 {
+                continue;
+            }
+            let mut t = from_s + g as f64 / 1e3;
+            while t < to_s {
+                arrivals.push((t, g as Group));
+                t += 1.0 / rate;
+            }
+        }
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        arrivals
+            .into_iter()
+            .map(|(t, g)| self.route(g, t))
+            .collect()
+    }
+}
+
+#[test]
+fn a_holder_keeps_its_prefix_under_moderate_load_and_gets_a_copy_only_past_the_threshold() {
+    let mut fleet = Fleet::new();
+    // Moderate: 4 requests/s of each group, each pod busy ~36% of the time serving its own.
+    let moderate = fleet.run(&[4.0, 4.0], 0.0, 15.0);
+    for pick in &moderate {
+        assert_eq!(
+            pick.pod, pick.group as usize,
+            "under moderate load each holder keeps its prefix: {pick:?}"
+        );
+    }
+    let calm_ttft = moderate.iter().map(|p| p.ttft_ms).fold(0.0, f64::max);
+    assert!(calm_ttft < 200.0, "{calm_ttft}");
+
+    // Group 0 rises to 16 requests/s: 1.4× what its holder alone can prefill.
+    let busy = fleet.run(&[16.0, 4.0], 15.0, 30.0);
+    let copies: Vec<&Pick> = busy
+        .iter()
+        .filter(|p| p.group == 0 && p.pod == 1 && !p.held)
+        .collect();
+    let first_copy = copies
+        .first()
+        .expect("a holder that cannot keep up gets a copy");
+    // A copy costs its whole prefill (2,200 tokens) and as many tokens of other prefixes
+    // evicted; it is not made while the holder's queue holds less work than the copy's own
+    // prefill (11 of the holder's 200-token requests).
+    for copy in &copies {
+        assert!(
+            copy.awaiting[0] * (PROMPT - SHARED) >= PROMPT,
+            "a copy made while the holder could keep up: {copy:?}"
+        );
+    }
+    let before: Vec<&Pick> = busy
+        .iter()
+        .filter(|p| p.group == 0 && p.at_s < first_copy.at_s)
+        .collect();
+    assert!(
+        before.iter().all(|p| p.pod == 0),
+        "group 0 stays on its holder until the first copy"
+    );
+    assert!(before.len() >= 5, "the copy came at once: {first_copy:?}");
+    // Once the second pod holds it, both serve the group and the fleet keeps up: in the last
+    // 5 s the waits are what two pods at ~90% give, not the holder's growing queue alone
+    // (it would be 0.44 s longer every second by then: ~6 s).
+    let late: Vec<&Pick> = busy
+        .iter()
+        .filter(|p| p.group == 0 && p.at_s >= 25.0)
+        .collect();
+    let on_copy = late.iter().filter(|p| p.pod == 1).count();
+    assert!(
+        on_copy * 5 >= late.len() && on_copy * 5 <= late.len() * 4,
+        "{on_copy} of {} late requests on the copy",
+        late.len()
+    );
+    let worst = late.iter().map(|p| p.ttft_ms).fold(0.0, f64::max);
+    assert!(worst < 2500.0, "late worst TTFT {worst} ms");
+    // One copy: the requests that came while it was being prefilled stayed on the holder.
+    assert_eq!(copies.len(), 1, "uncached placements: {copies:?}");
+}
+
+#[test]
+fn a_cold_prefix_goes_to_the_cache_whose_prefixes_were_used_least_recently() {
+    // Both pods full, idle at the decision and equally fast, each having served 160 hits of
+    // its group; one group's came in the first 20 s, the other's spread over 60 s. Counted
+    // alone the caches are worth the same; decayed (heat halves every 30 s) the first has
+    // cooled, so a new prefix evicts there.
+    for (early, expected) in [(1, 1), (0, 0)] {
+        let mut fleet = Fleet::new();
+        fleet.given_line = Some(FittedLine {
+            base_ms: BASE_MS,
+            slope_ms: MS_PER_TOKEN,
+        });
+        let mut rates = [4.0, 4.0];
+        rates[early] = 8.0;
+        fleet.run(&rates, 0.0, 20.0);
+        let mut rates = [2.0, 2.0];
+        rates[early] = 0.0;
+        fleet.run(&rates, 20.0, 60.0);
+        let cold = fleet.route(7, 62.0);
+        assert_eq!(cold.awaiting, [0.0, 0.0], "both drained");
+        assert_eq!(
+            cold.pod, expected,
+            "group {early}'s hits came first: its pod's cache is the cooler one"
+        );
+    }
+}
