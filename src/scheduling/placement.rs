@@ -43,6 +43,15 @@
 //!   group back and forth on every scrape, and a group is not split over two copies that then
 //!   evict each other. It scales with the share of the prompt held.
 //!
+//! Copies: every pod holding the prefix is a candidate with its own queue, so a new copy is
+//! made only when *every* existing holder is predicted slower than a non-holder's full
+//! prefill plus what it evicts, discounted by the hold bias: with one holder of a 2,200-token
+//! prompt on full pods, that is once ~17 of its 200-token requests are queued
+//! (`timeline_tests.rs` checks it over time: no copy while the holder's queue holds less work
+//! than the copy's own prefill, one copy when it cannot keep up, none more while the first is
+//! being prefilled). A third copy needs both holders behind, and so on: the number of copies
+//! grows with the load the prefix brings, not with how its requests happen to arrive.
+//!
 //! A cold prefix (no holder) goes where the work queued is least and where it evicts least:
 //! free blocks first, then the coolest cache. This is what spreads a working set that just
 //! fits the fleet evenly over it (smg gets there by sending a cold prefix to its smallest
