@@ -101,13 +101,20 @@ fn counted(metrics: &str, name: &str, reason: &str) -> bool {
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
+/// kvpick with one pod (nothing listens at its address) whose KV-event publisher is the
+/// returned listener, which kvpick dials (connect mode); and the pod's address.
+async fn kvpick_subscribing() -> (TcpListener, String, Kvpick) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let events = listener.local_addr().unwrap();
     let pod = format!("127.0.0.1:{}", free_port());
     let pool = format!("endpoints:\n  - address: {pod}\n    kvEvents: tcp://{events}\n");
-    let mut kvpick = Kvpick::start(&pool, &[]).await;
+    let kvpick = Kvpick::start(&pool, &[]).await;
+    (listener, pod, kvpick)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pod_publisher_cannot_crash_or_bloat_kvpick() {
+    let (listener, pod, mut kvpick) = kvpick_subscribing().await;
 
     // One header declaring 2^50 bytes: the connection is dropped before anything is reserved.
     let mut publisher = RawPub::accept(&listener, Duration::from_secs(10)).await;
@@ -213,11 +220,7 @@ fn amplifying_payloads() -> Vec<(&'static str, Vec<u8>, bool)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payloads_that_grew_as_they_were_read_keep_kvpick_bounded() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let events = listener.local_addr().unwrap();
-    let pod = format!("127.0.0.1:{}", free_port());
-    let pool = format!("endpoints:\n  - address: {pod}\n    kvEvents: tcp://{events}\n");
-    let mut kvpick = Kvpick::start(&pool, &[]).await;
+    let (listener, pod, mut kvpick) = kvpick_subscribing().await;
     let mut publisher = RawPub::accept(&listener, Duration::from_secs(10)).await;
     let topic = format!("kv@{pod}@tiny");
     publish_capture(&mut publisher, &topic, &kvpick).await;
