@@ -313,7 +313,7 @@ fn extra_keys(
 
 /// How many msgpack values `value` holds: itself, its elements, a map's keys and fields (as
 /// [`crate::skip::skip`] counts them).
-fn value_count(value: &Value) -> usize {
+pub(crate) fn value_count(value: &Value) -> usize {
     match value {
         Value::Array(items) => 1 + items.iter().map(value_count).sum::<usize>(),
         Value::Map(pairs) => {

@@ -176,6 +176,7 @@ fn map(rest: &mut &[u8], len: usize, depth: usize) -> Result<usize, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::value_count;
     use crate::tests::encode;
     use rmpv::Value;
 
@@ -189,23 +190,10 @@ mod tests {
         match (&skip, &value) {
             (Ok(values), Ok(value)) => {
                 assert_eq!(skipped.len(), read.len(), "{input:x?}");
-                assert_eq!(*values, count(value), "{input:x?}");
+                assert_eq!(*values, value_count(value), "{input:x?}");
             }
             (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{input:x?}"),
             _ => panic!("{input:x?} at depth {depth}: skip {skip:?}, rmpv {value:?}"),
-        }
-    }
-
-    fn count(value: &Value) -> usize {
-        match value {
-            Value::Array(items) => 1 + items.iter().map(count).sum::<usize>(),
-            Value::Map(pairs) => {
-                1 + pairs
-                    .iter()
-                    .map(|(k, v)| count(k) + count(v))
-                    .sum::<usize>()
-            }
-            _ => 1,
         }
     }
 
