@@ -311,14 +311,11 @@ impl<'a> Reader<'a> {
                 && let Some(events) = self.array_len()
             {
                 BatchItem::Events(self.events(events)?)
+            } else if i < 3 && self.collection_ahead() {
+                self.skip(ITEM_DEPTH)?;
+                BatchItem::Skipped
             } else if i < 3 {
-                match self.collection_ahead() {
-                    true => {
-                        self.skip(ITEM_DEPTH)?;
-                        BatchItem::Skipped
-                    }
-                    false => BatchItem::Value(self.value(ITEM_DEPTH)?),
-                }
+                BatchItem::Value(self.value(ITEM_DEPTH)?)
             } else {
                 self.skip(ITEM_DEPTH)?;
                 continue;
