@@ -38,6 +38,7 @@ fn pick() -> PickHandoff {
         predicted_ms: Some(38.5),
         streamed: true,
         labels: RequestLabels::new(Some("sim-model"), Some("sim-model"), None, 0),
+        reservation: Some(0x5eed_0000_0000_0001),
     }
 }
 

@@ -113,6 +113,10 @@ async fn metrics(State(state): State<AdminState>) -> Response {
             .with_label_values(&name)
             .set(queue);
     }
+    // Picks whose observing stream went to another replica stop counting here once they
+    // lapse, whether or not a pick came since.
+    let lapsed = state.datastore.pending().sweep(std::time::Instant::now());
+    state.metrics.count_reservations("lapsed", lapsed);
     state.metrics.in_flight.reset();
     for endpoint in &pool.endpoints {
         state

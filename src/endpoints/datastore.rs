@@ -18,6 +18,7 @@ use tokio::sync::watch;
 
 use super::liveness::Liveness;
 use super::load::InFlight;
+use super::pending::PendingPicks;
 use super::pod::{Endpoint, PodId};
 use super::prefill::PrefillLoad;
 
@@ -70,6 +71,7 @@ impl PoolSnapshot {
 pub struct Datastore {
     pool: watch::Sender<Arc<PoolSnapshot>>,
     synced: AtomicBool,
+    pending: PendingPicks,
 }
 
 impl Default for Datastore {
@@ -84,7 +86,13 @@ impl Datastore {
         Self {
             pool: watch::Sender::new(Arc::new(PoolSnapshot::default())),
             synced: AtomicBool::new(false),
+            pending: PendingPicks::default(),
         }
+    }
+
+    /// The picks awaiting their observing stream (split filters).
+    pub fn pending(&self) -> &PendingPicks {
+        &self.pending
     }
 
     /// The current pool.

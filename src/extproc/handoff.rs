@@ -25,14 +25,16 @@
 //! body is not sent (`response_body_mode: NONE`), and a stream is an observing one when its
 //! messages carry `observability_mode`.
 //!
-//! NOTE: between the routing stream's decision and the observing stream's request headers
-//! (the next filter of the same request, well under a millisecond) the request is counted
-//! nowhere; counting it in both would double it for the same instant on a single replica.
-//!
 //! The hand-off is one string field (`pick`: a JSON array, [`PickHandoff::to_value`]) rather
 //! than a struct of nine: Envoy copies the forwarded namespace into every message of the
 //! observing stream (each response chunk), so each field it holds is a map entry Envoy copies,
 //! encodes and frees per chunk and kvpick's connection reads past per chunk.
+//!
+//! The pick itself is counted from the decision on, under a token the hand-off carries
+//! (`crate::endpoints::PendingPicks`): an observing stream on the same replica takes that
+//! count over rather than starting its own, so picks made before their observing streams are
+//! read (a burst on one connection) see each other. A hand-off without a token (an older
+//! routing replica) is counted from the observing stream on, as before.
 //!
 //! NOTE: the nine-field layout of earlier versions is still read, so during a rollout an
 //! observing replica of this version follows a routing replica of the last; the other way
@@ -77,6 +79,8 @@ pub struct PickHandoff {
     pub streamed: bool,
     /// The request's metric labels.
     pub labels: RequestLabels,
+    /// The routing replica's reservation of the pick (`None` from versions before it).
+    pub reservation: Option<u64>,
 }
 
 /// Why the forwarded hand-off could not be read.
@@ -100,11 +104,13 @@ pub enum HandoffError {
 }
 
 /// The hand-off's fields in the order of the `pick` array: endpoint, uncached, cached,
-/// predicted ms (or `null`), streamed, model, target model, fairness id, priority.
+/// predicted ms (or `null`), streamed, model, target model, fairness id, priority, and the
+/// reservation's token (absent from versions before it).
 /// NOTE: the strings are read as owned copies (serde cannot borrow into a tuple), once per
 /// request; numbers travel as JSON decimals, which may come back an ULP off — nothing that
 /// reads them can tell.
-type CompactPick = (
+#[derive(serde::Deserialize)]
+struct CompactPick(
     String,
     f64,
     f64,
@@ -114,6 +120,7 @@ type CompactPick = (
     String,
     String,
     String,
+    #[serde(default)] Option<u64>,
 );
 
 /// A hand-off's fields as read, before they are checked.
@@ -127,6 +134,7 @@ struct RawPick<'a> {
     target_model: &'a str,
     fairness_id: &'a str,
     priority: &'a str,
+    reservation: Option<u64>,
 }
 
 impl PickHandoff {
@@ -144,6 +152,7 @@ impl PickHandoff {
             &self.labels.target_model,
             &self.labels.fairness_id,
             &self.labels.priority,
+            self.reservation,
         );
         // NOTE: serializing strings, numbers and a bool into a `String` cannot fail (a
         // non-finite count becomes `null`, which the reader refuses: not a number); the empty
@@ -175,7 +184,7 @@ impl PickHandoff {
             Some(Kind::StringValue(text)) => {
                 let pick: CompactPick = serde_json::from_str(text)
                     .map_err(|error| HandoffError::Compact(error.to_string()))?;
-                let (
+                let CompactPick(
                     endpoint,
                     uncached,
                     cached,
@@ -185,6 +194,7 @@ impl PickHandoff {
                     target,
                     fairness,
                     priority,
+                    reservation,
                 ) = &pick;
                 RawPick {
                     endpoint,
@@ -196,6 +206,7 @@ impl PickHandoff {
                     target_model: target,
                     fairness_id: fairness,
                     priority,
+                    reservation: *reservation,
                 }
                 .check()
                 .map(Some)
@@ -237,6 +248,7 @@ impl PickHandoff {
             target_model: text("target_model")?,
             fairness_id: text("fairness_id")?,
             priority: text("priority")?,
+            reservation: None,
         }
         .check()
     }
@@ -291,6 +303,7 @@ impl RawPick<'_> {
                 Some(self.fairness_id),
                 priority,
             ),
+            reservation: self.reservation,
         })
     }
 }
@@ -307,6 +320,8 @@ mod tests {
             predicted_ms: Some(41.5),
             streamed: true,
             labels: RequestLabels::new(Some("alias"), Some("served"), Some("tenant-a"), -1),
+            // Above 2^53: a token must come back exactly, not as a JSON double.
+            reservation: Some(u64::MAX - 3),
         }
     }
 
@@ -448,8 +463,33 @@ mod tests {
     }
 
     #[test]
+    fn a_reservation_token_is_read_exactly_and_a_bad_one_is_refused() {
+        let with = |token: &str| {
+            let pick = format!(
+                r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a","-1",{token}]"#
+            );
+            PickHandoff::from_metadata(Some(&with_pick(text(&pick))))
+        };
+        let token = |read: Result<Option<PickHandoff>, HandoffError>| {
+            read.map(|p| p.and_then(|p| p.reservation))
+        };
+        assert_eq!(token(with("18446744073709551615")), Ok(Some(u64::MAX)));
+        assert_eq!(token(with("null")), Ok(None));
+        for bad in ["-1", "1.5", "\"7\"", "18446744073709551616", "[1]"] {
+            assert!(
+                matches!(with(bad), Err(HandoffError::Compact(_))),
+                "{bad}: {:?}",
+                with(bad)
+            );
+        }
+    }
+
+    #[test]
     fn the_nine_field_layout_is_still_read() {
-        let pick = sample();
+        let pick = PickHandoff {
+            reservation: None,
+            ..sample()
+        };
         assert_eq!(
             PickHandoff::from_metadata(Some(&nine_fields(&pick))),
             Ok(Some(pick.clone()))
@@ -528,14 +568,19 @@ mod tests {
     #[test]
     fn a_bad_pick_string_is_refused_with_its_cause() {
         let read = |pick: &str| PickHandoff::from_metadata(Some(&with_pick(text(pick))));
+        // The layout of the version before reservations (nine elements) is still read.
         let good = r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a","-1"]"#;
-        assert_eq!(read(good), Ok(Some(sample())));
+        let unreserved = PickHandoff {
+            reservation: None,
+            ..sample()
+        };
+        assert_eq!(read(good), Ok(Some(unreserved)));
         for garbage in [
             "",
             "not json",
             "{}",
             r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a"]"#,
-            r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a","-1",7]"#,
+            r#"["10.0.0.7:8000",312.0,2048.0,41.5,true,"alias","served","tenant-a","-1",7,8]"#,
             r#"["10.0.0.7:8000","312",2048.0,41.5,true,"alias","served","tenant-a","-1"]"#,
             r#"["10.0.0.7:8000",null,2048.0,41.5,true,"alias","served","tenant-a","-1"]"#,
             r#"["10.0.0.7:8000",312.0,2048.0,41.5,1,"alias","served","tenant-a","-1"]"#,

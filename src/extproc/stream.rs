@@ -204,6 +204,8 @@ pub struct RequestStream {
     /// A routing stream whose gateway sends no response on it (`response_body_mode: NONE`):
     /// the response half is an observing stream's ([`super::handoff`]).
     split: bool,
+    /// A split pick's reservation token, for the hand-off (`crate::endpoints::PendingPicks`).
+    reservation: Option<u64>,
     /// An observing stream (`observability_mode`): follows a pick's response, answers nothing.
     observing: bool,
     /// How the gateway sends the request body (from the first message).
@@ -245,6 +247,7 @@ impl RequestStream {
             large: false,
             trim_later: None,
             split: false,
+            reservation: None,
             observing: false,
             request_mode: RequestBodyMode::FullDuplex,
             trailers_owed: false,
@@ -699,13 +702,20 @@ impl RequestStream {
             session_id: self.meta.session_id.clone(),
             slo: self.meta.slo,
         };
+        if self.split {
+            self.sweep_reservations();
+        }
         let (pick, record) = self.ctx.scheduler.pick_deferred(&request, &candidates)?;
         self.record = (!record.is_empty()).then_some(record);
-        // Split: the observing stream counts the request from its request headers on.
+        let primary = candidates.iter().find(|e| e.id() == pick.primary);
+        // Split: the request is counted as reserved until its observing stream takes it over.
         if self.split {
+            if let Some(primary) = primary {
+                self.reserve_pick(primary, &pick);
+            }
             return Ok(pick);
         }
-        if let Some(primary) = candidates.iter().find(|e| e.id() == pick.primary) {
+        if let Some(primary) = primary {
             self.count_on(
                 primary,
                 pick.expected.uncached_tokens.unwrap_or(0.0),

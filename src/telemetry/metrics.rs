@@ -157,6 +157,8 @@ pub struct EppMetrics {
     pub aborted_streams: IntCounterVec,
     /// Observing streams (a gateway's `observability_mode` filter), by what they carried.
     pub observed_streams: IntCounterVec,
+    /// Picks reserved until their observing stream (split filters), by how they ended.
+    pub pick_reservations: IntCounterVec,
     /// Bytes of request bodies buffered right now.
     pub buffered_bytes: IntGauge,
     /// Prompt tokens the servers reported (GIE: `inference_objective_input_tokens`).
@@ -195,6 +197,15 @@ pub struct EppMetrics {
 }
 
 impl EppMetrics {
+    /// Counts `n` pick reservations that ended as `result` (`taken`, `lapsed`).
+    pub fn count_reservations(&self, result: &str, n: usize) {
+        if n > 0 {
+            self.pick_reservations
+                .with_label_values(&[result])
+                .inc_by(n as u64);
+        }
+    }
+
     /// Creates the metrics and registers them in `registry`.
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
         Self::with_fairness_id_limit(registry, super::labels::MAX_LABEL_VALUES)
@@ -306,6 +317,16 @@ impl EppMetrics {
                      (a pick's response followed), `not_routed` (no hand-off: the request \
                      failed open or kvpick answered it), `bad_handoff`, `unknown_endpoint` \
                      (the pod left the pool).",
+                ),
+                &["result"],
+            )?,
+            pick_reservations: IntCounterVec::new(
+                Opts::new(
+                    "kvpick_extproc_pick_reservations_total",
+                    "Picks counted on their pod from the decision until their observing \
+                     stream took them over (split filters), by result: `taken` (the observing \
+                     stream was this replica's), `lapsed` (none came within 250 ms: another \
+                     replica observed the request, or no observing filter is configured).",
                 ),
                 &["result"],
             )?,
@@ -429,6 +450,7 @@ impl EppMetrics {
         registry.register(Box::new(metrics.leader.clone()))?;
         registry.register(Box::new(metrics.aborted_streams.clone()))?;
         registry.register(Box::new(metrics.observed_streams.clone()))?;
+        registry.register(Box::new(metrics.pick_reservations.clone()))?;
         registry.register(Box::new(metrics.buffered_bytes.clone()))?;
         registry.register(Box::new(metrics.input_tokens.inner().clone()))?;
         registry.register(Box::new(metrics.output_tokens.inner().clone()))?;

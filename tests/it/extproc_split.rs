@@ -112,6 +112,27 @@ async fn wait_in_flight(h: &Harness, want: u64) {
     panic!("in flight stayed {} (want {want})", h.in_flight_total());
 }
 
+/// Waits until `want` picks' reservations were taken over by their observing streams.
+async fn wait_taken(h: &Harness, want: u64) {
+    for _ in 0..400 {
+        if reservations(h, "taken") == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!(
+        "{} reservations taken (want {want})",
+        reservations(h, "taken")
+    );
+}
+
+fn reservations(h: &Harness, result: &str) -> u64 {
+    h.metrics
+        .pick_reservations
+        .with_label_values(&[result])
+        .get()
+}
+
 fn observed(h: &Harness, result: &str) -> u64 {
     h.metrics
         .observed_streams
@@ -159,16 +180,24 @@ async fn the_routing_stream_ends_at_its_decision_and_the_observing_stream_follow
         "the hand-off names the picked pod"
     );
     assert!(pick.streamed, "the client asked for a stream: {pick:?}");
-    // The gateway sends nothing more on it: kvpick closes it, counting nothing in flight.
+    assert!(
+        pick.reservation.is_some(),
+        "the pick was reserved: {pick:?}"
+    );
+    // The gateway sends nothing more on it: kvpick closes it; the pick stays counted on its
+    // pod, reserved for the observing stream.
     let next = tokio::time::timeout(Duration::from_secs(5), routing.rx.message())
         .await
         .expect("routing stream ends");
     assert!(matches!(next, Ok(None)), "routing stream ended: {next:?}");
-    assert_eq!(h.in_flight_total(), 0);
+    assert_eq!(h.in_flight_total(), 1);
+    assert_eq!(h.datastore.pending().len(), 1);
 
     let mut s = h.open().await;
     observe(&s, completion_headers(), Some(&handoff)).await;
-    wait_in_flight(&h, 1).await;
+    wait_taken(&h, 1).await;
+    assert_eq!(h.in_flight_total(), 1, "taken over, not doubled");
+    assert!(h.datastore.pending().is_empty());
     assert_eq!(observed(&h, "observed"), 1);
     // Envoy forwards the namespace with every message of the stream, as here.
     observe(&s, response_headers(), Some(&handoff)).await;
@@ -263,6 +292,7 @@ async fn an_observing_stream_that_breaks_mid_response_returns_what_it_counted() 
     observe(&s, completion_headers(), Some(&handoff)).await;
     observe(&s, response_headers(), None).await;
     observe(&s, response_body(b"data: {\"x\":1}\n\n", false), None).await;
+    wait_taken(&h, 1).await;
     wait_in_flight(&h, 1).await;
     drop(s);
     wait_in_flight(&h, 0).await;
@@ -290,7 +320,12 @@ async fn forwarded_metadata_is_read_where_it_is_used_and_a_broken_one_there_ends
         }
         other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
     }
-    assert_eq!(h.in_flight_total(), 0);
+    assert_eq!(
+        h.in_flight_total(),
+        1,
+        "the pick's reservation, nothing more"
+    );
+    assert_eq!(reservations(&h, "taken"), 0);
 
     // A response chunk's copy of the metadata is not read: the response is followed to its
     // end whatever the chunks carry.
@@ -312,4 +347,59 @@ async fn forwarded_metadata_is_read_where_it_is_used_and_a_broken_one_there_ends
         first_bytes + 1,
         "its first byte was timed"
     );
+}
+
+/// A burst: one connection reads its messages in order, so every pick of a burst is made
+/// before any of their observing streams is read. Each pick counts on its pod from its
+/// decision, so the next one sees it (least-in-flight spreads six picks two per pod; counted
+/// only from the observing streams, all six saw idle pods), and the observing streams take
+/// those counts over instead of doubling them.
+#[tokio::test]
+async fn picks_made_before_their_observing_streams_see_each_other() {
+    let mut h = start(Options::default()).await;
+    let mut handoffs = Vec::new();
+    for _ in 0..6 {
+        let (_routing, _, handoff) = routed_in_split_mode(&mut h, STREAMED_BODY).await;
+        handoffs.push(handoff);
+    }
+    let pool = h.datastore.snapshot();
+    let per_pod = |count: fn(&kvpick::endpoints::InFlight) -> u64| -> Vec<u64> {
+        pool.endpoints.iter().map(|e| count(&e.in_flight)).collect()
+    };
+    assert_eq!(per_pod(kvpick::endpoints::InFlight::get), [2, 2, 2]);
+    assert_eq!(
+        per_pod(kvpick::endpoints::InFlight::local),
+        [0, 0, 0],
+        "reservations are not told to the other replicas"
+    );
+
+    let mut observing = Vec::new();
+    for handoff in &handoffs {
+        let s = h.open().await;
+        observe(&s, completion_headers(), Some(handoff)).await;
+        observing.push(s);
+    }
+    wait_taken(&h, 6).await;
+    assert_eq!(per_pod(kvpick::endpoints::InFlight::get), [2, 2, 2]);
+    assert_eq!(per_pod(kvpick::endpoints::InFlight::local), [2, 2, 2]);
+    assert!(h.datastore.pending().is_empty());
+
+    // Another replica's pick (a token this replica never issued) is counted afresh.
+    let mut foreign =
+        kvpick::extproc::handoff::PickHandoff::from_metadata(Some(&forwarded(&handoffs[0])))
+            .expect("readable")
+            .expect("a hand-off");
+    foreign.reservation = foreign.reservation.map(|token| token.wrapping_add(1000));
+    let Some(Kind::StructValue(foreign)) = foreign.to_value().kind else {
+        panic!("the hand-off is a struct");
+    };
+    let s = h.open().await;
+    observe(&s, completion_headers(), Some(&foreign)).await;
+    observing.push(s);
+    wait_in_flight(&h, 7).await;
+    assert_eq!(reservations(&h, "taken"), 6);
+    assert_eq!(reservations(&h, "lapsed"), 0);
+
+    drop(observing);
+    wait_in_flight(&h, 0).await;
 }

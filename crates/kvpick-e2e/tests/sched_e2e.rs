@@ -559,6 +559,17 @@ async fn predictions_converge_after_first_bytes(kvpick: &Kvpick) {
         24.0,
         "every streamed first byte was timed"
     );
+    // Each pick was counted from its decision, and its observing stream (the second filter,
+    // through Envoy's forwarded metadata) took that count over: its first byte is timed from
+    // the pick.
+    assert_eq!(
+        metric_value(
+            &warm,
+            "kvpick_extproc_pick_reservations_total{result=\"taken\"}"
+        ),
+        24.0,
+        "{warm}"
+    );
     for i in 24..48 {
         let reply = post_json(&url, &streamed(i)).await;
         assert_eq!(reply.status, 200, "{}", reply.text());

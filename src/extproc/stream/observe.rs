@@ -1,12 +1,17 @@
-//! The observing half of a split request ([`super::super::handoff`]): an observing stream's
-//! request headers carry the routing stream's hand-off, and from then on the stream counts
-//! the request in flight and awaiting its first byte on the picked pod.
+//! The two halves of a split request ([`super::super::handoff`]): the routing stream's pick
+//! is counted on its pod as a reservation (`crate::endpoints::PendingPicks`); an observing
+//! stream's request headers carry the hand-off, and from then on that stream counts the
+//! request in flight and awaiting its first byte on the picked pod, taking the reservation
+//! over when it is this replica's.
+
+use std::time::Instant;
 
 use crate::pb::envoy::config::core::v3::Metadata;
 
 use super::{Phase, RequestStream, Routed};
-use crate::endpoints::PodId;
+use crate::endpoints::{EndpointState, PodId};
 use crate::extproc::handoff::{PICK_NAMESPACE, PickHandoff};
+use crate::scheduling::Pick;
 
 /// What an observing stream found in its request headers (the metric's label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,18 +65,66 @@ impl RequestStream {
             tracing::debug!(%pod, "observing stream: the picked pod left the pool");
             return Observed::UnknownEndpoint;
         };
-        self.count_on(
-            endpoint,
-            pick.uncached_tokens,
-            pick.cached_tokens,
-            pick.predicted_ms,
-        );
+        let reserved = pick.reservation.and_then(|token| {
+            let (taken, lapsed) = self
+                .ctx
+                .datastore
+                .pending()
+                .take(token, pod, Instant::now());
+            self.count_reservations("lapsed", lapsed);
+            taken
+        });
+        match reserved {
+            Some(taken) => {
+                self.count_reservations("taken", 1);
+                self.in_flight = Some(taken.in_flight);
+                self.prefill = Some(taken.prefill);
+            }
+            // Another replica's pick, an older one's hand-off, or a lapsed reservation.
+            None => self.count_on(
+                endpoint,
+                pick.uncached_tokens,
+                pick.cached_tokens,
+                pick.predicted_ms,
+            ),
+        }
         self.streamed = pick.streamed;
         self.routed = Some(Routed {
             pod,
             labels: pick.labels,
         });
         Observed::Pick
+    }
+
+    /// A split pick: counted on `endpoint` from now until its observing stream takes it
+    /// over (or the reservation lapses); the hand-off carries the token.
+    pub(super) fn reserve_pick(&mut self, endpoint: &EndpointState, pick: &Pick) {
+        let now = Instant::now();
+        let prefill = endpoint.prefill.start(
+            pick.expected.uncached_tokens.unwrap_or(0.0),
+            pick.expected.cached_tokens,
+            pick.expected.ttft_ms,
+            now,
+        );
+        let (token, lapsed) = self.ctx.datastore.pending().reserve(
+            endpoint.id(),
+            endpoint.in_flight.reserve(),
+            prefill,
+            now,
+        );
+        self.count_reservations("lapsed", lapsed);
+        self.reservation = Some(token);
+    }
+
+    /// Lets reservations whose observing stream did not come lapse before a pick reads the
+    /// pods' load.
+    pub(super) fn sweep_reservations(&self) {
+        let lapsed = self.ctx.datastore.pending().sweep(Instant::now());
+        self.count_reservations("lapsed", lapsed);
+    }
+
+    fn count_reservations(&self, result: &str, n: usize) {
+        self.ctx.metrics.count_reservations(result, n);
     }
 
     pub(super) fn count_observed(&self, observed: Observed) {

@@ -80,6 +80,7 @@ impl RequestStream {
                 predicted_ms: pick.expected.ttft_ms,
                 streamed: self.streamed,
                 labels: routed.labels.clone(),
+                reservation: self.reservation,
             };
             metadata
                 .fields
