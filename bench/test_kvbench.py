@@ -563,7 +563,7 @@ class StatsTest(unittest.TestCase):
         self.assertEqual(by_long["prefixes"], 4)
         self.assertEqual(stats.placement_summary([])["copies_per_prefix"], None)
         table = report.placement_table([{"system": "x", "placement": got}, {"system": "y"}])
-        self.assertIn("| x | 3 | 1.50 | 2 | 2/3 | 0 (0) |", table)
+        self.assertIn("| x | 3 | 1.50 | 2 | 2/3 | 0 (0) | 0 |", table)
         self.assertNotIn("| y |", table)
 
     def test_placement_summary_counts_requests_queued_behind_a_prefill(self):
@@ -583,6 +583,18 @@ class StatsTest(unittest.TestCase):
         got = stats.placement_summary(records)
         self.assertEqual(got["behind_prefill"], 4)
         self.assertEqual(got["behind_prefill_avoidable"], 3)
+
+    def test_placement_summary_counts_requests_piled_onto_one_pod(self):
+        def rec(t, pod):
+            return {"arrived": t, "pod": pod, "head": f"h{t}", "head_long": f"h{t}",
+                    "cached_tokens": 0, "prompt_tokens": 100, "first_token_s": 0.1}
+        records = [
+            rec(1.000, 0), rec(1.005, 0), rec(1.010, 0),  # a third within 20 ms: piled
+            rec(1.015, 0),                                # and a fourth (last two 1.005, 1.010)
+            rec(1.012, 1), rec(1.013, 1),                 # two on pod 1: not a pile
+            rec(2.000, 0), rec(2.010, 0), rec(2.030, 0),  # the third 30 ms after the first
+        ]
+        self.assertEqual(stats.placement_summary(records)["piled"], 2)
 
     def test_stage_row_reads_the_stage_report(self):
         lat = lambda m, p90: {"mean": m, "median": m, "p90": p90, "p99": p90}  # noqa: E731

@@ -45,15 +45,16 @@ def placement_table(per_system):
         lines.append(
             f"| {s['system']} | {p['prefixes']} | {_fmt(p['copies_per_prefix'], 2)} | {p['prefix_moves']} "
             f"| {p['repeat_misses']}/{p['repeat_requests']} "
-            f"| {p.get('behind_prefill', '—')} ({p.get('behind_prefill_avoidable', '—')}) |"
+            f"| {p.get('behind_prefill', '—')} ({p.get('behind_prefill_avoidable', '—')}) "
+            f"| {p.get('piled', '—')} |"
         )
     if not lines:
         return ""
     head = [
         "\nWhere the prefixes went (every request of the run, from the pods' request logs):\n",
         "| system | prefixes | pods per prefix | moves | repeat requests missing ≥ ½ "
-        "| queued behind a prefill (while a pod had none) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| queued behind a prefill (while a pod had none) | piled onto one pod (3rd+ within 20 ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     return "\n".join(head + lines) + "\n"
 

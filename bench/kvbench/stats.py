@@ -120,6 +120,9 @@ def placement_summary(records, key="head"):
       first token yet (they queued behind a prefill); behind_prefill_avoidable: of those, the
       ones that arrived while some pod of the run had no request before its first token
       (a placement that queued where it need not have).
+    - piled: requests that reached a pod within PILE_WINDOW_S of two earlier ones to the same
+      pod (the third and later of a burst sent to one pod: picks that did not see each
+      other, docs/benchmarks.md session 35).
     """
     records = sorted(records, key=lambda r: r["arrived"])
     pods, last, moves, repeat_misses, repeats = {}, {}, 0, 0, 0
@@ -146,7 +149,26 @@ def placement_summary(records, key="head"):
         "repeat_misses": repeat_misses,
         "behind_prefill": behind,
         "behind_prefill_avoidable": avoidable,
+        "piled": _piled(records),
     }
+
+
+# A burst's requests arrive within a few milliseconds (inference-perf releases the sends it
+# fell behind on together); 20 ms is shorter than any prefill here.
+PILE_WINDOW_S = 0.02
+
+
+def _piled(records):
+    """Requests (sorted by arrival) that reached a pod within PILE_WINDOW_S of two earlier
+    ones to the same pod."""
+    recent = {}  # pod -> its last two arrivals
+    piled = 0
+    for r in records:
+        last = recent.setdefault(r["pod"], [])
+        if len(last) == 2 and r["arrived"] - last[0] <= PILE_WINDOW_S:
+            piled += 1
+        recent[r["pod"]] = (last + [r["arrived"]])[-2:]
+    return piled
 
 
 def _behind_prefill(records):
