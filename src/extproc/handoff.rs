@@ -36,11 +36,13 @@
 //! read (a burst on one connection) see each other. A hand-off without a token (an older
 //! routing replica) is counted from the observing stream on, as before.
 //!
-//! NOTE: the nine-field layout of earlier versions is still read, so during a rollout an
-//! observing replica of this version follows a routing replica of the last; the other way
-//! round (an older replica reading this layout) the older one logs an unreadable hand-off
-//! and does not observe that response, which costs a rollout's worth of observations, not
-//! requests.
+//! NOTE: the layouts of earlier versions are still read (the struct of nine fields, and the
+//! `pick` array without its tenth element, the token), so during a rollout an observing
+//! replica of this version follows a routing replica of the last. The other way round (an
+//! older replica reading this layout) the older one logs an unreadable hand-off and does not
+//! observe that response, which costs a rollout's worth of observations, not requests. The
+//! token rides in the array rather than in a field of its own for the reason above: a field
+//! would be copied with every response chunk.
 
 use std::net::SocketAddr;
 
