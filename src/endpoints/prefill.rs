@@ -42,6 +42,11 @@ const DECAY: f64 = 0.98;
 /// Half-life of an endpoint's cache heat, seconds.
 const HEAT_HALF_LIFE_S: f64 = 30.0;
 
+/// Time constant of an endpoint's sustained load (its in-flight count averaged over time),
+/// seconds: long against one request (a few seconds here) so that a pod's share of a
+/// Poisson stream averages out, short against a shift in which prefixes are hot.
+const LOAD_TIME_CONSTANT_S: f64 = 10.0;
+
 /// Observations before a pod's own fit is used.
 pub const MIN_OBSERVATIONS: u64 = 8;
 
@@ -156,6 +161,10 @@ struct Fit {
     /// Cached tokens routed there, decayed with [`HEAT_HALF_LIFE_S`] (as of `heat_at`).
     heat: f64,
     heat_at: Option<Instant>,
+    /// Requests in flight there, averaged over time with [`LOAD_TIME_CONSTANT_S`] (as of
+    /// `load_at`), from the counts the scheduler saw.
+    load: f64,
+    load_at: Option<Instant>,
 }
 
 impl Fit {
@@ -182,6 +191,23 @@ impl Fit {
     fn add_heat(&mut self, cached: f64, now: Instant) {
         self.heat = self.heat_at(now) + cached;
         self.heat_at = Some(now);
+    }
+
+    /// Averages `in_flight`, seen at `now`, into the sustained load: the count is taken to
+    /// have held since the last one seen (samples come with every scheduling pass).
+    fn observe_load(&mut self, in_flight: f64, now: Instant) {
+        self.load = match self.load_at {
+            Some(at) if now > at => {
+                let age = now.saturating_duration_since(at).as_secs_f64();
+                let keep = (-age / LOAD_TIME_CONSTANT_S).exp();
+                self.load * keep + in_flight * (1.0 - keep)
+            }
+            Some(_) => self.load,
+            // NOTE: the first sample starts the average at 0, not at itself: a pod that
+            // joins busy is not called overloaded before it has been seen for a while.
+            None => 0.0,
+        };
+        self.load_at = Some(now);
     }
 }
 
@@ -213,6 +239,9 @@ pub struct PrefillView {
     /// How valuable its cache is: prompt tokens routed there that it held (cache hits),
     /// decayed with a 30 s half-life. A pod serving many hot prefixes is expensive to evict.
     pub heat_tokens: f64,
+    /// Its sustained load: requests in flight there averaged over the last ~10 s (0 before
+    /// the scheduler has seen it; [`PrefillLoad::view_loaded`]).
+    pub mean_in_flight: f64,
 }
 
 /// What one first byte taught: the prediction made at the pick and what happened.
@@ -237,15 +266,27 @@ impl PrefillLoad {
 
     /// The endpoint's state at `now`.
     pub fn view(&self, now: Instant) -> PrefillView {
-        let fit = self.lock();
+        Self::view_of(&self.lock(), self, now)
+    }
+
+    /// The endpoint's state at `now`, with `in_flight` (what the scheduler sees there now)
+    /// averaged into its sustained load first.
+    pub fn view_loaded(&self, now: Instant, in_flight: u64) -> PrefillView {
+        let mut fit = self.lock();
+        fit.observe_load(in_flight as f64, now);
+        Self::view_of(&fit, self, now)
+    }
+
+    fn view_of(fit: &Fit, load: &Self, now: Instant) -> PrefillView {
         PrefillView {
-            backlog_tokens: self.backlog_tokens.load(Ordering::Relaxed) as f64,
-            awaiting: self.awaiting.load(Ordering::Relaxed) as f64,
+            backlog_tokens: load.backlog_tokens.load(Ordering::Relaxed) as f64,
+            awaiting: load.awaiting.load(Ordering::Relaxed) as f64,
             line: fit.ttft.line(NoSpread::ThroughOrigin, MAX_MS_PER_TOKEN),
             itl: fit.itl.line(NoSpread::Flat, MAX_MS_PER_DECODE),
             mean_uncached_tokens: fit.mean_uncached,
             mean_output_chunks: fit.mean_chunks,
             heat_tokens: fit.heat_at(now),
+            mean_in_flight: fit.load,
         }
     }
 
@@ -477,6 +518,31 @@ mod tests {
         let itl = flat.view(Instant::now()).itl.expect("fitted");
         assert_eq!(itl.slope_ms, 0.0);
         assert!((itl.base_ms - 30.0).abs() < 1e-6, "{itl:?}");
+    }
+
+    #[test]
+    fn the_sustained_load_averages_in_flight_counts_over_time() {
+        let load = PrefillLoad::default();
+        let t0 = Instant::now();
+        assert_eq!(load.view_loaded(t0, 30).mean_in_flight, 0.0, "starts at 0");
+        // 30 in flight for one time constant: 1 − 1/e of the way there.
+        let after = load.view_loaded(t0 + Duration::from_secs(10), 30);
+        assert!((after.mean_in_flight - 30.0 * (1.0 - (-1.0f64).exp())).abs() < 1e-9);
+        // Many samples close together move it no more than one sample over the same time.
+        let busy = PrefillLoad::default();
+        busy.view_loaded(t0, 0);
+        for ms in (100..=10_000).step_by(100) {
+            busy.view_loaded(t0 + Duration::from_millis(ms), 30);
+        }
+        let sampled = busy.view(t0 + Duration::from_secs(10)).mean_in_flight;
+        assert!((sampled - after.mean_in_flight).abs() < 1e-9, "{sampled}");
+        // A burst of a second's length barely moves it.
+        let calm = PrefillLoad::default();
+        calm.view_loaded(t0, 2);
+        calm.view_loaded(t0 + Duration::from_secs(30), 2);
+        calm.view_loaded(t0 + Duration::from_secs(31), 40);
+        let burst = calm.view(t0).mean_in_flight;
+        assert!(burst < 6.0, "{burst}");
     }
 
     #[test]

@@ -415,7 +415,7 @@ impl ConfiguredScheduler {
         // time to first token; only placement reads the blocks held.
         if self.placement.is_some() || self.cost_model.is_some() {
             for pod in &mut pods {
-                pod.prefill = pod.endpoint.prefill.view(now);
+                pod.prefill = pod.endpoint.prefill.view_loaded(now, pod.in_flight);
                 if self.placement.is_some() {
                     pod.held_blocks = self.deps.index.pod_entries(pod.id) as u64;
                 }

@@ -52,6 +52,20 @@
 //! being prefilled). A third copy needs both holders behind, and so on: the number of copies
 //! grows with the load the prefix brings, not with how its requests happen to arrive.
 //!
+//! A holder can also fall behind without a prefill queue: warm requests cost it little
+//! prefill each, and a pod that holds several hot prefixes (a popularity shift makes
+//! prefixes hot where they happened to be placed while cold) runs a decode batch several
+//! times the fleet's while other pods idle; every request on it streams slower, and its
+//! steps delay every first token. When *every* holder's sustained load (its in-flight count
+//! averaged over ~10 s, `PrefillView::mean_in_flight`) is at least [`OVERLOAD_SHARE`] × the
+//! fleet's mean and [`OVERLOAD_EXCESS`] requests above the least loaded pod's, the request
+//! is priced with its decode term (the cold weight), so a copy goes where the batch is
+//! small; once one holder is not overloaded, requests follow the holders' queues again.
+//! NOTE: the sustained load, not the count now: a pod's share of a Poisson stream puts the
+//! instantaneous count at 1.5× the mean and 4 above the least in most scrapes of a
+//! balanced fleet (70% of samples with full caches at 18 req/s, session 35), which would
+//! turn the full-cache placement into load balancing.
+//!
 //! A cold prefix (no holder) goes where the work queued is least and where it evicts least:
 //! free blocks first, then the coolest cache. This is what spreads a working set that just
 //! fits the fleet evenly over it (smg gets there by sending a cold prefix to its smallest
@@ -260,7 +274,8 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
     let home = cycle
         .home
         .filter(|home| params.home_bias > 1.0 && cold && home.share >= RETURNING_SHARE);
-    let decode_weight = if cold && home.is_none() {
+    let decode_weight = if (cold && home.is_none()) || (!cold && holders_overloaded(cycle, prompt))
+    {
         params.decode_weight.max(params.cold_decode_weight)
     } else {
         params.decode_weight
@@ -346,6 +361,37 @@ fn is_cold(cycle: &Cycle<'_>, prompt: f64) -> bool {
 
 /// Share of the prompt one candidate must hold beyond another for a request to be warm.
 const COLD_SPREAD: f64 = 0.25;
+
+/// Whether every candidate holding the prompt (within [`COLD_SPREAD`] of the most held)
+/// carries a sustained load of at least [`OVERLOAD_SHARE`] × the candidates' mean and
+/// [`OVERLOAD_EXCESS`] requests above the least loaded one's.
+fn holders_overloaded(cycle: &Cycle<'_>, prompt: f64) -> bool {
+    if prompt <= 0.0 || cycle.pods.len() < 2 {
+        return false;
+    }
+    let loads: Vec<f64> = cycle
+        .pods
+        .iter()
+        .map(|p| p.prefill.mean_in_flight.max(0.0))
+        .collect();
+    let mean = loads.iter().sum::<f64>() / loads.len() as f64;
+    let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
+    let held = |i: usize| cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt);
+    let most = (0..loads.len()).map(held).fold(0.0_f64, f64::max);
+    if most <= 0.0 {
+        return false;
+    }
+    (0..loads.len())
+        .filter(|&i| held(i) >= most - COLD_SPREAD * prompt)
+        .all(|i| loads[i] >= OVERLOAD_SHARE * mean && loads[i] >= least + OVERLOAD_EXCESS)
+}
+
+/// How many times the fleet's mean sustained load a holder must carry to be overloaded.
+const OVERLOAD_SHARE: f64 = 2.0;
+
+/// How many requests above the least loaded pod's sustained load a holder must carry to be
+/// overloaded (a small fleet's mean moves by one request).
+const OVERLOAD_EXCESS: f64 = 4.0;
 
 /// Share of a cold prompt its remembered home must cover for the request to count as a
 /// returning prefix (one routed before and since evicted) rather than a new one.

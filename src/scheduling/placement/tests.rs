@@ -35,6 +35,7 @@ fn pod(i: usize, capacity: u64, held: u64, backlog: f64, awaiting: f64) -> PodVi
         heat_tokens: 0.0,
         itl: None,
         mean_output_chunks: 0.0,
+        mean_in_flight: 0.0,
     };
     v
 }
@@ -381,6 +382,42 @@ fn cold_decode_weight_spreads_new_prefixes_and_leaves_warm_ones_on_their_holder(
         0,
         "warm: the holder keeps it"
     );
+}
+
+/// A holder whose sustained load is far above the fleet's (several hot prefixes on one pod)
+/// gets a copy made where the batch is small; a holder that is only busy *now* (the same
+/// count, but a normal load over time) keeps its prefix, and so does an overloaded holder
+/// when another holder is not overloaded.
+#[test]
+fn an_overloaded_holder_gets_a_copy_where_the_batch_is_small_but_a_busy_moment_does_not() {
+    // Pod 0 holds 2,000 of the 2,200 tokens and has 30 decoding; pods 1 and 2 decode 2.
+    let fleet = |sustained: f64| {
+        let mut pods = vec![
+            decoding_pod(0, 10_000, 200, 30),
+            decoding_pod(1, 10_000, 0, 2),
+            decoding_pod(2, 10_000, 0, 2),
+        ];
+        pods[0].prefill.mean_in_flight = sustained;
+        pods[1].prefill.mean_in_flight = 2.0;
+        pods[2].prefill.mean_in_flight = 2.0;
+        pods
+    };
+    let held = [2000.0, 0.0, 0.0];
+    assert_ne!(
+        winner(fleet(30.0), &held, 2200.0).0,
+        0,
+        "sustained 30 against a mean of 11: a copy"
+    );
+    assert_eq!(
+        winner(fleet(4.0), &held, 2200.0).0,
+        0,
+        "30 now but 4 over time (a burst): the holder keeps it"
+    );
+    // Two holders, one of them not overloaded: that one, no new copy.
+    let mut two = fleet(30.0);
+    two[1].prefill.mean_in_flight = 12.0;
+    two[1].in_flight = 12;
+    assert_eq!(winner(two, &[2000.0, 2000.0, 0.0], 2200.0).0, 1);
 }
 
 /// A prefix evicted everywhere that kvpick routed before (its home) is not new: it goes
