@@ -1,26 +1,26 @@
-//! The fast encoder's pre-tokenizer for text beyond ASCII: Latin-1, Latin Extended and
-//! Vietnamese letters, Greek, Cyrillic, Hebrew, Arabic and Thai letters, punctuation, currency,
-//! arrows, math operators, box drawing and dingbats, CJK ideographs, kana, Hangul syllables,
-//! full-width forms, emoji with their variation selectors and joiner: the characters most
-//! non-English prompts are made of.
+//! The fast encoder's pre-tokenizer for text beyond ASCII: the scripts, symbols and emoji of
+//! [`table`], which holds every NFC-inert character of the blocks the shipped
+//! tokenizer's vocabulary uses (Latin, Greek, Cyrillic, Hebrew, Arabic, Devanagari, Bengali,
+//! Thai, Ethiopic, CJK, kana, Hangul, …).
 //!
 //! It runs the same leftmost-first alternation of [`super::QWEN2_PATTERN`] as the ASCII scanner,
 //! over a character class per character. It may only be used on a run whose every character
-//! is in the table below ([`class_of`] is `Some`), because for those characters:
+//! is in the table ([`class_of`] is `Some`), because for those characters:
 //! - the class is the character's Unicode general category as the regex sees it (`\p{L}`,
 //!   `\p{N}`, `\s`, or none of them; unassigned code points are none of them too);
 //! - NFC is the identity: each has NFC_Quick_Check = Yes and canonical combining class 0, so
 //!   a run of them is already NFC and nothing composes inside it (combining marks and
 //!   singletons such as U+037E are left out; so is `ſ`, which case-folds to `s`, although this
-//!   engine's `(?i:'s)` does not match it). The exception is Thai's reorderable marks
-//!   (`REORDERABLE`), handled only where they are not next to one another.
+//!   engine's `(?i:'s)` does not match it). The exception is the reorderable marks (Thai's,
+//!   Devanagari's virama, Arabic's harakat, …: `REORDERABLE`, none of which composes with
+//!   anything), handled only where they are not next to one another.
 //!
 //! NOTE: `fast_bpe`'s ASCII scanner is the same logic over bytes. It stays separate because
 //! this one, run on ASCII text, made the 400 KB English cold path 1.6× slower (4.0 → 6.5 ms,
 //! `TOKENIZE_PROFILE_COLD=200`, A/B in one session). Both are tested against the crate.
 //!
-//! Everything else goes to the tokenizers crate. `tests/tok_fast_bpe.rs` checks every character
-//! of the table, in 22 contexts each, against the crate.
+//! Everything else goes to the tokenizers crate. `tests/it/tok_fast_bpe.rs` checks every
+//! character of the table, in 20 contexts each, against the crate.
 
 /// What the split pattern sees of one character.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,114 +39,9 @@ pub enum CharClass {
     Other,
 }
 
-use CharClass::{Letter as L, Number as N, Other as O, OtherSpace as W};
+mod table;
 
-/// Non-ASCII characters the scanner handles: inclusive code point ranges, sorted, disjoint.
-const RANGES: &[(u32, u32, CharClass)] = &[
-    (0x00A0, 0x00A0, W),
-    (0x00A1, 0x00A9, O),
-    (0x00AA, 0x00AA, L),
-    (0x00AB, 0x00B1, O),
-    (0x00B2, 0x00B3, N),
-    (0x00B4, 0x00B4, O),
-    (0x00B5, 0x00B5, L),
-    (0x00B6, 0x00B8, O),
-    (0x00B9, 0x00B9, N),
-    (0x00BA, 0x00BA, L),
-    (0x00BB, 0x00BB, O),
-    (0x00BC, 0x00BE, N),
-    (0x00BF, 0x00BF, O),
-    (0x00C0, 0x00D6, L),
-    (0x00D7, 0x00D7, O),
-    (0x00D8, 0x00F6, L),
-    (0x00F7, 0x00F7, O),
-    (0x00F8, 0x017E, L),
-    (0x0180, 0x024F, L),
-    (0x0386, 0x0386, L),
-    (0x0388, 0x038A, L),
-    (0x038C, 0x038C, L),
-    (0x038E, 0x03A1, L),
-    (0x03A3, 0x03CE, L),
-    (0x0400, 0x0481, L),
-    (0x048A, 0x04FF, L),
-    (0x05D0, 0x05EA, L),
-    (0x05F0, 0x05F2, L),
-    (0x05F3, 0x05F4, O),
-    (0x060C, 0x060C, O),
-    (0x061B, 0x061B, O),
-    (0x061F, 0x061F, O),
-    (0x0621, 0x063A, L),
-    (0x0640, 0x064A, L),
-    (0x0660, 0x0669, N),
-    (0x066A, 0x066D, O),
-    (0x066E, 0x066F, L),
-    (0x0671, 0x06D3, L),
-    (0x06D4, 0x06D4, O),
-    (0x06D5, 0x06D5, L),
-    // Thai. Its vowel and tone marks are `Mn` (neither `\p{L}` nor `\p{N}`: Other). Those of
-    // canonical combining class 0 are inert under NFC like the rest of the table; the
-    // reorderable ones (U+0E38–U+0E3A, U+0E48–U+0E4B) are in it too, but [`handles`] takes
-    // them only where no such mark is next to them (see `REORDERABLE`).
-    (0x0E01, 0x0E30, L),
-    (0x0E31, 0x0E31, O),
-    (0x0E32, 0x0E33, L),
-    (0x0E34, 0x0E3A, O),
-    (0x0E3F, 0x0E3F, O),
-    (0x0E40, 0x0E46, L),
-    (0x0E47, 0x0E4F, O),
-    (0x0E50, 0x0E59, N),
-    (0x0E5A, 0x0E5B, O),
-    (0x1E00, 0x1EFF, L),
-    (0x200D, 0x200D, O),
-    (0x2010, 0x2027, O),
-    (0x2030, 0x205E, O),
-    (0x20A0, 0x20BF, O),
-    (0x2190, 0x22FF, O),
-    (0x2500, 0x2775, O),
-    (0x2776, 0x2793, N),
-    (0x2794, 0x27BF, O),
-    (0x2B00, 0x2BFF, O),
-    (0x3000, 0x3000, W),
-    (0x3001, 0x3004, O),
-    (0x3005, 0x3006, L),
-    (0x3007, 0x3007, N),
-    (0x3008, 0x3020, O),
-    (0x3021, 0x3029, N),
-    (0x3030, 0x3030, O),
-    (0x3031, 0x3035, L),
-    (0x3036, 0x3037, O),
-    (0x3038, 0x303A, N),
-    (0x303B, 0x303C, L),
-    (0x303D, 0x303F, O),
-    (0x3041, 0x3096, L),
-    (0x309B, 0x309C, O),
-    (0x309D, 0x309F, L),
-    (0x30A0, 0x30A0, O),
-    (0x30A1, 0x30FA, L),
-    (0x30FB, 0x30FB, O),
-    (0x30FC, 0x30FF, L),
-    (0x3400, 0x4DBF, L),
-    (0x4E00, 0x9FFF, L),
-    (0xAC00, 0xD7A3, L),
-    (0xFE00, 0xFE0F, O),
-    (0xFF01, 0xFF0F, O),
-    (0xFF10, 0xFF19, N),
-    (0xFF1A, 0xFF20, O),
-    (0xFF21, 0xFF3A, L),
-    (0xFF3B, 0xFF40, O),
-    (0xFF41, 0xFF5A, L),
-    (0xFF5B, 0xFF65, O),
-    (0xFF66, 0xFF9F, L),
-    // The replacement character (`So`), which a decoded token that ends inside a UTF-8
-    // sequence leaves in the text.
-    (0xFFFD, 0xFFFD, O),
-    (0x1F1E6, 0x1F1FF, O),
-    (0x1F300, 0x1F5FF, O),
-    (0x1F600, 0x1F64F, O),
-    (0x1F680, 0x1F6FF, O),
-    (0x1F900, 0x1F9FF, O),
-    (0x1FA70, 0x1FAFF, O),
-];
+use table::{RANGES, REORDERABLE};
 
 /// The class of `c` if the scanner handles it.
 pub fn class_of(c: char) -> Option<CharClass> {
@@ -168,18 +63,11 @@ pub fn class_of(c: char) -> Option<CharClass> {
     }
 }
 
-/// Characters of the table with a non-zero canonical combining class (Thai's below-vowels,
-/// phinthu and tone marks: 103, 103, 9, 107 × 4). NFC's canonical ordering swaps two adjacent
-/// marks of non-zero classes that are out of order, so such a mark is inert only where its
-/// neighbours are of class 0, which every other character of the table is. None of them
-/// composes with anything (Thai has no precomposed characters).
-const REORDERABLE: [(u32, u32); 2] = [(0x0E38, 0x0E3A), (0x0E48, 0x0E4B)];
-
+/// Whether `c` is one of the table's marks of non-zero canonical combining class.
 fn is_reorderable(c: char) -> bool {
     let cp = u32::from(c);
-    REORDERABLE
-        .iter()
-        .any(|&(start, end)| (start..=end).contains(&cp))
+    let idx = REORDERABLE.partition_point(|&(_, end)| end < cp);
+    REORDERABLE.get(idx).is_some_and(|&(start, _)| start <= cp)
 }
 
 /// True when the scanner handles every character of `text`: each is in the table, and no

@@ -414,6 +414,53 @@ proptest! {
     }
 }
 
+/// Scripts written with combining marks: Devanagari (its nukta, which composes with three
+/// letters, and the precomposed letters NFC takes apart), Bengali (vowel signs that compose),
+/// Arabic (harakat of several combining classes) and Hebrew (points): any code point of each
+/// block, marks of non-zero class, the pairs NFC composes, a space, ZWNJ/ZWJ and a Latin
+/// letter.
+fn marked_script_piece() -> impl Strategy<Value = String> {
+    let marks: Vec<String> = [
+        0x093C, 0x094D, 0x0951, 0x0952, 0x09BC, 0x09CD, 0x09BE, 0x09D7, 0x064B, 0x064C, 0x064E,
+        0x0650, 0x0651, 0x0652, 0x0670, 0x05B0, 0x05B4, 0x05BC, 0x05C1, 0x05C2,
+    ]
+    .into_iter()
+    .filter_map(char::from_u32)
+    .map(String::from)
+    .collect();
+    const COMPOSING: &[&str] = &[
+        "\u{928}\u{93C}",
+        "\u{930}\u{93C}",
+        "\u{933}\u{93C}",
+        "\u{9C7}\u{9BE}",
+        "\u{9C7}\u{9D7}",
+        "\u{915}\u{93C}",
+    ];
+    let code_point = |cp: u32| char::from_u32(cp).map_or_else(|| "?".to_owned(), String::from);
+    prop_oneof![
+        6 => (0x0900u32..=0x09FF).prop_map(code_point),
+        4 => (0x0590u32..=0x06FF).prop_map(code_point),
+        4 => prop::sample::select(marks),
+        2 => prop::sample::select(COMPOSING).prop_map(str::to_owned),
+        1 => prop::sample::select(&[" ", "a", "\u{200C}", "\u{200D}", "\n"][..]).prop_map(str::to_owned),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Marks next to each other in any order (which NFC reorders), marks after the letters
+    /// they compose with (which NFC composes), letters NFC decomposes: whatever the scanner
+    /// takes and whatever it leaves to the crate, the crate's ids and words.
+    #[test]
+    fn random_marked_scripts_in_any_order_match_the_crate(pieces in prop::collection::vec(marked_script_piece(), 0..60)) {
+        let text = pieces.concat();
+        let slow = crate_encode(&text);
+        prop_assert_eq!(&MODEL.word_encoder().encode(&text).unwrap(), &slow);
+        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
+    }
+}
+
 /// `at` starts a pre-token of the whole text: the encoder may stop there, and the whole text's
 /// ids before it are final.
 fn assert_word_start(text: &str, at: usize) {

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Prints the Unicode scanner's character table (`RANGES` and `REORDERABLE` of
+src/tokenize/unicode_pretoken/table.rs) with the characters of the shipped tokenizer's vocabulary
+added to the table there (first a hand-made one; running it again adds nothing new).
+
+NOT run by tests or CI: its output is pasted into the source, and `tests/it/tok_fast_bpe.rs`
+checks every character of the table against the tokenizers crate. Needs the `tokenizers`
+Python package (`.venv-bench`, scripts/setup-bench-venv.sh):
+
+    .venv-bench/bin/python scripts/gen-unicode-table.py > /tmp/table.rs
+
+What is added: for every 128-code-point block holding a character of the vocabulary that the
+hand-made table lacks, each assigned character of the block for which NFC is inert, i.e.
+- it is NFC-stable alone (NFC_Quick_Check = Yes: no singletons, no composition exclusions);
+- it is not the second half of a primary composite (nothing before it can compose with it:
+  U+093C after U+0928 makes U+0929, a Hangul vowel after a leading consonant a syllable);
+- it is not whitespace, a control or a format character (those keep their hand-made entries;
+  ZWNJ and ZWJ are taken, as `Other`);
+- it does not case-fold to ASCII (the split pattern's contractions are case-insensitive).
+Its class is its general category as the split pattern sees it: `L*` letter, `N*` number,
+anything else `Other`. A character of non-zero canonical combining class goes to
+`REORDERABLE` as well: NFC reorders two such marks when they are adjacent and out of order,
+so the scanner takes one only where it is not next to another.
+
+The hand-made entries are kept as they are (whitespace, the replacement character, emoji).
+Python's `unicodedata` (Unicode 14 in Python 3.11) decides; where the crate's tables are of
+another version the test against the crate fails on the character, which then has to go.
+"""
+
+import re
+import sys
+import unicodedata as ud
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "src/tokenize/unicode_pretoken/table.rs"
+TOKENIZER = ROOT / "assets/tokenizer/tokenizer.json"
+
+
+def hand_made():
+    text = SOURCE.read_text()
+    body = text[text.index("const RANGES"):]
+    body = body[: body.index("];")]
+    pattern = r"\(0x([0-9A-Fa-f]+), 0x([0-9A-Fa-f]+), (\w)\)"
+    return [(int(a, 16), int(b, 16), k) for a, b, k in re.findall(pattern, body)]
+
+
+def composition_seconds():
+    """Code points that end a primary composite: NFC composes them with what precedes."""
+    seconds = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))  # Hangul V and T
+    for cp in range(0xA0, 0x30000):
+        parts = ud.decomposition(chr(cp))
+        if not parts or parts.startswith("<"):
+            continue
+        pair = [int(p, 16) for p in parts.split()]
+        if len(pair) == 2 and ud.normalize("NFC", chr(pair[0]) + chr(pair[1])) == chr(cp):
+            seconds.add(pair[1])
+    return seconds
+
+
+def qualifies(cp, seconds):
+    c = chr(cp)
+    category = ud.category(c)
+    if category in ("Cn", "Cs", "Co", "Cc", "Zl", "Zp", "Zs") or c.isspace():
+        return None
+    if category == "Cf" and cp not in (0x200C, 0x200D):
+        return None
+    if not ud.is_normalized("NFC", c) or cp in seconds:
+        return None
+    if any(ord(f) < 0x80 for f in c.casefold()):
+        return None
+    cls = "L" if category[0] == "L" else "N" if category[0] == "N" else "O"
+    return cls, ud.combining(c)
+
+
+def ranges(points):
+    """Sorted (start, end, value) runs of consecutive code points with equal values."""
+    out = []
+    for cp, value in sorted(points.items()):
+        if out and out[-1][1] == cp - 1 and out[-1][2] == value:
+            out[-1][1] = cp
+        else:
+            out.append([cp, cp, value])
+    return out
+
+
+def main():
+    old = hand_made()
+
+    def handled(cp):
+        return cp < 0x80 or any(a <= cp <= b for a, b, _ in old)
+
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    vocab = {
+        ord(c)
+        for i in range(tokenizer.get_vocab_size(with_added_tokens=False))
+        for c in tokenizer.decode([i])
+        if ord(c) >= 0x80 and c != "\ufffd"
+    }
+    blocks = sorted({cp >> 7 for cp in vocab if not handled(cp)})
+    seconds = composition_seconds()
+    classes = {cp: k for a, b, k in old for cp in range(a, b + 1)}
+    marks = {}
+    for block in blocks:
+        for cp in range(block << 7, (block + 1) << 7):
+            if cp in classes:
+                continue
+            found = qualifies(cp, seconds)
+            if found:
+                classes[cp], ccc = found
+                if ccc:
+                    marks[cp] = True
+    # The table's own reorderable marks (the hand-made one's were Thai's).
+    for cp in classes:
+        if ud.combining(chr(cp)):
+            marks[cp] = True
+    print(f"// {len(classes)} characters, {len(marks)} of them reorderable; generated by "
+          "scripts/gen-unicode-table.py", file=sys.stderr)
+    print("pub const RANGES: &[(u32, u32, CharClass)] = &[")
+    for a, b, k in ranges(classes):
+        print(f"    (0x{a:04X}, 0x{b:04X}, {k}),")
+    print("];")
+    print()
+    print("pub const REORDERABLE: &[(u32, u32)] = &[")
+    for a, b, _ in ranges(marks):
+        print(f"    (0x{a:04X}, 0x{b:04X}),")
+    print("];")
+
+
+if __name__ == "__main__":
+    main()
