@@ -8,8 +8,9 @@
 //! is in the table ([`class_of`] is `Some`), because for those characters:
 //! - the class is the character's Unicode general category as the regex sees it (`\p{L}`,
 //!   `\p{N}`, `\s`, or none of them; unassigned code points are none of them too);
-//! - NFC is the identity: each has NFC_Quick_Check = Yes and canonical combining class 0, so
-//!   a run of them is already NFC and nothing composes inside it (combining marks and
+//! - NFC is the identity: each has NFC_Quick_Check = Yes and canonical combining class 0, and
+//!   none ends a primary composite, so a run of them is already NFC and nothing composes
+//!   inside it (marks that compose, such as Devanagari's nukta or Bengali's au length mark, and
 //!   singletons such as U+037E are left out; so is `ſ`, which case-folds to `s`, although this
 //!   engine's `(?i:'s)` does not match it). The exception is the reorderable marks (Thai's,
 //!   Devanagari's virama, Arabic's harakat, …: `REORDERABLE`, none of which composes with
@@ -20,7 +21,7 @@
 //! `TOKENIZE_PROFILE_COLD=200`, A/B in one session). Both are tested against the crate.
 //!
 //! Everything else goes to the tokenizers crate. `tests/it/tok_fast_bpe.rs` checks every
-//! character of the table, in 20 contexts each, against the crate.
+//! character of the table, in 22 contexts each, against the crate.
 
 /// What the split pattern sees of one character.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@
 //! that ends inside a UTF-8 sequence leaves in the text). To that the script adds every
 //! NFC-inert character of each block the shipped tokenizer's vocabulary uses (Devanagari,
 //! Bengali, Ethiopic, IPA, Arabic presentation forms, mathematical alphanumerics, …).
-//! `tests/it/tok_fast_bpe.rs` checks every character of it, in 20 contexts each, against the
+//! `tests/it/tok_fast_bpe.rs` checks every character of it, in 22 contexts each, against the
 //! tokenizers crate. Edit the script's rules, not this file.
 
 use super::CharClass;
