@@ -266,7 +266,7 @@ impl PrefillLoad {
 
     /// The endpoint's state at `now`.
     pub fn view(&self, now: Instant) -> PrefillView {
-        Self::view_of(&self.lock(), self, now)
+        self.view_with(&self.lock(), now)
     }
 
     /// The endpoint's state at `now`, with `in_flight` (what the scheduler sees there now)
@@ -274,13 +274,13 @@ impl PrefillLoad {
     pub fn view_loaded(&self, now: Instant, in_flight: u64) -> PrefillView {
         let mut fit = self.lock();
         fit.observe_load(in_flight as f64, now);
-        Self::view_of(&fit, self, now)
+        self.view_with(&fit, now)
     }
 
-    fn view_of(fit: &Fit, load: &Self, now: Instant) -> PrefillView {
+    fn view_with(&self, fit: &Fit, now: Instant) -> PrefillView {
         PrefillView {
-            backlog_tokens: load.backlog_tokens.load(Ordering::Relaxed) as f64,
-            awaiting: load.awaiting.load(Ordering::Relaxed) as f64,
+            backlog_tokens: self.backlog_tokens.load(Ordering::Relaxed) as f64,
+            awaiting: self.awaiting.load(Ordering::Relaxed) as f64,
             line: fit.ttft.line(NoSpread::ThroughOrigin, MAX_MS_PER_TOKEN),
             itl: fit.itl.line(NoSpread::Flat, MAX_MS_PER_DECODE),
             mean_uncached_tokens: fit.mean_uncached,

@@ -120,6 +120,15 @@ fn crate_encode(text: &str) -> kvpick::tokenize::WordEncoding {
         .unwrap()
 }
 
+/// The word encoder (word cache) and the merge-table encoder both give `text` the crate's ids
+/// and word starts.
+fn both_encoders_match_the_crate(text: &str) -> Result<(), TestCaseError> {
+    let slow = crate_encode(text);
+    prop_assert_eq!(&MODEL.word_encoder().encode(text).unwrap(), &slow);
+    prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), text).unwrap(), slow);
+    Ok(())
+}
+
 /// The word cache memoises, hits and evicts without changing a single id: the corpus twice
 /// through a cache far too small for it (shards clear all the time), through no cache, and
 /// through the default one (which then holds its words).
@@ -383,10 +392,7 @@ proptest! {
     #[test]
     fn random_handled_unicode_matches_the_crate(pieces in prop::collection::vec(handled_piece(), 0..60)) {
         let text = pieces.concat();
-        let slow = crate_encode(&text);
-        let fast = MODEL.word_encoder().encode(&text).unwrap();
-        prop_assert_eq!(&fast, &slow);
-        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
+        both_encoders_match_the_crate(&text)?;
     }
 }
 
@@ -408,9 +414,7 @@ proptest! {
     #[test]
     fn random_thai_with_its_marks_in_any_order_matches_the_crate(chars in prop::collection::vec(thai_char(), 0..80)) {
         let text: String = chars.into_iter().collect();
-        let slow = crate_encode(&text);
-        prop_assert_eq!(&MODEL.word_encoder().encode(&text).unwrap(), &slow);
-        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
+        both_encoders_match_the_crate(&text)?;
     }
 }
 
@@ -455,9 +459,7 @@ proptest! {
     #[test]
     fn random_marked_scripts_in_any_order_match_the_crate(pieces in prop::collection::vec(marked_script_piece(), 0..60)) {
         let text = pieces.concat();
-        let slow = crate_encode(&text);
-        prop_assert_eq!(&MODEL.word_encoder().encode(&text).unwrap(), &slow);
-        prop_assert_eq!(MERGING.encode(MODEL.tokenizer(), &text).unwrap(), slow);
+        both_encoders_match_the_crate(&text)?;
     }
 }
 
