@@ -250,6 +250,8 @@ pub async fn serve(
         health = %local(&health_listener),
         metrics = %local(&metrics_listener),
         debug = %local(&debug_listener),
+        extproc_threads = config.extproc_threads,
+        background_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         metrics_auth = config.metrics_bearer_token.is_some(),
         "kvpick listening"
     );

@@ -61,7 +61,11 @@ fn main() -> ExitCode {
         }
     };
     cap_malloc_arenas();
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.background_threads)
+        .enable_all()
+        .build();
+    let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("kvpick: cannot start the runtime: {error}");

@@ -201,6 +201,33 @@ async fn connections_over_several_threads_are_all_served_and_long_streams_round_
 }
 
 #[tokio::test]
+async fn the_background_runtime_has_the_workers_asked_for_or_half_the_cores() {
+    let a = Backend::start("127.0.0.1").await;
+    let pool = pool_yaml(&[&a]);
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let half = (cores / 2).max(1).to_string();
+    for (args, workers) in [
+        (&["--background-threads", "3"][..], "3"),
+        (&[][..], &half[..]),
+    ] {
+        let kvpick = Kvpick::start(&pool, args).await;
+        // What the runtime reports, not the flag's value: the log line reads the runtime.
+        let line = kvpick.wait_log(&["kvpick listening"]).await;
+        assert!(
+            line.contains(&format!("background_threads={workers}")),
+            "{args:?}: {line}"
+        );
+        // Still routes with the scrapes and the rest on those workers.
+        let mut client = support::extproc::connect(kvpick.grpc_port).await;
+        let (_, destination) = routed(&mut client, "background").await;
+        assert!(
+            destination.starts_with(&a.addr.to_string()),
+            "{destination}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_stream_open_past_the_drain_timeout_is_closed_and_kvpick_exits() {
     let a = Backend::start("127.0.0.1").await;
     let mut kvpick = Kvpick::start(
