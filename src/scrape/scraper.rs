@@ -297,6 +297,8 @@ struct ScrapeContext {
     metrics: ScrapeMetrics,
     observer: Option<Arc<dyn ScrapeObserver>>,
     store: Arc<MetricsStore>,
+    /// The instant the manager's scrape grid counts from.
+    grid: tokio::time::Instant,
 }
 
 async fn scrape_loop(
@@ -312,6 +314,7 @@ async fn scrape_loop(
         metrics,
         observer,
         store,
+        grid,
     } = context;
     // This task's own status; every scrape publishes a copy (cheap: the metrics are shared).
     let mut state = ScrapeStatus::default();
@@ -334,12 +337,22 @@ async fn scrape_loop(
     {
         page = PageChoice::whole();
     }
-    let mut ticker = tokio::time::interval(config.interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first scrape at once (a new pod is unscraped, so saturated, until it is); the
+    // next ones on the manager's grid, together with every other pod's (see `next_on_grid`).
+    // NOTE: Skip, not Delay: a late scrape is followed by one at the next grid point, so
+    // a slow pod does not drift off the grid.
+    let mut ticker = tokio::time::interval_at(
+        next_on_grid(grid, tokio::time::Instant::now(), config.interval),
+        config.interval,
+    );
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut first = true;
     loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = ticker.tick() => {}
+        if !std::mem::take(&mut first) {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
         }
         let started = Instant::now();
         let awaiting_before = own_load.awaiting();
@@ -428,6 +441,8 @@ pub struct ScrapeManager {
     tasks: HashMap<PodId, (EngineKind, CancellationToken)>,
     parent: CancellationToken,
     observer: Option<Arc<dyn ScrapeObserver>>,
+    /// Where every pod's scrape grid starts (`next_on_grid`).
+    grid: tokio::time::Instant,
 }
 
 impl ScrapeManager {
@@ -445,6 +460,7 @@ impl ScrapeManager {
             tasks: HashMap::new(),
             parent,
             observer: None,
+            grid: tokio::time::Instant::now(),
         }
     }
 
@@ -479,6 +495,7 @@ impl ScrapeManager {
                 metrics: self.metrics.clone(),
                 observer: self.observer.clone(),
                 store: Arc::clone(&self.store),
+                grid: self.grid,
             };
             let registration = self.store.register(pod);
             tokio::spawn(scrape_loop(
@@ -503,6 +520,9 @@ fn engine_of(endpoint: &Endpoint) -> EngineKind {
         }),
     }
 }
+
+mod grid;
+use grid::next_on_grid;
 
 #[cfg(test)]
 mod by_name_tests;
