@@ -140,7 +140,8 @@ pub struct ServeArgs {
     pub extproc_threads: Option<usize>,
     /// Worker threads of the runtime that runs everything but the ext-proc connections:
     /// metric scrapes, KV events, discovery, the health, metrics, debug and replica-exchange
-    /// servers (default: half the cores, at least one; at most 1024).
+    /// servers (default: half the cores, at least one; every core with `--extproc-threads 0`,
+    /// which serves the connections here too; at most 1024).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     pub background_threads: Option<usize>,
     /// Bytes of large request bodies parsed and tokenized at once; the rest wait their turn.
@@ -540,6 +541,7 @@ impl ServeArgs {
             .map(crate::admin::auth::BearerToken::from_file)
             .transpose()?;
         let ip = self.bind_address;
+        let extproc_threads = self.extproc_threads.unwrap_or_else(cores);
         Ok(ServeConfig {
             tls,
             replica,
@@ -557,15 +559,20 @@ impl ServeArgs {
                 body: self.request_body_timeout,
             },
             max_extproc_streams: self.max_extproc_streams,
-            extproc_threads: self.extproc_threads.unwrap_or_else(cores),
+            extproc_threads,
             // NOTE: half the cores, not all: the ext-proc connections have a thread per core
             // of their own, and what runs here is light but wakes often (a scrape of every
             // pod each 50 ms). With a worker per core the workers hand those wake-ups to each
             // other (futex wake, park): on 2 cores one worker cost 7-19% less of kvpick's
             // CPU per request (docs/benchmarks.md, session 36).
-            background_threads: self
-                .background_threads
-                .unwrap_or_else(|| (cores() / 2).max(1)),
+            // With `--extproc-threads 0` the connections are served here too: every core.
+            background_threads: self.background_threads.unwrap_or_else(|| {
+                if extproc_threads == 0 {
+                    cores()
+                } else {
+                    (cores() / 2).max(1)
+                }
+            }),
             conformance_hooks: self.enable_conformance_hooks,
             max_fallbacks: self.max_fallbacks,
             emit_endpoint_scores: self.emit_endpoint_scores,

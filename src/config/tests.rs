@@ -169,10 +169,14 @@ fn rejects_missing_source_and_port_clash() {
 }
 
 #[test]
-fn background_threads_default_to_half_the_cores_and_zero_is_refused() {
+fn background_threads_default_to_half_the_cores_or_all_without_extproc_threads_and_zero_is_refused()
+{
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let config = parse(&["--endpoints-file", "p"]).expect("valid");
     assert_eq!(config.background_threads, (cores / 2).max(1));
+    // The connections on this runtime too: every core.
+    let config = parse(&["--endpoints-file", "p", "--extproc-threads", "0"]).expect("valid");
+    assert_eq!(config.background_threads, cores);
     let config = parse(&["--endpoints-file", "p", "--background-threads", "5"]).expect("valid");
     assert_eq!(config.background_threads, 5);
     let zero = Cli::try_parse_from([
