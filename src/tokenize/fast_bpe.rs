@@ -35,7 +35,11 @@ use super::bounds::MAX_PRETOKEN_BYTES;
 use super::error::TokenizeError;
 use super::merge_table::{LazyMerges, MergeTable};
 use super::unicode_pretoken;
-use super::word_cache::{self, WordCache};
+use super::word_cache::{self, Probe, WordCache};
+
+/// Pre-tokens found (and their word-cache sets prefetched) ahead of their encoding: enough
+/// for their memory waits to overlap, few enough that their lines are still cached when read.
+const LOOKAHEAD: usize = 16;
 
 /// The Qwen2 / cl100k-style split pattern this scanner implements.
 pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -341,29 +345,50 @@ impl FastEncoder {
     ) -> Result<(), TokenizeError> {
         let bytes = text.as_bytes();
         let mut scratch = WordScratch::default();
+        // NOTE: pre-tokens are found a batch ahead of their encoding, each one's word-cache
+        // set located (prefetched) as it is found, so that the batch's cache misses overlap
+        // instead of each lookup waiting on memory in turn. Encoding stays in text order, so
+        // a word memoised by an earlier one of the batch is a hit for a later one.
+        let mut ahead = [(0usize, 0usize, None::<Probe>); LOOKAHEAD];
         let mut i = 0;
         while i < bytes.len() {
-            // `max` only guards progress: a pre-token is never empty.
-            let end = if ascii {
-                ascii_pretoken_end(bytes, i)
-            } else {
-                unicode_pretoken::pretoken_end(text, i)
+            let mut found = 0;
+            let mut too_long = None;
+            while found < LOOKAHEAD && i < bytes.len() {
+                // `max` only guards progress: a pre-token is never empty.
+                let end = if ascii {
+                    ascii_pretoken_end(bytes, i)
+                } else {
+                    unicode_pretoken::pretoken_end(text, i)
+                }
+                .max(i + 1);
+                if end - i > self.max_pretoken {
+                    too_long = Some(i);
+                    break;
+                }
+                let probe = self.words.locate(bytes.get(i..end).unwrap_or(&[]));
+                if let Some(entry) = ahead.get_mut(found) {
+                    *entry = (i, end, probe);
+                }
+                found += 1;
+                i = end;
             }
-            .max(i + 1);
-            if end - i > self.max_pretoken {
-                // `i` starts a pre-token of the whole text; the ids before it are final
+            for &(start, end, probe) in ahead.get(..found).unwrap_or(&[]) {
+                if start > 0 {
+                    words.push((base + start, ids.len()));
+                }
+                let word = bytes.get(start..end).unwrap_or(&[]);
+                self.encode_word(bpe, word, probe, &mut scratch, ids)?;
+            }
+            if let Some(at) = too_long {
+                // `at` starts a pre-token of the whole text; the ids before it are final
                 // (module docs of `bounds`). In a Unicode run every character is NFC-inert
-                // (`unicode_pretoken`), so NFC does not act across `i` either.
+                // (`unicode_pretoken`), so NFC does not act across `at` either.
                 return Err(TokenizeError::PretokenTooLong {
-                    at: Some(base + i),
+                    at: Some(base + at),
                     limit: self.max_pretoken,
                 });
             }
-            if i > 0 {
-                words.push((base + i, ids.len()));
-            }
-            self.encode_word(bpe, bytes.get(i..end).unwrap_or(&[]), &mut scratch, ids)?;
-            i = end;
         }
         Ok(())
     }
@@ -375,10 +400,11 @@ impl FastEncoder {
         &self,
         bpe: &tokenizers::models::bpe::BPE,
         word: &[u8],
+        located: Option<Probe>,
         scratch: &mut WordScratch,
         ids: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
-        if self.words.extend_ids(word, ids) {
+        if located.is_some_and(|probe| self.words.extend_located(&probe, ids)) {
             return Ok(());
         }
         let WordScratch { mapped, pairs } = scratch;
