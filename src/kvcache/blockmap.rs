@@ -32,7 +32,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use hashbrown::HashTable;
 
 use super::key::{BlockKey, PrehashedState};
-use super::shards::write_by_shard;
+use super::shards::{write_by_shard, write_by_shard_reading_ahead};
 use super::span::{SPAN_BITS, SpanRef};
 use kvpick_kvevents_wire::Tier;
 
@@ -482,12 +482,21 @@ impl BlockMap {
     ) -> usize {
         let tier = tier.index() as u8;
         let mut gone = 0;
-        self.by_shard(keys, |shard, _, key| {
-            if let Some((0, span)) = shard.remove(key.0, slot, tier, false) {
-                left(span);
-                gone += 1;
-            }
-        });
+        // NOTE: the keys of a run being removed are mostly the pod's oldest blocks, far out
+        // of the CPU's caches: each shard's keys are looked up a batch at a time before
+        // they are removed (`write_by_shard_reading_ahead`).
+        write_by_shard_reading_ahead(
+            &self.shards,
+            keys,
+            |key| shard_of(key.0),
+            |shard, key| shard.find(key.0).is_some(),
+            |shard, _, key| {
+                if let Some((0, span)) = shard.remove(key.0, slot, tier, false) {
+                    left(span);
+                    gone += 1;
+                }
+            },
+        );
         gone
     }
 
