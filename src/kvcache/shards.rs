@@ -30,7 +30,7 @@ pub(crate) fn write_by_shard<T>(
 }
 
 /// Keys a shard's batch reads ahead of writing them ([`write_by_shard_reading_ahead`]).
-pub(crate) const BATCH_READ_AHEAD: usize = 16;
+const BATCH_READ_AHEAD: usize = 16;
 
 /// [`write_by_shard`], with each shard's keys taken [`BATCH_READ_AHEAD`] at a time: `read` is
 /// called for every key of a batch before `visit` is called for any of them.
