@@ -275,10 +275,10 @@ impl WordCache {
             .is_some_and(|probe| self.extend_located(&probe, out))
     }
 
-    /// Where `word` would be, its set's cache lines asked for now (`None`: a word the table
-    /// does not hold, too long or the table empty). A lookup of a word not in the CPU's
-    /// caches waits on memory (~100 ns, most of a hit); locating the next few words first
-    /// lets those waits overlap (docs/benchmarks.md, session 37).
+    /// Where `word` would be, its set's cache line asked for now (`None` for a word the table
+    /// never holds, empty or too long, and for a table of no slots). A lookup of a word not
+    /// in the CPU's caches waits on memory (~100 ns, most of a hit); locating the next few
+    /// words first lets those waits overlap (docs/benchmarks.md, session 37).
     #[inline(always)]
     pub fn locate(&self, word: &[u8]) -> Option<Probe> {
         if self.slots.is_empty() {
@@ -286,9 +286,9 @@ impl WordCache {
         }
         let key = Key::new(word)?;
         let first = self.set_start(key.hash());
-        // NOTE: the set's first line only: a set is the two lines of one 128-byte block (the
-        // table is page-aligned), which the CPU's adjacent-line prefetch brings in together;
-        // prefetching both lines measured the same (docs/benchmarks.md, session 37).
+        // NOTE: the set's first line only: a set is two adjacent lines, which the CPU's
+        // adjacent-line prefetch often brings in together, and prefetching both lines
+        // measured the same (docs/benchmarks.md, session 37).
         if let Some(slot) = self.slots.get(first) {
             prefetch(slot);
         }
