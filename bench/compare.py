@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
-from kvbench.stats import counters_delta, fleet_summary, kv_lookups, placement_summary, pod_counters, split_by_stage, stage_row  # noqa: E402
+from kvbench.stats import counters_delta, fleet_summary, kv_lookups, placement_summary, pod_counters, split_by_stage, stage_pod_times, stage_row  # noqa: E402
 from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config, add_kvpick_flags, fleet_topic  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
@@ -215,14 +215,18 @@ class Progress(threading.Thread):
             sys.stderr.write("\n")
 
 
-def placement_from_log(path, workload):
-    """stats.placement_summary over the fleet's request log; a prefix is a conversation in
-    multi-turn runs (their short shared preamble would make them all one)."""
+def read_request_log(path):
+    """The fleet's request log as dicts, or an error string."""
     try:
         with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            return [json.loads(line) for line in f if line.strip()], None
     except (OSError, ValueError) as e:
-        return {"error": f"{path}: {e}"}
+        return None, f"{path}: {e}"
+
+
+def placement_from_log(records, workload):
+    """stats.placement_summary over the fleet's request log; a prefix is a conversation in
+    multi-turn runs (their short shared preamble would make them all one)."""
     return placement_summary(records, key="head_long" if workload.kind == "multi-turn" else "head")
 
 
@@ -272,11 +276,12 @@ def run_system(args, name, index, total, workload, out_dir):
         write_pod_series(os.path.join(run_dir, "pods-timeseries.csv"), progress.series)
         after = scrape(fleet)
         whole = fleet_summary(counters_delta(after, before))
-        rows = collect_rows(name, workload, ipf_out, progress.marks, whole)
+        records, log_error = read_request_log(os.path.join(run_dir, REQUEST_LOG))
+        rows = collect_rows(name, workload, ipf_out, progress.marks, whole, records or [])
         # What each process of the system spent while the load ran: on two shared cores the
         # harness's own CPU limits the rates it can offer, so a router's cost shows here.
         extra = {"cpu_seconds_under_load": {k: round(cpu_after[k] - v, 2) for k, v in cpu_before.items() if k in cpu_after}}
-        extra["placement"] = placement_from_log(os.path.join(run_dir, REQUEST_LOG), workload)
+        extra["placement"] = {"error": log_error} if log_error else placement_from_log(records, workload)
         lookups = router_kv_lookups(ctx.router_metrics)
         if lookups:
             extra["router_kv_lookups"] = lookups
@@ -350,7 +355,7 @@ def build_workload(mode, kind, rates=None, stage_seconds=None, api=None):
     return workload.validate()
 
 
-def collect_rows(name, workload, ipf_out, marks, whole):
+def collect_rows(name, workload, ipf_out, marks, whole, records):
     stages = []
     for i, _ in enumerate(workload.rates):
         with open(os.path.join(ipf_out, f"stage_{i}_lifecycle_metrics.json")) as f:
@@ -359,8 +364,10 @@ def collect_rows(name, workload, ipf_out, marks, whole):
         per_request = json.load(f)
     counts = [((s.get("successes") or {}).get("count") or 0) + ((s.get("failures") or {}).get("count") or 0) for s in stages]
     rows = []
+    pod_times = stage_pod_times(records, counts)
     for i, (rate, stage, reqs) in enumerate(zip(workload.rates, stages, split_by_stage(per_request, counts))):
         row = stage_row(name, rate, stage, reqs)
+        row.update(pod_times[i] or {})
         start, end = marks.get((i, "started")), marks.get((i, "completed"))
         if start is not None and end is not None:
             s = fleet_summary(counters_delta(end, start))
@@ -496,7 +503,8 @@ def main(argv=None):
     }
     report.write_json(os.path.join(out_dir, "summary.json"), summary)
     report.write_csv(os.path.join(out_dir, "results.csv"), rows)
-    table = report.markdown_table(rows, args.time_scale) + report.placement_table(per_system) + report.cpu_table(per_system)
+    table = (report.markdown_table(rows, args.time_scale) + report.ttft_split_table(rows)
+             + report.placement_table(per_system) + report.cpu_table(per_system))
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(table)
     plot_paths = []

@@ -596,6 +596,33 @@ class StatsTest(unittest.TestCase):
         ]
         self.assertEqual(stats.placement_summary(records)["piled"], 2)
 
+    def test_stage_pod_times_split_the_log_by_stage_with_its_floors(self):
+        def rec(t, ttft, floor):
+            return {"arrived": t, "pod": 0, "head": "h", "head_long": "h", "cached_tokens": 0,
+                    "prompt_tokens": 100, "first_token_s": ttft, "floor_s": floor}
+        # Out of order in the file: the split is by arrival. Stage 0 has 2 requests, stage 1 has 3.
+        records = [rec(5.0, 0.3, 0.1), rec(1.0, 0.2, 0.2), rec(2.0, 0.4, 0.3),
+                   rec(6.0, 0.1, 0.05), rec(7.0, 0.2, 0.05)]
+        got = stats.stage_pod_times(records, [2, 3])
+        self.assertAlmostEqual(got[0]["pod_ttft_mean"], 0.3)
+        self.assertAlmostEqual(got[0]["floor_mean"], 0.25)
+        self.assertAlmostEqual(got[1]["pod_ttft_mean"], 0.2)
+        self.assertAlmostEqual(got[1]["pod_ttft_p90"], stats.percentile([0.3, 0.1, 0.2], 90))
+        self.assertAlmostEqual(got[1]["floor_p90"], stats.percentile([0.1, 0.05, 0.05], 90))
+        # A line short (a request failed before its first token): no split at all.
+        self.assertEqual(stats.stage_pod_times(records[:4], [2, 3]), [None, None])
+        # A line without a floor (an older simulator): the pods' times, no floor.
+        older = [dict(r) for r in records]
+        del older[3]["floor_s"]
+        got = stats.stage_pod_times(older, [2, 3])
+        self.assertIsNone(got[1]["floor_mean"])
+        self.assertAlmostEqual(got[0]["floor_mean"], 0.25)
+        rows = [{"system": "x", "rate": 4.0, "ttft_mean": 0.35, "ttft_p90": 0.5, **got[0]},
+                {"system": "y", "rate": 4.0, "ttft_mean": 0.3, "ttft_p90": 0.4, "pod_ttft_mean": None}]
+        table = report.ttft_split_table(rows)
+        self.assertIn("| x | 4.0 | 350 / 500 | 300 / 380 | 50.0 | 250 / 290 |", table)
+        self.assertNotIn("| y |", table)
+
     def test_stage_row_reads_the_stage_report(self):
         lat = lambda m, p90: {"mean": m, "median": m, "p90": p90, "p99": p90}  # noqa: E731
         stage = {

@@ -11,6 +11,7 @@ CSV_FIELDS = [
     "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "itl_mean", "itl_p90",
     "e2e_mean", "e2e_p90", "output_tok_s", "requests_per_s", "response_hit_rate",
     "engine_hit_rate", "load_imbalance", "requests_per_pod",
+    "pod_ttft_mean", "pod_ttft_p90", "floor_mean", "floor_p90",
 ]
 
 
@@ -55,6 +56,32 @@ def placement_table(per_system):
         "| system | prefixes | pods per prefix | moves | repeat requests missing ≥ ½ "
         "| queued behind a prefill (while a pod had none) | piled onto one pod (3rd+ within 20 ms) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    return "\n".join(head + lines) + "\n"
+
+
+def ttft_split_table(rows):
+    """Each stage's TTFT split in two (the pods' own, from their request logs; the rest: the
+    client, the gateway and the router), beside the floor no router can go below."""
+    ms = lambda v: None if v is None else v * 1000  # noqa: E731
+    lines = []
+    for r in rows:
+        if r.get("pod_ttft_mean") is None:
+            continue
+        path = None if r["ttft_mean"] is None else r["ttft_mean"] - r["pod_ttft_mean"]
+        lines.append(
+            f"| {r['system']} | {_fmt(r['rate'], 1)} | {_fmt(ms(r['ttft_mean']), 0)} / {_fmt(ms(r['ttft_p90']), 0)} "
+            f"| {_fmt(ms(r['pod_ttft_mean']), 0)} / {_fmt(ms(r['pod_ttft_p90']), 0)} | {_fmt(ms(path), 1)} "
+            f"| {_fmt(ms(r.get('floor_mean')), 0)} / {_fmt(ms(r.get('floor_p90')), 0)} |"
+        )
+    if not lines:
+        return ""
+    head = [
+        "\nWhere the time to first token went (ms; the pods' own from their request logs; the floor is "
+        "the least any router could reach: every block seen before still cached, an idle pod):\n",
+        "| system | rate (req/s) | TTFT mean / p90 | at the pods mean / p90 | the rest (client, gateway, router), mean "
+        "| floor mean / p90 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     return "\n".join(head + lines) + "\n"
 

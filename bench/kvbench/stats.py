@@ -191,6 +191,37 @@ def _behind_prefill(records):
     return behind, avoidable
 
 
+def stage_pod_times(records, stage_counts):
+    """Per stage, from kvpick-sim's --request-log lines: the pods' own time to first token
+    (arrival at the pod to first token: the router's path and the client excluded) and the
+    floor, the least TTFT any router could have given each request (kvpick-sim's `floor_s`:
+    every block seen before still cached, an idle pod of the fastest speed).
+
+    Stages run one after the other, so the records sorted by arrival split by the stages'
+    request counts, as `split_by_stage` splits inference-perf's entries. When the log does
+    not hold exactly one line per request (a failed request never reached its first token),
+    that split would mix stages: every stage is None then. A stage's floor figures are None
+    when a line has no floor (an older simulator, or its seen set was full).
+    """
+    if sum(stage_counts) != len(records):
+        return [None for _ in stage_counts]
+    ordered = sorted(records, key=lambda r: r["arrived"])
+    out, i = [], 0
+    for n in stage_counts:
+        stage = ordered[i : i + n]
+        i += n
+        pod = [r["first_token_s"] for r in stage]
+        floors = [r.get("floor_s") for r in stage]
+        known = bool(floors) and all(f is not None for f in floors)
+        out.append({
+            "pod_ttft_mean": mean(pod),
+            "pod_ttft_p90": percentile(pod, 90),
+            "floor_mean": mean(floors) if known else None,
+            "floor_p90": percentile(floors, 90) if known else None,
+        })
+    return out
+
+
 def counters_delta(after, before):
     """Per-pod counters accumulated between two scrapes."""
     return [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before)]

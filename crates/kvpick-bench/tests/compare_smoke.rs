@@ -124,8 +124,8 @@ impl SmokeRun {
     }
 
     /// Checks every system's requests: all succeeded, the pods finished each, the same
-    /// seeded workload for all, and the pods' request logs saw every request of the 7 groups
-    /// (each group's first is not a repeat).
+    /// seeded workload for all, the pods' request logs saw every request of the 7 groups
+    /// (each group's first is not a repeat), and their floors are below what was reached.
     fn check_every_request_served(&self) {
         let systems = self.summary["systems"].as_array().expect("systems");
         let mut counts = Vec::new();
@@ -143,6 +143,20 @@ impl SmokeRun {
                 "the pods finished every request: {r}"
             );
             counts.push(requests);
+            // The pods' request logs split the TTFT: what the pods took is part of what the
+            // client saw, and the floor (every block seen before still cached, an idle pod)
+            // is below both.
+            let seconds = |key: &str| r[key].as_f64().unwrap_or_else(|| panic!("{key} in {r}"));
+            let (client, pods, floor) = (
+                seconds("ttft_mean"),
+                seconds("pod_ttft_mean"),
+                seconds("floor_mean"),
+            );
+            assert!(
+                0.0 < floor && floor <= pods && pods <= client,
+                "floor {floor} ≤ pods' {pods} ≤ client's {client}: {r}"
+            );
+            assert!(seconds("floor_p90") <= seconds("pod_ttft_p90"), "{r}");
             let placement = &system["placement"];
             assert_eq!(placement["prefixes"], 7, "{system}");
             assert_eq!(

@@ -53,6 +53,7 @@ struct Arrival {
     started: std::time::Instant,
     prompt_tokens: usize,
     heads: (u64, u64),
+    floor: Option<(usize, f64)>,
 }
 
 impl Arrival {
@@ -66,6 +67,7 @@ impl Arrival {
                 cached_tokens,
                 head: self.heads.0,
                 head_long: self.heads.1,
+                floor: self.floor,
             });
         }
     }
@@ -581,12 +583,13 @@ async fn run(
     let arrival = api
         .request_log
         .as_ref()
-        .and(prompts.first())
-        .map(|p| Arrival {
+        .zip(prompts.first())
+        .map(|(log, p)| Arrival {
             at: unix_seconds(),
             started: std::time::Instant::now(),
             prompt_tokens: p.len(),
             heads: RequestRecord::heads(p),
+            floor: log.arrive(p),
         });
     for (index, prompt) in prompts.into_iter().enumerate() {
         prompt_lens.push(prompt.len());

@@ -10,12 +10,13 @@
 //! Layers, bottom up: [`hashing`] and [`events`] (wire formats), [`block_pool`] and [`engine`]
 //! (the deterministic, clock-free engine model), [`pod`] (one async task per pod driving the
 //! engine on tokio's clock), [`publisher`] (ZMQ PUB + replay), [`metrics`], [`tokenizer`],
-//! [`http`] (the OpenAI surface), [`render`] (vLLM's render and detokenize endpoints), [`request_log`] (`--request-log`), [`fleet`] (many pods per process). See docs/simulator.md.
+//! [`http`] (the OpenAI surface), [`render`] (vLLM's render and detokenize endpoints), [`request_log`] (`--request-log`) and [`floor`] (its least reachable first-token times), [`fleet`] (many pods per process). See docs/simulator.md.
 
 pub mod block_pool;
 pub mod engine;
 pub mod events;
 pub mod fleet;
+pub mod floor;
 pub mod hashing;
 pub mod http;
 pub mod metrics;

@@ -1,7 +1,9 @@
 //! `--request-log FILE`: one JSON line per request that reached its first token — which pod
-//! served it, when it arrived, how much of its prompt the pod had cached, and a digest of its
-//! prompt's head — so a benchmark can say where each prefix went (copies per prefix, a group
-//! moving between pods, which requests missed), which the engines' summed counters cannot.
+//! served it, when it arrived, how much of its prompt the pod had cached, a digest of its
+//! prompt's head, and the least first-token time any placement could have given it
+//! ([`crate::floor`]) — so a benchmark can say where each prefix went (copies per prefix, a
+//! group moving between pods, which requests missed), which the engines' summed counters
+//! cannot, and how far each router's TTFT is from what is reachable at all.
 //!
 //! Lines are written as requests start decoding, under a mutex, one `write` per line (a
 //! `LineWriter`), so a reader sees whole lines while the simulator runs and nothing is lost
@@ -13,6 +15,8 @@ use std::io::{LineWriter, Write};
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::floor::{FloorModel, Floors};
 
 /// Prompt tokens digested into [`RequestRecord::head`]: one 16-token block.
 pub const HEAD_TOKENS: usize = 16;
@@ -37,6 +41,9 @@ pub struct RequestRecord {
     /// Digest of the first [`HEAD_LONG_TOKENS`] prompt tokens (a conversation's identity when
     /// a short preamble is shared by all).
     pub head_long: u64,
+    /// `(reusable tokens, floor seconds)` from [`Floors::arrive`]; `None` (JSON nulls) once
+    /// the floors' seen set is full.
+    pub floor: Option<(usize, f64)>,
 }
 
 impl RequestRecord {
@@ -58,30 +65,43 @@ impl RequestRecord {
     fn json_line(&self) -> String {
         format!(
             "{{\"pod\":{},\"arrived\":{:.6},\"first_token_s\":{:.6},\"prompt_tokens\":{},\
-             \"cached_tokens\":{},\"head\":\"{:016x}\",\"head_long\":\"{:016x}\"}}\n",
+             \"cached_tokens\":{},\"head\":\"{:016x}\",\"head_long\":\"{:016x}\",\
+             \"reusable_tokens\":{},\"floor_s\":{}}}\n",
             self.pod,
             self.arrived,
             self.first_token_s,
             self.prompt_tokens,
             self.cached_tokens,
             self.head,
-            self.head_long
+            self.head_long,
+            self.floor
+                .map_or_else(|| "null".to_owned(), |(tokens, _)| tokens.to_string()),
+            self.floor
+                .map_or_else(|| "null".to_owned(), |(_, s)| format!("{s:.6}")),
         )
     }
 }
 
-/// The log file.
+/// The log file, and the fleet-wide record of prefixes the floors are computed from.
 #[derive(Debug)]
 pub struct RequestLog {
     out: Mutex<LineWriter<File>>,
+    floors: Floors,
 }
 
 impl RequestLog {
-    /// Creates (truncates) `path`.
-    pub fn create(path: &Path) -> std::io::Result<Self> {
+    /// Creates (truncates) `path`; floors follow `floor`.
+    pub fn create(path: &Path, floor: FloorModel) -> std::io::Result<Self> {
         Ok(Self {
             out: Mutex::new(LineWriter::new(File::create(path)?)),
+            floors: Floors::new(floor),
         })
+    }
+
+    /// A request arriving with `prompt`, at any pod of the fleet: its reusable tokens and
+    /// floor ([`Floors::arrive`]).
+    pub fn arrive(&self, prompt: &[u32]) -> Option<(usize, f64)> {
+        self.floors.arrive(prompt)
     }
 
     /// Appends one record. A failed write is logged once per call and dropped: the log must
@@ -111,7 +131,13 @@ mod tests {
     #[test]
     fn lines_are_json_with_every_field_and_heads_tell_prefixes_apart() {
         let dir = std::env::temp_dir().join(format!("kvpick-sim-reqlog-{}", std::process::id()));
-        let log = RequestLog::create(&dir).expect("create");
+        let model = FloorModel {
+            block_size: 16,
+            max_num_batched_tokens: 8192,
+            cost: crate::engine::StepCost::default(),
+            time_factor: 1.0,
+        };
+        let log = RequestLog::create(&dir, model).expect("create");
         let shared: Vec<u32> = (0..300).collect();
         let mut other = shared.clone();
         other[200] = 9; // same first block, different conversation
@@ -120,7 +146,8 @@ mod tests {
         assert_eq!(h1, h2);
         assert_ne!(l1, l2);
         assert_ne!(RequestRecord::heads(&[1, 2, 3]).0, h1);
-        for (pod, head_long) in [(0, l1), (3, l2)] {
+        let floors = [log.arrive(&shared), None];
+        for ((pod, head_long), floor) in [(0, l1), (3, l2)].into_iter().zip(floors) {
             log.write(&RequestRecord {
                 pod,
                 arrived: 1.5,
@@ -129,6 +156,7 @@ mod tests {
                 cached_tokens: 288,
                 head: h1,
                 head_long,
+                floor,
             });
         }
         let text = std::fs::read_to_string(&dir).expect("read");
@@ -143,5 +171,11 @@ mod tests {
         assert_eq!(lines[0]["head"], format!("{h1:016x}"));
         assert_eq!(lines[1]["head_long"], format!("{l2:016x}"));
         assert_eq!(lines[0]["first_token_s"].as_f64(), Some(0.25));
+        // Nothing seen before the first: its 300 tokens at the default costs, 6.2 + 15 ms.
+        assert_eq!(lines[0]["reusable_tokens"], 0);
+        let floor = lines[0]["floor_s"].as_f64().expect("a floor");
+        assert!((floor - 0.0212).abs() < 1e-6, "{floor}");
+        assert!(lines[1]["reusable_tokens"].is_null());
+        assert!(lines[1]["floor_s"].is_null());
     }
 }

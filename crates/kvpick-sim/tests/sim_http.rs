@@ -19,6 +19,7 @@ use kvpick_sim::events::{EventBatch, EventLayout};
 use kvpick_sim::fleet::{
     DEFAULT_TOPIC_TEMPLATE, FleetConfig, FleetPod, render_topic, start_fleet_with_topic,
 };
+use kvpick_sim::floor::FloorModel;
 use kvpick_sim::hashing::HashAlgo;
 use kvpick_sim::request_log::RequestLog;
 use kvpick_sim::tokenizer::SimTokenizer;
@@ -42,7 +43,20 @@ async fn fleet(pods: usize, max_loras: usize) -> Vec<FleetPod> {
 }
 
 async fn fleet_with_topic(pods: usize, max_loras: usize, topic: &str) -> Vec<FleetPod> {
-    fleet_with(pods, max_loras, topic, None).await
+    fleet_with(pods, max_loras, topic, None, 0.0).await
+}
+
+/// The test engine (32-token blocks, 64 of them per pod).
+fn test_engine(max_loras: usize) -> EngineConfig {
+    EngineConfig {
+        block_size: 32,
+        num_gpu_blocks: 64,
+        max_num_seqs: 8,
+        max_model_len: 1536,
+        hash_algo: HashAlgo::Sha256,
+        max_loras,
+        ..EngineConfig::default()
+    }
 }
 
 async fn fleet_with(
@@ -50,6 +64,7 @@ async fn fleet_with(
     max_loras: usize,
     topic: &str,
     request_log: Option<Arc<RequestLog>>,
+    time_scale: f64,
 ) -> Vec<FleetPod> {
     let tok = SimTokenizer::load(&paths::repo_root().join("assets/tokenizer")).expect("tokenizer");
     start_fleet_with_topic(
@@ -60,16 +75,8 @@ async fn fleet_with(
             events_base_port: Some(0),
             replay_base_port: Some(0),
             model: "tiny".into(),
-            engine: EngineConfig {
-                block_size: 32,
-                num_gpu_blocks: 64,
-                max_num_seqs: 8,
-                max_model_len: 1536,
-                hash_algo: HashAlgo::Sha256,
-                max_loras,
-                ..EngineConfig::default()
-            },
-            time_scale: 0.0,
+            engine: test_engine(max_loras),
+            time_scale,
             buffer_steps: 10_000,
             layout: EventLayout::Map,
             overrides: Vec::new(),
@@ -255,20 +262,33 @@ async fn completions_chat_and_tokenize_match_the_real_engine() {
 }
 
 /// `--request-log`: a line per request names the pod that served it and what its cache held,
-/// and prompts sharing a head share its digest (the harness counts copies per prefix by it).
+/// prompts sharing a head share its digest (the harness counts copies per prefix by it), and
+/// each line's floor counts what any pod of the fleet had seen before (an unlimited shared
+/// cache on an idle pod) and is never above the first-token time the pod took.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_log_names_the_pod_and_the_cached_tokens_of_each_request() {
     let path = std::env::temp_dir().join(format!("sim-http-reqlog-{}", std::process::id()));
-    let log = Arc::new(RequestLog::create(&path).expect("log"));
-    let pods = fleet_with(2, 0, DEFAULT_TOPIC_TEMPLATE, Some(log)).await;
+    let engine = test_engine(0);
+    // Real time at a tenth of the default step costs: a step of these prompts is ~1–2 ms.
+    let time_scale = 0.1;
+    let floor = FloorModel {
+        block_size: engine.block_size,
+        max_num_batched_tokens: engine.max_num_batched_tokens,
+        cost: engine.cost,
+        time_factor: time_scale,
+    };
+    let log = Arc::new(RequestLog::create(&path, floor).expect("log"));
+    let pods = fleet_with(2, 0, DEFAULT_TOPIC_TEMPLATE, Some(log), time_scale).await;
     let shared = "You are a careful assistant who answers briefly. ".repeat(12);
     let prompt = |q: &str| format!("{shared}Question: {q}");
-    // Pod 1 twice (the second reuses the first's blocks, streamed), pod 0 once, another head.
+    // Pod 1 twice (the second reuses the first's blocks, streamed), pod 0 once, another head,
+    // then pod 0 with the first prompt again: pod 0 never held it, the fleet had seen it.
     let mut served = Vec::new();
     for (pod, text, stream) in [
         (1, prompt("why?"), false),
         (1, prompt("how?"), true),
         (0, "Something else entirely. ".repeat(20), false),
+        (0, prompt("why?"), false),
     ] {
         let body = json!({"prompt": text, "max_tokens": 2, "stream": stream,
             "stream_options": {"include_usage": true}});
@@ -294,28 +314,41 @@ async fn request_log_names_the_pod_and_the_cached_tokens_of_each_request() {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect();
-    assert_eq!(lines.len(), 3, "{text}");
-    for (line, (pod, usage)) in lines.iter().zip([1, 1, 0].iter().zip(&served)) {
+    assert_eq!(lines.len(), 4, "{text}");
+    for (line, (pod, usage)) in lines.iter().zip([1, 1, 0, 0].iter().zip(&served)) {
         assert_eq!(line["pod"], *pod, "{text}");
         assert_eq!(line["prompt_tokens"], usage["prompt_tokens"], "{text}");
         assert_eq!(
             line["cached_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
             "{text}"
         );
-        assert!(
-            line["first_token_s"].as_f64().is_some_and(|s| s >= 0.0),
-            "{text}"
-        );
+        let first_token_s = line["first_token_s"].as_f64().expect("first_token_s");
+        assert!(first_token_s >= 0.0, "{text}");
         assert!(
             line["arrived"].as_f64().is_some_and(|s| s > 1.6e9),
             "{text}"
         );
+        // The floor: the prompt's uncached part at the model's costs, below what it took.
+        let prompt_tokens = line["prompt_tokens"].as_u64().expect("prompt_tokens") as usize;
+        let reusable = line["reusable_tokens"].as_u64().expect("reusable_tokens") as usize;
+        let floor_s = line["floor_s"].as_f64().expect("floor_s");
+        let expected = floor.first_token_s(prompt_tokens - reusable);
+        assert!((floor_s - expected).abs() < 1e-6, "{floor_s} vs {expected}");
+        assert!(floor_s > 0.0 && floor_s <= first_token_s, "{text}");
     }
     assert_eq!(lines[0]["cached_tokens"], 0, "a cold pod");
+    assert_eq!(lines[0]["reusable_tokens"], 0, "nothing seen yet");
     assert!(
         lines[1]["cached_tokens"].as_u64().is_some_and(|c| c >= 64),
         "{text}"
     );
+    // On the pod that held the first, the fleet saw no more than the pod held.
+    assert_eq!(lines[1]["reusable_tokens"], lines[1]["cached_tokens"]);
+    assert_eq!(lines[2]["reusable_tokens"], 0, "another head");
+    // The first prompt on pod 0: a miss there, all but its tail reusable fleet-wide.
+    assert_eq!(lines[3]["cached_tokens"], 0, "{text}");
+    let whole_blocks = (lines[3]["prompt_tokens"].as_u64().expect("tokens") - 1) / 32 * 32;
+    assert_eq!(lines[3]["reusable_tokens"], whole_blocks, "{text}");
     assert_eq!(lines[0]["head"], lines[1]["head"], "one shared head");
     assert_ne!(lines[0]["head"], lines[2]["head"], "{text}");
 }

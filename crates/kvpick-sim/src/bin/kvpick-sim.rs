@@ -10,6 +10,7 @@ use kvpick_sim::events::EventLayout;
 use kvpick_sim::fleet::{
     DEFAULT_TOPIC_TEMPLATE, FleetConfig, parse_override, start_fleet_with_topic,
 };
+use kvpick_sim::floor::FloorModel;
 use kvpick_sim::hashing::HashAlgo;
 use kvpick_sim::request_log::RequestLog;
 use kvpick_sim::tokenizer::SimTokenizer;
@@ -64,7 +65,8 @@ struct Args {
     #[arg(long, default_value = DEFAULT_TOPIC_TEMPLATE)]
     kv_events_topic: String,
     /// Write one JSON line per request reaching its first token to this file (pod, arrival,
-    /// first-token time, prompt and cached tokens, prompt-head digests), for benchmarks.
+    /// first-token time, prompt and cached tokens, prompt-head digests, the least first-token
+    /// time any placement could have given it), for benchmarks.
     #[arg(long)]
     request_log: Option<std::path::PathBuf>,
     /// Encode events as pre-0.24 tagged arrays.
@@ -114,6 +116,40 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect::<Result<Vec<_>, _>>()?;
     let tokenizer = Arc::new(SimTokenizer::load(&args.tokenizer)?);
     let events = (!args.no_kv_events).then_some(args.events_base_port);
+    let engine = EngineConfig {
+        block_size: args.block_size,
+        num_gpu_blocks: args.num_gpu_blocks,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: args.max_model_len,
+        hash_algo: args.prefix_caching_hash_algo.parse::<HashAlgo>()?,
+        bytes_hashes: args.bytes_block_hashes,
+        max_loras: args.max_loras,
+        cost: StepCost {
+            overhead: Duration::from_micros(args.step_overhead_us),
+            per_prefill_token: Duration::from_micros(args.prefill_token_us),
+            per_decode_seq: Duration::from_micros(args.decode_seq_us),
+            lora_load: Duration::from_millis(args.lora_load_ms),
+        },
+    };
+    // The floors assume the fleet's fastest pod: the time scale (read as the pods read it),
+    // times an override's slow-down where one is below 1 (clamped as the pod clamps it).
+    let time_scale = if args.time_scale.is_finite() && args.time_scale >= 0.0 {
+        args.time_scale
+    } else {
+        1.0
+    };
+    let fastest = overrides
+        .iter()
+        .filter_map(|(_, o)| o.slowdown)
+        .filter(|s| s.is_finite())
+        .fold(1.0_f64, |a, s| a.min(s.clamp(0.01, 1000.0)));
+    let floor = FloorModel {
+        block_size: engine.block_size,
+        max_num_batched_tokens: engine.max_num_batched_tokens,
+        cost: engine.cost,
+        time_factor: time_scale * fastest,
+    };
     let cfg = FleetConfig {
         pods: args.pods,
         host: [127, 0, 0, 1].into(),
@@ -121,22 +157,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         events_base_port: events,
         replay_base_port: events.map(|_| args.replay_base_port),
         model: args.model,
-        engine: EngineConfig {
-            block_size: args.block_size,
-            num_gpu_blocks: args.num_gpu_blocks,
-            max_num_seqs: args.max_num_seqs,
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            max_model_len: args.max_model_len,
-            hash_algo: args.prefix_caching_hash_algo.parse::<HashAlgo>()?,
-            bytes_hashes: args.bytes_block_hashes,
-            max_loras: args.max_loras,
-            cost: StepCost {
-                overhead: Duration::from_micros(args.step_overhead_us),
-                per_prefill_token: Duration::from_micros(args.prefill_token_us),
-                per_decode_seq: Duration::from_micros(args.decode_seq_us),
-                lora_load: Duration::from_millis(args.lora_load_ms),
-            },
-        },
+        engine,
         time_scale: args.time_scale,
         buffer_steps: args.buffer_steps,
         layout: if args.legacy_array_events {
@@ -147,7 +168,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         overrides,
         request_log: match &args.request_log {
             Some(path) => {
-                Some(Arc::new(RequestLog::create(path).map_err(|e| {
+                Some(Arc::new(RequestLog::create(path, floor).map_err(|e| {
                     format!("--request-log {}: {e}", path.display())
                 })?))
             }
