@@ -26,6 +26,24 @@
 //! `coldDecodeWeight` stopped spreading new prefixes, and the no-sharing control did not
 //! improve; so the prefill stalls stay in the fit (docs/benchmarks.md, session 12).
 //!
+//! A fit is only as recent as its last observation. A pod whose first bytes were slow for a
+//! while (a burst of cold prefills, a noisy neighbour) is predicted slow, so it is picked
+//! only when every other pod looks worse, and nothing re-measures it: measured, a 48 req/s
+//! cold start left one pod of 8 with a line of 1,355 ms + 0.05 ms/token against the others'
+//! ~190 + 0.16, and it got no request for the rest of the run, 64 req/s included
+//! (docs/benchmarks.md, session 38). So a TTFT fit with no first byte for [`FIT_MAX_AGE`]
+//! is *in question*: while nothing of kvpick's awaits its first byte there, the pod is
+//! predicted with the fleet's line (it is tried, one request at a time), and that request's
+//! first byte settles it. At least [`REFIT_SPEEDUP`]× faster than the fit said: the fit is
+//! dropped and learned afresh from the new first bytes (the fleet's line until there are
+//! [`MIN_OBSERVATIONS`]). Otherwise the fit stands, fresh again. A decode fit with no gap for
+//! as long is dropped: gaps come many per response, so it is learned again at once.
+//! NOTE: a pod that is still slow costs one request per [`FIT_MAX_AGE`] at its slow speed.
+//! Dropping every stale fit at once was tried first: an 8× slow pod then got ~5 requests
+//! per probe (each one predicted with the fleet's line until its backlog outweighed it).
+//! Decaying the fit with time instead mixes the slow spell into the new first bytes, so a
+//! recovered pod is predicted slow again from the mix.
+//!
 //! Concurrency: the backlog is two atomics; the fit is a small mutex taken once per pick (to
 //! read), once per response chunk and once per response end (to update), never across an
 //! `.await`.
@@ -34,7 +52,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Weight each older observation keeps per new one (an effective window of ~50).
 const DECAY: f64 = 0.98;
@@ -49,6 +67,14 @@ const LOAD_TIME_CONSTANT_S: f64 = 10.0;
 
 /// Observations before a pod's own fit is used.
 pub const MIN_OBSERVATIONS: u64 = 8;
+
+/// Time after its last observation at which a fit is in question (as old as a pod's
+/// sustained load remembers, [`LOAD_TIME_CONSTANT_S`]).
+pub const FIT_MAX_AGE: Duration = Duration::from_secs(10);
+
+/// How much faster than a fit in question a pod must answer for the fit to be learned afresh
+/// (twice: far outside one first byte's usual spread around the line).
+pub const REFIT_SPEEDUP: f64 = 2.0;
 
 /// A line's slope bounds, ms per token (a fit outside is noise, not a pod).
 const MIN_MS_PER_TOKEN: f64 = 1e-4;
@@ -80,6 +106,8 @@ struct DecayedLine {
     sxx: f64,
     sxy: f64,
     observations: u64,
+    /// When the last observation was made (the latest, if they came out of order).
+    last: Option<Instant>,
 }
 
 /// What a line does when its `x` barely varied (the slope is not identifiable).
@@ -94,7 +122,15 @@ enum NoSpread {
 }
 
 impl DecayedLine {
-    fn observe(&mut self, x: f64, y: f64) {
+    /// Whether the last observation is older than [`FIT_MAX_AGE`] at `now`.
+    fn is_stale(&self, now: Instant) -> bool {
+        self.last
+            .is_some_and(|last| now.saturating_duration_since(last) > FIT_MAX_AGE)
+    }
+
+    /// Adds an observation made at `now`.
+    fn observe(&mut self, x: f64, y: f64, now: Instant) {
+        self.last = Some(self.last.map_or(now, |last| last.max(now)));
         self.w = self.w * DECAY + 1.0;
         self.sx = self.sx * DECAY + x;
         self.sy = self.sy * DECAY + y;
@@ -103,6 +139,7 @@ impl DecayedLine {
         self.observations += 1;
     }
 
+    /// The fitted line, however old: none before [`MIN_OBSERVATIONS`].
     fn line(&self, no_spread: NoSpread, max_slope: f64) -> Option<FittedLine> {
         if self.observations < MIN_OBSERVATIONS || self.w <= 0.0 {
             return None;
@@ -168,9 +205,26 @@ struct Fit {
 }
 
 impl Fit {
-    fn observe_first_byte(&mut self, work: f64, ttft_ms: f64, uncached: f64) {
-        self.ttft.observe(work, ttft_ms);
+    fn observe_first_byte(&mut self, work: f64, ttft_ms: f64, uncached: f64, now: Instant) {
+        if self.ttft.is_stale(now) {
+            // The first byte that settles a fit in question.
+            let stands = self
+                .ttft
+                .line(NoSpread::ThroughOrigin, MAX_MS_PER_TOKEN)
+                .is_some_and(|line| ttft_ms * REFIT_SPEEDUP > line.predict_ms(work));
+            if !stands {
+                self.ttft = DecayedLine::default();
+            }
+        }
+        self.ttft.observe(work, ttft_ms, now);
         self.mean_uncached = decayed_mean(self.mean_uncached, uncached, self.ttft.observations);
+    }
+
+    fn observe_gap(&mut self, in_flight: f64, gap_ms: f64, now: Instant) {
+        if self.itl.is_stale(now) {
+            self.itl = DecayedLine::default();
+        }
+        self.itl.observe(in_flight, gap_ms, now);
     }
 
     fn observe_response(&mut self, chunks: f64) {
@@ -227,10 +281,12 @@ pub struct PrefillView {
     /// Those requests.
     pub awaiting: f64,
     /// Its fitted time to first token against prefill work, once it has
-    /// [`MIN_OBSERVATIONS`] first bytes.
+    /// [`MIN_OBSERVATIONS`] first bytes; none while the fit is in question and nothing
+    /// awaits there (see the module doc).
     pub line: Option<FittedLine>,
     /// Its fitted time between response chunks against its decode batch (kvpick's
-    /// in-flight count), once it has [`MIN_OBSERVATIONS`] gaps.
+    /// in-flight count), once it has [`MIN_OBSERVATIONS`] gaps, the last within
+    /// [`FIT_MAX_AGE`].
     pub itl: Option<FittedLine>,
     /// The decayed mean of uncached tokens per request (0 before any observation).
     pub mean_uncached_tokens: f64,
@@ -278,11 +334,17 @@ impl PrefillLoad {
     }
 
     fn view_with(&self, fit: &Fit, now: Instant) -> PrefillView {
+        let awaiting = self.awaiting.load(Ordering::Relaxed);
+        // A fit in question, with nothing awaiting there: the pod is tried on the fleet's
+        // line. With a request awaiting, the fit holds until that request settles it.
+        let line = fit.ttft.line(NoSpread::ThroughOrigin, MAX_MS_PER_TOKEN);
+        let line = line.filter(|_| awaiting > 0 || !fit.ttft.is_stale(now));
+        let itl = fit.itl.line(NoSpread::Flat, MAX_MS_PER_DECODE);
         PrefillView {
             backlog_tokens: self.backlog_tokens.load(Ordering::Relaxed) as f64,
-            awaiting: self.awaiting.load(Ordering::Relaxed) as f64,
-            line: fit.ttft.line(NoSpread::ThroughOrigin, MAX_MS_PER_TOKEN),
-            itl: fit.itl.line(NoSpread::Flat, MAX_MS_PER_DECODE),
+            awaiting: awaiting as f64,
+            line,
+            itl: itl.filter(|_| !fit.itl.is_stale(now)),
             mean_uncached_tokens: fit.mean_uncached,
             mean_output_chunks: fit.mean_chunks,
             heat_tokens: fit.heat_at(now),
@@ -363,7 +425,7 @@ impl PrefillGuard {
         let gap_ms = now.saturating_duration_since(last).as_secs_f64() * 1e3;
         self.last_chunk = Some(now);
         self.chunks += 1;
-        self.load.lock().itl.observe(in_flight as f64, gap_ms);
+        self.load.lock().observe_gap(in_flight as f64, gap_ms, now);
     }
 
     /// The first response byte arrived at `now`: leaves the backlog and teaches the fit
@@ -377,7 +439,7 @@ impl PrefillGuard {
         let observed_ms = now.saturating_duration_since(self.started).as_secs_f64() * 1e3;
         self.load
             .lock()
-            .observe_first_byte(self.work as f64, observed_ms, self.tokens as f64);
+            .observe_first_byte(self.work as f64, observed_ms, self.tokens as f64, now);
         self.last_chunk = Some(now);
         self.chunks = 1;
         Some(TtftObservation {
@@ -432,6 +494,96 @@ mod tests {
         let view = load.view(Instant::now());
         assert_eq!(view.backlog_tokens, 0.0, "every guard left the backlog");
         assert_eq!(view.awaiting, 0.0);
+    }
+
+    /// `n` first bytes at `at`, of requests of `tokens` each started then, on a pod taking
+    /// `base_ms + ms_per_token × tokens` (alone: each waited for nothing else).
+    fn observe_alone(
+        load: &Arc<PrefillLoad>,
+        at: Instant,
+        n: usize,
+        base_ms: f64,
+        ms_per_token: f64,
+    ) {
+        for i in 0..n {
+            let tokens = 200.0 + 100.0 * (i % 4) as f64;
+            let mut guard = load.start(tokens, 0.0, None, at);
+            let ttft = base_ms + ms_per_token * tokens;
+            guard.first_byte(at + Duration::from_secs_f64(ttft / 1e3));
+        }
+    }
+
+    #[test]
+    fn a_fit_nobody_refreshed_is_tried_one_request_at_a_time_and_kept_or_learned_afresh() {
+        let load = Arc::new(PrefillLoad::default());
+        let t0 = Instant::now();
+        // A slow spell: 50 first bytes of a pod at 1,000 ms + 2 ms per token.
+        observe_alone(&load, t0, 50, 1_000.0, 2.0);
+        let slow = load.view(t0 + Duration::from_secs(1)).line.expect("fitted");
+        assert!((slow.slope_ms - 2.0).abs() < 0.01, "{slow:?}");
+        // The last first byte: 1,000 + 2 × 500 ms after the start. The fit is the pod's up
+        // to the age limit, in question after it: no line while nothing awaits there (the
+        // placement then predicts the pod with the fleet's line).
+        let last = t0 + Duration::from_secs(2);
+        assert_eq!(load.view(last + FIT_MAX_AGE).line, Some(slow));
+        let later = last + FIT_MAX_AGE + Duration::from_millis(1);
+        assert_eq!(load.view(later).line, None, "a fit in question");
+        // One request tried there: until it answers, the old fit holds (no second one is
+        // sent on the fleet's line).
+        let mut probe = load.start(300.0, 0.0, None, later);
+        assert_eq!(load.view(later).line, Some(slow));
+        // It answers as slowly as the fit said: the fit stands, fresh again.
+        let answered = later + Duration::from_millis(1_500);
+        assert!(probe.first_byte(answered).is_some());
+        drop(probe);
+        let kept = load.view(answered).line.expect("the fit stands");
+        assert!((kept.slope_ms - 2.0).abs() < 0.1, "{kept:?}");
+        // In question again later; this time the pod answers 5× faster than the fit says:
+        // the slow spell is dropped, and the pod is learned afresh from the new first bytes
+        // alone (the fleet's line until there are enough of them).
+        let again = answered + FIT_MAX_AGE + Duration::from_millis(1);
+        assert_eq!(load.view(again).line, None);
+        let mut probe = load.start(300.0, 0.0, None, again);
+        probe.first_byte(again + Duration::from_millis(140));
+        drop(probe);
+        let fresh_from = again + Duration::from_secs(1);
+        assert_eq!(load.view(fresh_from).line, None, "one first byte is no fit");
+        observe_alone(
+            &load,
+            fresh_from,
+            (MIN_OBSERVATIONS - 2) as usize,
+            20.0,
+            0.4,
+        );
+        assert_eq!(load.view(fresh_from + Duration::from_secs(1)).line, None);
+        observe_alone(&load, fresh_from, 12, 20.0, 0.4);
+        let fresh = load
+            .view(fresh_from + Duration::from_secs(1))
+            .line
+            .expect("refitted");
+        assert!((fresh.slope_ms - 0.4).abs() < 0.05, "{fresh:?}");
+        assert!(fresh.base_ms < 40.0, "{fresh:?}");
+    }
+
+    #[test]
+    fn a_decode_fit_nobody_refreshed_is_dropped_too() {
+        let load = Arc::new(PrefillLoad::default());
+        let t0 = Instant::now();
+        let mut guard = load.start(100.0, 0.0, None, t0);
+        guard.first_byte(t0);
+        for i in 1..=20u64 {
+            guard.chunk(t0 + Duration::from_millis(50 * i), i % 5);
+        }
+        let at = t0 + Duration::from_secs(1);
+        assert!(load.view(at).itl.is_some(), "fitted");
+        assert!(
+            load.view(at + FIT_MAX_AGE).itl.is_some(),
+            "the last gap came at 1 s"
+        );
+        assert_eq!(
+            load.view(at + FIT_MAX_AGE + Duration::from_millis(1)).itl,
+            None
+        );
     }
 
     #[test]

@@ -81,7 +81,9 @@
 //! one pod).
 //!
 //! Before a pod has its own fit (a few first bytes), it is predicted with the fleet's median
-//! fitted line, and before any pod has one, with the configured prior.
+//! fitted line, and before any pod has one, with the configured prior. So is a pod whose fit
+//! is in question (no first byte for 10 s: `crate::endpoints::prefill`), one request at a
+//! time, so that a pod learned slow in a bad spell is measured again instead of left idle.
 //!
 //! Latency objectives (llm-d's `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms`): a pod meets
 //! them when its predicted TTFT and time per output token (its fitted chunk gap at the batch

@@ -14,6 +14,7 @@ use super::super::SchedulingRequest;
 use super::super::cycle::PrefixHit;
 use super::super::cycle::test_support::*;
 use super::*;
+use crate::endpoints::prefill::FIT_MAX_AGE;
 use crate::endpoints::{PrefillGuard, PrefillLoad};
 use crate::scrape::PodMetrics;
 use std::collections::HashSet;
@@ -38,6 +39,8 @@ struct Pod {
     /// Requests routed there: when their first byte comes, the group, kvpick's guard.
     pending: Vec<(Instant, Group, PrefillGuard)>,
     holds: HashSet<Group>,
+    /// Its prefill time's multiplier now (1: the known costs).
+    slowdown: f64,
 }
 
 /// One pick: where, what the pod then had awaiting, and the time to first token it got.
@@ -71,6 +74,7 @@ impl Fleet {
                 free_at: t0,
                 pending: Vec::new(),
                 holds: HashSet::from([i as Group]),
+                slowdown: 1.0,
             })
             .collect();
         Self {
@@ -150,7 +154,8 @@ impl Fleet {
         let pod = &mut self.pods[best];
         let guard = pod.load.start(uncached, cached[best], None, now);
         let start = pod.free_at.max(now);
-        let first_byte = start + Duration::from_secs_f64((BASE_MS + MS_PER_TOKEN * uncached) / 1e3);
+        let prefill_ms = (BASE_MS + MS_PER_TOKEN * uncached) * pod.slowdown;
+        let first_byte = start + Duration::from_secs_f64(prefill_ms / 1e3);
         pod.free_at = first_byte;
         pod.pending.push((first_byte, group, guard));
         Pick {
@@ -270,4 +275,44 @@ fn a_cold_prefix_goes_to_the_cache_whose_prefixes_were_used_least_recently() {
             "group {early}'s hits came first: its pod's cache is the cooler one"
         );
     }
+}
+
+#[test]
+fn a_pod_that_was_slow_for_a_while_is_tried_again_once_what_was_learned_of_it_is_old() {
+    // Both pods hold both groups. Pod 1 is 8× slower for 20 s (a noisy neighbour): kvpick
+    // learns that and sends everything to pod 0, which keeps up alone (~70% busy). Then pod 1
+    // is as fast as before, but what kvpick knows of it is the slow spell, and only a
+    // request sent there could show otherwise.
+    let mut fleet = Fleet::new();
+    for pod in &mut fleet.pods {
+        pod.holds = HashSet::from([0, 1]);
+    }
+    fleet.pods[1].slowdown = 8.0;
+    let spell = fleet.run(&[4.0, 4.0], 0.0, 20.0);
+    // Once learned, the slow pod is avoided but for a probe once its fit is in question:
+    // one request, sent while nothing else awaited there.
+    let probes: Vec<&Pick> = spell
+        .iter()
+        .filter(|p| p.at_s >= 10.0 && p.pod == 1)
+        .collect();
+    assert!(probes.len() <= 1, "{probes:?}");
+    assert!(probes.iter().all(|p| p.awaiting[1] == 0.0), "{probes:?}");
+    fleet.pods[1].slowdown = 1.0;
+    let after = fleet.run(&[4.0, 4.0], 20.0, 50.0);
+    // FIT_MAX_AGE after pod 1's last first byte, its fit is in question: it is tried on the
+    // fleet's line, answers fast, and is learned afresh.
+    let back = after
+        .iter()
+        .find(|p| p.pod == 1)
+        .expect("the recovered pod gets requests again");
+    let limit = 20.0 + FIT_MAX_AGE.as_secs_f64() + 2.0;
+    assert!(back.at_s <= limit, "back only at {back:?}");
+    // Once re-measured it keeps its share: in the last 10 s both pods serve.
+    let last: Vec<&Pick> = after.iter().filter(|p| p.at_s >= 40.0).collect();
+    let on_1 = last.iter().filter(|p| p.pod == 1).count();
+    assert!(
+        on_1 * 5 >= last.len() && on_1 * 5 <= last.len() * 4,
+        "{on_1} of {} late requests on the recovered pod",
+        last.len()
+    );
 }
