@@ -26,7 +26,7 @@ use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 
-use crate::engine::StepCost;
+use crate::engine::{EngineConfig, StepCost};
 
 /// Distinct blocks the seen set holds before it stops (8 bytes each in the set: ~64 MiB of
 /// hashes plus the table's overhead, far above a benchmark run's tens of thousands).
@@ -46,6 +46,16 @@ pub struct FloorModel {
 }
 
 impl FloorModel {
+    /// The model of a fleet whose pods run `engine`, the fastest of them with `time_factor`.
+    pub fn for_engine(engine: &EngineConfig, time_factor: f64) -> Self {
+        Self {
+            block_size: engine.block_size,
+            max_num_batched_tokens: engine.max_num_batched_tokens,
+            cost: engine.cost,
+            time_factor,
+        }
+    }
+
     /// Seconds from arrival to first token for a request computing `uncached` prompt tokens on
     /// an idle pod.
     pub fn first_token_s(&self, uncached: usize) -> f64 {

@@ -37,6 +37,26 @@ pub enum MetricsFault {
     Error = 2,
 }
 
+/// The step-time multiplier a pod runs with for a configured slow-down `factor`: clamped to
+/// 0.01..=1000, 1 for a value that is not finite.
+pub fn slowdown_factor(factor: f64) -> f64 {
+    if factor.is_finite() {
+        factor.clamp(0.01, 1000.0)
+    } else {
+        1.0
+    }
+}
+
+/// The multiplier on step costs a pod runs with for a configured `time_scale`: the value
+/// itself, or 1 for one that is negative or not finite.
+pub fn time_scale_factor(time_scale: f64) -> f64 {
+    if time_scale.is_finite() && time_scale >= 0.0 {
+        time_scale
+    } else {
+        1.0
+    }
+}
+
 /// Per-pod faults, settable at start and at run time.
 #[derive(Debug, Default)]
 pub struct Faults {
@@ -51,14 +71,10 @@ impl Faults {
         let v = f64::from_bits(self.slowdown_bits.load(Ordering::Relaxed));
         if v > 0.0 { v } else { 1.0 }
     }
-    /// Sets the step-time multiplier (clamped to 0.01..=1000).
+    /// Sets the step-time multiplier ([`slowdown_factor`]).
     pub fn set_slowdown(&self, factor: f64) {
-        let f = if factor.is_finite() {
-            factor.clamp(0.01, 1000.0)
-        } else {
-            1.0
-        };
-        self.slowdown_bits.store(f.to_bits(), Ordering::Relaxed);
+        self.slowdown_bits
+            .store(slowdown_factor(factor).to_bits(), Ordering::Relaxed);
     }
     /// Whether new requests are refused (503).
     pub fn refusing(&self) -> bool {
@@ -216,11 +232,7 @@ impl Pod {
             metrics,
             publisher: publisher.clone(),
             faults: faults.clone(),
-            time_scale: if cfg.time_scale.is_finite() && cfg.time_scale >= 0.0 {
-                cfg.time_scale
-            } else {
-                1.0
-            },
+            time_scale: time_scale_factor(cfg.time_scale),
             stats: stats_tx,
             deadline: None,
         };

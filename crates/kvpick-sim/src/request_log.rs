@@ -131,12 +131,7 @@ mod tests {
     #[test]
     fn lines_are_json_with_every_field_and_heads_tell_prefixes_apart() {
         let dir = std::env::temp_dir().join(format!("kvpick-sim-reqlog-{}", std::process::id()));
-        let model = FloorModel {
-            block_size: 16,
-            max_num_batched_tokens: 8192,
-            cost: crate::engine::StepCost::default(),
-            time_factor: 1.0,
-        };
+        let model = FloorModel::for_engine(&crate::engine::EngineConfig::default(), 1.0);
         let log = RequestLog::create(&dir, model).expect("create");
         let shared: Vec<u32> = (0..300).collect();
         let mut other = shared.clone();

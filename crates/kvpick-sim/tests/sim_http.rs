@@ -271,12 +271,7 @@ async fn request_log_names_the_pod_and_the_cached_tokens_of_each_request() {
     let engine = test_engine(0);
     // Real time at a tenth of the default step costs: a step of these prompts is ~1–2 ms.
     let time_scale = 0.1;
-    let floor = FloorModel {
-        block_size: engine.block_size,
-        max_num_batched_tokens: engine.max_num_batched_tokens,
-        cost: engine.cost,
-        time_factor: time_scale,
-    };
+    let floor = FloorModel::for_engine(&engine, time_scale);
     let log = Arc::new(RequestLog::create(&path, floor).expect("log"));
     let pods = fleet_with(2, 0, DEFAULT_TOPIC_TEMPLATE, Some(log), time_scale).await;
     let shared = "You are a careful assistant who answers briefly. ".repeat(12);

@@ -12,6 +12,7 @@ use kvpick_sim::fleet::{
 };
 use kvpick_sim::floor::FloorModel;
 use kvpick_sim::hashing::HashAlgo;
+use kvpick_sim::pod::{slowdown_factor, time_scale_factor};
 use kvpick_sim::request_log::RequestLog;
 use kvpick_sim::tokenizer::SimTokenizer;
 
@@ -132,24 +133,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             lora_load: Duration::from_millis(args.lora_load_ms),
         },
     };
-    // The floors assume the fleet's fastest pod: the time scale (read as the pods read it),
-    // times an override's slow-down where one is below 1 (clamped as the pod clamps it).
-    let time_scale = if args.time_scale.is_finite() && args.time_scale >= 0.0 {
-        args.time_scale
-    } else {
-        1.0
-    };
+    // The floors assume the fleet's fastest pod: the time scale, times an override's
+    // slow-down where one is below 1, each read as the pods read them.
     let fastest = overrides
         .iter()
         .filter_map(|(_, o)| o.slowdown)
-        .filter(|s| s.is_finite())
-        .fold(1.0_f64, |a, s| a.min(s.clamp(0.01, 1000.0)));
-    let floor = FloorModel {
-        block_size: engine.block_size,
-        max_num_batched_tokens: engine.max_num_batched_tokens,
-        cost: engine.cost,
-        time_factor: time_scale * fastest,
-    };
+        .map(slowdown_factor)
+        .fold(1.0_f64, f64::min);
+    let floor = FloorModel::for_engine(&engine, time_scale_factor(args.time_scale) * fastest);
     let cfg = FleetConfig {
         pods: args.pods,
         host: [127, 0, 0, 1].into(),
