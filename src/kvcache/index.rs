@@ -148,6 +148,11 @@ pub(super) struct PodBlocks {
     pub(super) stats: ApplyStats,
     /// Set by the first event batch: from then on routing records are speculative only.
     pub(super) precise: bool,
+    /// Set when its KV-event subscriber is registered ([`PrefixIndex::ensure_pod`]): its
+    /// events are expected, so routing records before the first one are written as
+    /// speculative entries too, which outlive the switch to precise (the approximate
+    /// entries are dropped then).
+    pub(super) events_expected: bool,
     /// Approximate mode (no events yet): blocks learned from routing.
     pub(super) approx: LruBlocks,
     pub(super) approx_capacity: usize,
@@ -312,10 +317,11 @@ impl PrefixIndex {
         entry
     }
 
-    /// Registers a pod (idempotent); matching treats unknown pods as holding nothing anyway.
+    /// Registers a pod whose KV events are subscribed to (idempotent); matching treats
+    /// unknown pods as holding nothing anyway.
     pub fn ensure_pod(&self, pod: PodId) {
         self.purged_pods().remove(&pod);
-        self.pod_or_insert(pod);
+        self.pod_or_insert(pod).lock().events_expected = true;
     }
 
     fn purged_pods(&self) -> MutexGuard<'_, HashMap<PodId, Instant>> {

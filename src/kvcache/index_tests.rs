@@ -154,3 +154,53 @@ async fn a_record_landing_after_a_purge_does_not_bring_the_pod_back() {
     index.record_routed_tokens(pod(), &context, &tokens);
     assert_eq!(index.pods(), vec![pod()]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_record_made_before_a_subscribed_pods_first_event_outlives_it() {
+    // A fresh engine publishes its first event only once it has prefilled something; under
+    // load the requests routed to it before then must still be found after that event turns
+    // the pod precise (and drops what was learned approximately).
+    let index = PrefixIndex::new(IndexConfig::default());
+    let context = KeyContext::model("m");
+    index.ensure_pod(pod());
+    index.set_pod_block_size(pod(), 4);
+    let routed: Vec<u32> = (0..40).collect();
+    index.record_routed_tokens(pod(), &context, &routed);
+    // The next request of the group: the same 32 leading tokens, another question.
+    let mut next: Vec<u32> = (0..32).collect();
+    next.extend(500..508);
+    let held =
+        |index: &PrefixIndex| index.match_prefix(&context, &next, &[pod()])[0].matched_blocks;
+    assert_eq!(held(&index), 8, "held approximately before any event");
+    // The pod's first event: another prompt's blocks (the prefill ahead of ours).
+    let mut first = stored(2, Tier::Gpu, true);
+    if let Some(KvEvent::BlockStored(s)) = first.events.first_mut() {
+        s.token_ids = (1000..1008).collect();
+        s.block_hashes = vec![EngineHash(900), EngineHash(901)];
+    }
+    index.apply_batch(pod(), "m", &first);
+    assert_eq!(
+        held(&index),
+        8,
+        "held speculatively after the switch to precise"
+    );
+    // Its own blocks' events confirm the first 3; the rest stay speculative.
+    let mut own = stored(3, Tier::Gpu, true);
+    if let Some(KvEvent::BlockStored(s)) = own.events.first_mut() {
+        s.token_ids = routed[..12].to_vec();
+    }
+    index.apply_batch(pod(), "m", &own);
+    assert_eq!(held(&index), 8);
+    // Unconfirmed, the rest expire with the speculative TTL.
+    tokio::time::advance(
+        IndexConfig::default().speculative_ttl + std::time::Duration::from_millis(1),
+    )
+    .await;
+    assert_eq!(held(&index), 3);
+
+    // A pod nobody subscribes to stays approximate: no speculative entries for it.
+    let index = PrefixIndex::new(IndexConfig::default());
+    index.record_routed_tokens(pod(), &context, &routed);
+    assert_eq!(index.speculative_entries(), 0);
+    assert!(index.match_prefix(&context, &next, &[pod()])[0].matched_blocks > 0);
+}

@@ -7,9 +7,11 @@
 //! many leading blocks of a request it holds ([`matching`]). Requests kvpick routes are
 //! recorded too: as short-lived speculative holders on pods that publish events (so a burst
 //! of one prefix does not scatter before the events arrive), or in a per pod LRU set for pods
-//! without events (the approximate mode; `record`). A request's tokens and block keys are one
-//! [`PromptKeys`], keyed lazily and shared by its lookup and its record. Concurrency rules: see
-//! [`index`] (and `prompt_keys` for the keys' lock order).
+//! without events (the approximate mode; `record`); a pod whose events are subscribed to
+//! but that has not published yet gets both, so its first batch (which drops what was
+//! learned approximately) does not forget the requests just routed to it. A request's tokens
+//! and block keys are one [`PromptKeys`], keyed lazily and shared by its lookup and its
+//! record. Concurrency rules: see [`index`] (and `prompt_keys` for the keys' lock order).
 //!
 //! Why matching is fast on long prompts: holders carry their place in a *span* (a chain the
 //! pod stored one block after another, see `span`) and routing records write speculative
