@@ -135,6 +135,7 @@ struct PlacementConfigParams {
     decode_weight: Option<f64>,
     cold_decode_weight: Option<f64>,
     home_bias: Option<f64>,
+    holdup_weight: Option<f64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -387,6 +388,7 @@ pub(super) fn parse_plugin(
                     d.cold_decode_weight,
                 )?,
                 home_bias,
+                holdup_weight: non_negative(i, "holdupWeight", p.holdup_weight, d.holdup_weight)?,
             }))
         }
         "saturation-filter" => {

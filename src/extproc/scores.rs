@@ -127,6 +127,7 @@ mod tests {
             saturation: 0.0,
             estimated_ttft_ms: None,
             displacement_ms: None,
+            holdup_ms: None,
             in_flight: 0,
             fresh_metrics: true,
         }

@@ -113,6 +113,10 @@ pub struct CandidateExplain {
     /// What placing the request there would evict, in ms of prefill (placement scorer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub displacement_ms: Option<f64>,
+    /// What placing the request there would cost the requests queued behind it, in ms of
+    /// their waiting (placement scorer's hold-up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub holdup_ms: Option<f64>,
     /// In-flight requests (kvpick's count).
     pub in_flight: u64,
     /// Whether its metrics were fresh.
@@ -370,6 +374,10 @@ impl ConfiguredScheduler {
                     .as_ref()
                     .and_then(|c| c.get(i))
                     .map(|c| c.displacement_ms),
+                holdup_ms: placement
+                    .as_ref()
+                    .and_then(|c| c.get(i))
+                    .map(|c| c.holdup_ms),
                 saturation: endpoint_saturation(&self.config.saturation, pod),
                 in_flight: pod.in_flight,
                 fresh_metrics: pod.fresh,

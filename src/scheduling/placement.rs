@@ -12,9 +12,12 @@
 //! ttft        = base + ms_per_token × work               (the pod's own fitted line)
 //! displacement= max(0, uncached blocks − free blocks) × block tokens × ms_per_token × w
 //!               × heat / mean heat   (how hot the pod's cache is against the fleet's)
+//! holdup      = (uncached − the least uncached of any candidate) × ms_per_token
+//!               × requests queued for prefill there × w_h
 //! decode      = chunks × ms_per_decode × batch + batch × chunks / 2 × ms_per_decode
 //!   ms_per_decode: the fleet's fitted slope of chunk gaps against the decode batch
-//! cost        = (ttft + displacement) / (1 + (hold_bias − 1) × held share) + w_d × decode
+//! cost        = (ttft + displacement + holdup) / (1 + (hold_bias − 1) × held share)
+//!               + w_d × decode
 //!               × (1 + 2% × requests in flight there)     (near ties: the least busy)
 //! score       = min cost / cost
 //! ```
@@ -33,6 +36,20 @@
 //!   depends on the pod: one serving many hot prefixes (many recent hits, its *heat*) loses
 //!   more by an eviction than one whose cache holds prefixes nobody asks for any more, so the
 //!   cost scales with the pod's heat against the candidates' mean (clamped to ¼…4×).
+//! - `holdup` is what a copy costs the requests that will queue behind it: a pod prefills
+//!   in arrival order, so each of them also waits for the prefill this placement repeats
+//!   (the tokens another candidate already holds). How many will is estimated by how many
+//!   are queued there now (in a steady state, the requests that arrive during one queue's
+//!   wait). It is what keeps a cold start together: while every pod has cold prefills
+//!   queued, a group's next request finds its holder behind, and a copy elsewhere would give
+//!   *it* an earlier first token, but the copy's whole prefill then delays every request
+//!   queued behind it there. A pod with nothing queued is held up by nothing, so a holder
+//!   that cannot keep up still gets its copy where there is room.
+//!   NOTE: only the repeated part. Charging every candidate its whole uncached part (the
+//!   request's own question too, which holds someone up wherever it goes) also charged the
+//!   holder for its queue and so made copies onto idle pods *cheaper*: measured, multi-turn
+//!   chat went from 1.01 to 1.31 pods per conversation and 292 to 366 ms mean TTFT at 24
+//!   req/s (session 39).
 //! - `decode` is what the request's decoding costs there: its own tokens at the step time of
 //!   the batch it joins, and the slowdown it adds to every request already decoding (each
 //!   step is longer by one sequence's share). Without it a pod holding several hot prefixes
@@ -45,8 +62,9 @@
 //!
 //! Copies: every pod holding the prefix is a candidate with its own queue, so a new copy is
 //! made only when *every* existing holder is predicted slower than a non-holder's full
-//! prefill plus what it evicts, discounted by the hold bias: with one holder of a 2,200-token
-//! prompt on full pods, that is once ~17 of its 200-token requests are queued
+//! prefill plus what it evicts and holds up, discounted by the hold bias: with one holder of a
+//! 2,200-token prompt on full pods and an idle pod beside it, that is once ~17 of its
+//! 200-token requests are queued
 //! (`timeline_tests.rs` checks it over time: no copy while the holder's queue holds less work
 //! than the copy's own prefill, one copy when it cannot keep up, none more while the first is
 //! being prefilled). A third copy needs both holders behind, and so on: the number of copies
@@ -138,6 +156,10 @@ pub struct PlacementParams {
     /// Cost divisor for the pod a returning prefix was last routed to, when it covers the
     /// whole prompt (default 1.25, as `hold_bias`; 1.0: a returning prefix is placed as new).
     pub home_bias: f64,
+    /// Weight of the hold-up: the prefill a placement repeats (tokens another candidate
+    /// holds) counted once more for each request queued for prefill on the pod (default
+    /// 1.0; 0: off).
+    pub holdup_weight: f64,
 }
 
 impl Default for PlacementParams {
@@ -150,6 +172,7 @@ impl Default for PlacementParams {
             decode_weight: 0.0,
             cold_decode_weight: 1.0,
             home_bias: 1.25,
+            holdup_weight: 1.0,
         }
     }
 }
@@ -161,11 +184,15 @@ pub struct PlacementCost {
     pub ttft_ms: f64,
     /// Predicted eviction cost, ms of other requests' prefill.
     pub displacement_ms: f64,
+    /// Predicted hold-up: the time of the prefill it repeats there (tokens another
+    /// candidate holds) × the requests queued for prefill there (a proxy for those that will
+    /// arrive behind it), ms of other requests' waiting.
+    pub holdup_ms: f64,
     /// Predicted decoding cost: its own decode at the batch it joins plus the slowdown it
     /// adds to the requests decoding there, ms (0 before the pods' decode is measured).
     pub decode_ms: f64,
-    /// `((ttft + displacement) / hold bias + decode) × (1 + 2% per request in flight)`:
-    /// what the score ranks.
+    /// `((ttft + displacement + holdup) / hold bias + decode) × (1 + 2% per request in
+    /// flight)`: what the score ranks.
     pub cost_ms: f64,
     /// Predicted time per output token at the batch the request joins, ms (`None` before
     /// any pod's decode is measured).
@@ -202,13 +229,24 @@ fn median_line(mut lines: Vec<FittedLine>) -> Option<FittedLine> {
     })
 }
 
+/// Requests the engine said wait beyond kvpick's own at its last scrape (other replicas',
+/// other clients').
+fn foreign_requests(pod: &PodView) -> f64 {
+    pod.metrics
+        .as_ref()
+        .map_or(0.0, |m| (m.waiting - m.own_awaiting).max(0.0))
+}
+
+/// Requests queued for prefill on `pod`: kvpick's awaiting their first byte and the
+/// engine's others.
+fn queued_requests(pod: &PodView) -> f64 {
+    pod.prefill.awaiting.max(0.0) + foreign_requests(pod)
+}
+
 /// The prefill work (tokens) queued ahead of a new request on `pod`.
 pub fn queued_work_tokens(pod: &PodView, fallback_request_tokens: f64) -> f64 {
     let own = pod.prefill.backlog_tokens;
-    let foreign_requests = pod
-        .metrics
-        .as_ref()
-        .map_or(0.0, |m| (m.waiting - m.own_awaiting).max(0.0));
+    let foreign_requests = foreign_requests(pod);
     let size = if pod.prefill.mean_uncached_tokens > 0.0 {
         pod.prefill.mean_uncached_tokens
     } else {
@@ -283,6 +321,11 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
         params.decode_weight
     }
     .max(0.0);
+    // What the best-held candidate has to prefill: the rest of a candidate's uncached
+    // tokens are a repeat of a prefill done elsewhere (the hold-up term).
+    let least_uncached = (0..cycle.pods.len())
+        .map(|i| prompt - cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt))
+        .fold(prompt, f64::min);
     let mean_heat = cycle
         .pods
         .iter()
@@ -307,6 +350,10 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
                 * line.slope_ms
                 * params.displacement_weight.max(0.0)
                 * value;
+            let holdup_ms = (uncached - least_uncached).max(0.0)
+                * line.slope_ms
+                * queued_requests(pod)
+                * params.holdup_weight.max(0.0);
             let held_share = if prompt > 0.0 { cached / prompt } else { 0.0 };
             let bias = 1.0 + (params.hold_bias.max(1.0) - 1.0) * held_share;
             let bias = match home {
@@ -317,9 +364,9 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
             };
             let decode_ms =
                 decode_ms(pod, fleet_itl, fleet_chunks).map_or(0.0, |ms| ms * decode_weight);
-            // NOTE: the hold bias scales only what the prefix changes (its prefill and what
-            // it evicts); decoding costs the same whoever holds the prefix.
-            let cost_ms = ((ttft_ms + displacement_ms) / bias + decode_ms)
+            // NOTE: the hold bias scales only what the prefix changes (its prefill, what it
+            // evicts, whom it holds up); decoding costs the same whoever holds the prefix.
+            let cost_ms = ((ttft_ms + displacement_ms + holdup_ms) / bias + decode_ms)
                 * (1.0 + IN_FLIGHT_COST_SHARE * pod.in_flight as f64);
             let tpot_ms = pod
                 .prefill
@@ -334,6 +381,11 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
                 decode_ms,
                 displacement_ms: if displacement_ms.is_finite() {
                     displacement_ms
+                } else {
+                    f64::MAX
+                },
+                holdup_ms: if holdup_ms.is_finite() {
+                    holdup_ms
                 } else {
                     f64::MAX
                 },
@@ -467,12 +519,13 @@ fn explain(cycle: &Cycle<'_>, costs: &[PlacementCost]) {
             .map_or((0.0, 0.0), |m| (m.waiting, m.own_awaiting));
         let _ = write!(
             text,
-            "{} cost={:.0} ttft={:.0} decode={:.0} evict={:.0} cached={cached:.0} backlog={:.0} awaiting={:.0} waiting={waiting:.0} (own {own:.0}) in_flight={}; ",
+            "{} cost={:.0} ttft={:.0} decode={:.0} evict={:.0} holdup={:.0} cached={cached:.0} backlog={:.0} awaiting={:.0} waiting={waiting:.0} (own {own:.0}) in_flight={}; ",
             pod.id,
             cost.cost_ms,
             cost.ttft_ms,
             cost.decode_ms,
             cost.displacement_ms,
+            cost.holdup_ms,
             pod.prefill.backlog_tokens,
             pod.prefill.awaiting,
             pod.in_flight,

@@ -222,7 +222,7 @@ fn recommended_profile_is_the_placement_scorer_without_flow_control() {
 #[test]
 fn placement_parameters_are_read_and_checked() {
     let text = format!(
-        "{HEAD}plugins:\n- type: kv-placement-scorer\n  parameters: {{holdBias: 2.0, displacementWeight: 0.5, priorPrefillMsPerToken: 0.3, defaultBlockSize: 32, decodeWeight: 0.5, coldDecodeWeight: 2.0, homeBias: 1.5}}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: kv-placement-scorer\n"
+        "{HEAD}plugins:\n- type: kv-placement-scorer\n  parameters: {{holdBias: 2.0, displacementWeight: 0.5, priorPrefillMsPerToken: 0.3, defaultBlockSize: 32, decodeWeight: 0.5, coldDecodeWeight: 2.0, homeBias: 1.5, holdupWeight: 0.5}}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: kv-placement-scorer\n"
     );
     let parsed = load(Some(&text)).expect("placement config");
     assert_eq!(
@@ -235,6 +235,7 @@ fn placement_parameters_are_read_and_checked() {
             decode_weight: 0.5,
             cold_decode_weight: 2.0,
             home_bias: 1.5,
+            holdup_weight: 0.5,
         })
     );
     let below_one = text.replace("holdBias: 2.0", "holdBias: 0.5");
@@ -246,6 +247,9 @@ fn placement_parameters_are_read_and_checked() {
     let home_below_one = text.replace("homeBias: 1.5", "homeBias: 0.9");
     let e = error_of(&home_below_one);
     assert!(e.contains("homeBias must be ≥ 1"), "{e}");
+    let negative_holdup = text.replace("holdupWeight: 0.5", "holdupWeight: -1");
+    let e = error_of(&negative_holdup);
+    assert!(e.contains("holdupWeight"), "{e}");
     let typo = text.replace("holdBias", "holdBais");
     let e = error_of(&typo);
     assert!(e.contains("holdBais"), "{e}");

@@ -264,6 +264,55 @@ fn a_second_copy_is_made_only_past_the_threshold() {
 }
 
 #[test]
+fn a_copy_onto_a_pod_with_a_queue_is_charged_for_every_request_it_holds_up() {
+    // A cold start: pod 0 holds 2,000 of the prompt's 2,200 tokens and has two cold
+    // prefills queued (4,400 tokens); pod 1 has room and five short requests queued (1,000
+    // tokens). Pod 1 would give this request the earlier first token (1,290 ms against
+    // 1,850), but the 2,000 tokens it would prefill again delay each of the five requests
+    // queued there (and those that follow them).
+    let holder = pod(0, 1000, 100, 4400.0, 2.0);
+    let busy = pod(1, 1000, 100, 1000.0, 5.0);
+    let cycle_costs = |params: &PlacementParams, pods: Vec<PodView>| {
+        let request = SchedulingRequest::default();
+        let cycle = Cycle {
+            request: &request,
+            prefix: [2000.0, 0.0]
+                .iter()
+                .map(|c| PrefixHit {
+                    score: c / 2200.0,
+                    cached_tokens: *c,
+                })
+                .collect(),
+            pods,
+            prompt_tokens: 2200.0,
+            lookup: None,
+            home: None,
+        };
+        costs(&cycle, params)
+    };
+    let on = PlacementParams::default();
+    let c = cycle_costs(&on, vec![holder.clone(), busy.clone()]);
+    assert_eq!(c[0].holdup_ms, 0.0, "the holder repeats nothing");
+    assert!((c[1].holdup_ms - 2000.0 * 0.4 * 5.0).abs() < 1e-6, "{c:?}");
+    let (best, _) = winner(vec![holder.clone(), busy.clone()], &[2000.0, 0.0], 2200.0);
+    assert_eq!(best, 0, "the group waits for its holder");
+    let off = PlacementParams {
+        holdup_weight: 0.0,
+        ..PlacementParams::default()
+    };
+    let (best, _) = winner_with(&off, vec![holder.clone(), busy], &[2000.0, 0.0], 2200.0);
+    assert_eq!(best, 1, "without the hold-up the copy looks cheaper");
+    // A pod with nothing queued is held up by nothing: it takes the copy.
+    let idle = pod(1, 1000, 100, 0.0, 0.0);
+    assert_eq!(
+        cycle_costs(&on, vec![holder.clone(), idle.clone()])[1].holdup_ms,
+        0.0
+    );
+    let (best, _) = winner(vec![holder, idle], &[2000.0, 0.0], 2200.0);
+    assert_eq!(best, 1);
+}
+
+#[test]
 fn a_cold_prefix_goes_where_it_displaces_least() {
     // Nobody holds it; equal load; pod 1 has room, pods 0 and 2 are full.
     let (best, _) = winner(
