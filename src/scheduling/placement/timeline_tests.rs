@@ -8,7 +8,9 @@
 //! `PrefillLoad` counts the backlog of the requests routed there, learns the pod's line from
 //! the first bytes the simulated pod returns, and heats with the cache hits it serves; and
 //! `kv-placement-scorer` picks. A pod holds a group's prefix from the first byte of the first
-//! request it prefilled for that group (vLLM stores the blocks as it prefills).
+//! request it prefilled for that group (vLLM stores the blocks as it prefills). The cold-start
+//! test uses empty pods instead ([`Fleet::cold`]), where a pod holds a group from the pick on,
+//! as kvpick's speculative routing record says it does.
 
 use super::super::SchedulingRequest;
 use super::super::cycle::PrefixHit;
