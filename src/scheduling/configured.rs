@@ -348,39 +348,36 @@ impl ConfiguredScheduler {
             .pods
             .iter()
             .enumerate()
-            .map(|(i, pod)| CandidateExplain {
-                address: pod.id.to_string(),
-                scores: self
-                    .scorers
-                    .iter()
-                    .zip(columns)
-                    .map(|(s, col)| (s.name.clone(), col.get(i).copied().unwrap_or(0.0)))
-                    .collect(),
-                total: totals.get(i).copied().unwrap_or(0.0),
-                cached_tokens: cycle.prefix_hit(i).cached_tokens,
-                estimated_ttft_ms: self
-                    .cost_model
-                    .map(|model| {
-                        estimate_ttft_ms(
-                            &model,
-                            pod,
-                            fleet,
-                            cycle.prompt_tokens,
-                            cycle.prefix_hit(i).cached_tokens,
-                        )
-                    })
-                    .or_else(|| placement.as_ref()?.get(i).map(|c| c.ttft_ms)),
-                displacement_ms: placement
-                    .as_ref()
-                    .and_then(|c| c.get(i))
-                    .map(|c| c.displacement_ms),
-                holdup_ms: placement
-                    .as_ref()
-                    .and_then(|c| c.get(i))
-                    .map(|c| c.holdup_ms),
-                saturation: endpoint_saturation(&self.config.saturation, pod),
-                in_flight: pod.in_flight,
-                fresh_metrics: pod.fresh,
+            .map(|(i, pod)| {
+                let placed = placement.as_ref().and_then(|c| c.get(i));
+                CandidateExplain {
+                    address: pod.id.to_string(),
+                    scores: self
+                        .scorers
+                        .iter()
+                        .zip(columns)
+                        .map(|(s, col)| (s.name.clone(), col.get(i).copied().unwrap_or(0.0)))
+                        .collect(),
+                    total: totals.get(i).copied().unwrap_or(0.0),
+                    cached_tokens: cycle.prefix_hit(i).cached_tokens,
+                    estimated_ttft_ms: self
+                        .cost_model
+                        .map(|model| {
+                            estimate_ttft_ms(
+                                &model,
+                                pod,
+                                fleet,
+                                cycle.prompt_tokens,
+                                cycle.prefix_hit(i).cached_tokens,
+                            )
+                        })
+                        .or_else(|| placed.map(|c| c.ttft_ms)),
+                    displacement_ms: placed.map(|c| c.displacement_ms),
+                    holdup_ms: placed.map(|c| c.holdup_ms),
+                    saturation: endpoint_saturation(&self.config.saturation, pod),
+                    in_flight: pod.in_flight,
+                    fresh_metrics: pod.fresh,
+                }
             })
             .collect()
     }

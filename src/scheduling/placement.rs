@@ -12,7 +12,7 @@
 //! ttft        = base + ms_per_token × work               (the pod's own fitted line)
 //! displacement= max(0, uncached blocks − free blocks) × block tokens × ms_per_token × w
 //!               × heat / mean heat   (how hot the pod's cache is against the fleet's)
-//! holdup      = (uncached − the least uncached of any candidate) × ms_per_token
+//! holdup      = (the most any candidate holds − what it holds) × ms_per_token
 //!               × requests queued for prefill there × w_h
 //! decode      = chunks × ms_per_decode × batch + batch × chunks / 2 × ms_per_decode
 //!   ms_per_decode: the fleet's fitted slope of chunk gaps against the decode batch
@@ -321,11 +321,9 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
         params.decode_weight
     }
     .max(0.0);
-    // What the best-held candidate has to prefill: the rest of a candidate's uncached
-    // tokens are a repeat of a prefill done elsewhere (the hold-up term).
-    let least_uncached = (0..cycle.pods.len())
-        .map(|i| prompt - cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt))
-        .fold(prompt, f64::min);
+    // A candidate's uncached tokens that the best-held one holds are a repeat of a prefill
+    // done elsewhere (the hold-up term).
+    let most_held = most_held(cycle, prompt);
     let mean_heat = cycle
         .pods
         .iter()
@@ -350,7 +348,7 @@ pub fn costs(cycle: &Cycle<'_>, params: &PlacementParams) -> Vec<PlacementCost> 
                 * line.slope_ms
                 * params.displacement_weight.max(0.0)
                 * value;
-            let holdup_ms = (uncached - least_uncached).max(0.0)
+            let holdup_ms = (most_held - cached).max(0.0)
                 * line.slope_ms
                 * queued_requests(pod)
                 * params.holdup_weight.max(0.0);
@@ -431,7 +429,7 @@ fn holders_overloaded(cycle: &Cycle<'_>, prompt: f64) -> bool {
     let mean = loads.iter().sum::<f64>() / loads.len() as f64;
     let least = loads.iter().copied().fold(f64::INFINITY, f64::min);
     let held = |i: usize| cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt);
-    let most = (0..loads.len()).map(held).fold(0.0_f64, f64::max);
+    let most = most_held(cycle, prompt);
     if most <= 0.0 {
         return false;
     }
@@ -446,6 +444,13 @@ const OVERLOAD_SHARE: f64 = 2.0;
 /// How many requests above the least loaded pod's sustained load a holder must carry to be
 /// overloaded (a small fleet's mean moves by one request).
 const OVERLOAD_EXCESS: f64 = 4.0;
+
+/// The most of the prompt any candidate holds, in tokens.
+fn most_held(cycle: &Cycle<'_>, prompt: f64) -> f64 {
+    (0..cycle.pods.len())
+        .map(|i| cycle.prefix_hit(i).cached_tokens.clamp(0.0, prompt))
+        .fold(0.0, f64::max)
+}
 
 /// Share of a cold prompt its remembered home must cover for the request to count as a
 /// returning prefix (one routed before and since evicted) rather than a new one.

@@ -45,6 +45,19 @@ struct Pod {
     slowdown: f64,
 }
 
+impl Pod {
+    /// A pod with nothing queued at `t0`, holding `holds`, at its known costs.
+    fn idle(t0: Instant, holds: HashSet<Group>) -> Self {
+        Self {
+            load: Arc::new(PrefillLoad::default()),
+            free_at: t0,
+            pending: Vec::new(),
+            holds,
+            slowdown: 1.0,
+        }
+    }
+}
+
 /// One pick: where, what the pod then had awaiting, and the time to first token it got.
 #[derive(Debug, Clone, Copy)]
 struct Pick {
@@ -77,13 +90,7 @@ impl Fleet {
     fn new() -> Self {
         let t0 = Instant::now();
         let pods = (0..2)
-            .map(|i| Pod {
-                load: Arc::new(PrefillLoad::default()),
-                free_at: t0,
-                pending: Vec::new(),
-                holds: HashSet::from([i as Group]),
-                slowdown: 1.0,
-            })
+            .map(|i| Pod::idle(t0, HashSet::from([i as Group])))
             .collect();
         Self {
             t0,
@@ -99,13 +106,7 @@ impl Fleet {
     fn cold(n: usize) -> Self {
         let mut fleet = Self::new();
         fleet.pods = (0..n)
-            .map(|_| Pod {
-                load: Arc::new(PrefillLoad::default()),
-                free_at: fleet.t0,
-                pending: Vec::new(),
-                holds: HashSet::new(),
-                slowdown: 1.0,
-            })
+            .map(|_| Pod::idle(fleet.t0, HashSet::new()))
             .collect();
         fleet.held_blocks = 0;
         fleet.holds_from_pick = true;
