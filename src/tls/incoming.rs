@@ -2,6 +2,7 @@
 //! (a slow or silent client cannot hold up accepting others), bounded in number and time.
 
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -60,11 +61,11 @@ impl TlsMetrics {
 }
 
 /// One ext-proc connection.
-pub enum Conn {
+pub enum Conn<S = TcpStream> {
     /// Plain TCP (h2c).
-    Plain(TcpStream),
+    Plain(S),
     /// TLS over TCP.
-    Tls(Box<TlsStream<TcpStream>>),
+    Tls(Box<TlsStream<S>>),
 }
 
 impl Connected for Conn {
@@ -78,7 +79,7 @@ impl Connected for Conn {
     }
 }
 
-impl AsyncRead for Conn {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Conn<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -91,7 +92,7 @@ impl AsyncRead for Conn {
     }
 }
 
-impl AsyncWrite for Conn {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Conn<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -193,7 +194,8 @@ async fn accept_tls(
         let (acceptor, metrics, ready) = (acceptor.clone(), metrics.clone(), ready.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Some(tls) = handshake(&acceptor, stream, &metrics).await {
+            let peer = stream.peer_addr().ok();
+            if let Some(tls) = handshake(&acceptor, stream, peer, &metrics).await {
                 let _ = ready.send(Ok(Conn::Tls(Box::new(tls)))).await;
             }
         });
@@ -202,12 +204,12 @@ async fn accept_tls(
 
 /// Handshakes one accepted connection within [`HANDSHAKE_TIMEOUT`], counting the result;
 /// `None` when it failed or timed out (logged at debug: a client's problem, not ours).
-pub async fn handshake(
+pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     acceptor: &TlsAcceptor,
-    stream: TcpStream,
+    stream: S,
+    peer: Option<SocketAddr>,
     metrics: &TlsMetrics,
-) -> Option<TlsStream<TcpStream>> {
-    let peer = stream.peer_addr().ok();
+) -> Option<TlsStream<S>> {
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
         Ok(Ok(tls)) => {
             metrics.handshakes.with_label_values(&["ok"]).inc();
