@@ -6,6 +6,7 @@ seeded-arrivals test, which needs the benchmark venv's inference-perf (skipped w
 here; the Rust test always runs them with the venv)."""
 
 import asyncio
+import datetime
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import copies  # noqa: E402
 from kvbench import conversations, report, shifting, stats  # noqa: E402
 from kvbench.workload import Workload, blocks_per_pod, inference_perf_config, max_concurrency, shifting_spec  # noqa: E402
 
@@ -477,6 +479,57 @@ class VllmRouterKvAwareLiveTest(unittest.TestCase):
             procs.stop_all()
             if passed:  # a failure keeps the two processes' logs
                 shutil.rmtree(log_dir, ignore_errors=True)
+
+
+class CopiesTest(unittest.TestCase):
+    """bench/copies.py on a run directory written here: a group's first prefill, a hit, a copy
+    (matched to the decision kvpick logged for it) and another group's first prefill."""
+
+    def test_full_prefills_are_told_apart_and_a_copy_gets_its_decision(self):
+        import io
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            rows = [
+                # arrived, pod, group, cached
+                (1000.0, 0, "aaaa", 0),
+                (1001.0, 0, "aaaa", 2000),
+                (1002.0, 1, "aaaa", 0),
+                (1003.0, 1, "bbbb", 100),
+            ]
+            with open(os.path.join(d, "requests.jsonl"), "w") as f:
+                for arrived, pod, head, cached in rows:
+                    f.write(json.dumps({"pod": pod, "arrived": arrived, "first_token_s": 0.5, "prompt_tokens": 2200,
+                                        "cached_tokens": cached, "head": head, "head_long": head,
+                                        "reusable_tokens": 0, "floor_s": 0.46}) + "\n")
+            with open(os.path.join(d, "pool.yaml"), "w") as f:
+                f.write("endpoints:\n  - address: 127.0.0.1:21000\n    kvEvents: tcp://x\n  - address: 127.0.0.1:21001\n")
+            os.makedirs(os.path.join(d, "logs"))
+
+            def decision(at, costs):
+                stamp = datetime.datetime.fromtimestamp(at, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                parts = "".join(
+                    f"127.0.0.1:2100{i} cost={cost} ttft={cost} decode=5 evict=0 holdup=7 cached={cached} "
+                    f"backlog={backlog} awaiting=1 waiting=0 (own 0) in_flight=2; "
+                    for i, (cost, cached, backlog) in enumerate(costs))
+                return f"{stamp} DEBUG kvpick::scheduling::placement: placement costs prompt=2200.0 candidates={parts}\n"
+
+            with open(os.path.join(d, "logs", "kvpick.log"), "w") as f:
+                f.write("2026-12-08T01:00:00.000000Z INFO kvpick: listening\n")
+                # Before the copy's arrival window, and one whose cheapest is the holder.
+                f.write(decision(1001.01, [(100, 2000, 0), (400, 0, 0)]))
+                f.write(decision(1002.01, [(900, 2000, 2200), (450, 0, 0)]))
+            out = io.StringIO()
+            copies.report(d, out=out)
+            lines = out.getvalue().splitlines()
+        self.assertEqual(lines[0], f"{os.path.basename(d)}: 3 full prefills, 1 copies")
+        self.assertIn("pod 0 group aaaa first", lines[1])
+        self.assertIn("pod 1 group aaaa copy", lines[2])
+        self.assertIn("(held on 0)", lines[2])
+        # The picked pod first, then the others by cost.
+        self.assertEqual(lines[3].strip(), "1:450/450/5/7/0/0/1 0:900/900/5/7/2000/2200/1")
+        self.assertIn("pod 1 group bbbb first", lines[4])
+        self.assertEqual(len(lines), 5)
 
 
 class StatsTest(unittest.TestCase):
