@@ -46,14 +46,23 @@ async fn observing_streams_have_paced_connections_of_their_own_and_follow_respon
     .await;
     assert_eq!(kvpick.metric(&in_flight).await, 3.0);
     // Envoy (one worker) holds one connection per cluster: the routing filter's and the
-    // observing filter's, the latter paced.
-    let routing = kvpick
-        .metric("kvpick_extproc_connections{carried=\"routing\"}")
-        .await;
-    let observing = kvpick
-        .metric("kvpick_extproc_connections{carried=\"observing\"}")
-        .await;
-    assert_eq!((routing, observing), (1.0, 1.0));
+    // observing filter's, the latter paced. (Waited for: Envoy does not wait for kvpick to
+    // read an observing message before it forwards the request.)
+    let connections = || async {
+        let routing = kvpick
+            .metric("kvpick_extproc_connections{carried=\"routing\"}")
+            .await;
+        let observing = kvpick
+            .metric("kvpick_extproc_connections{carried=\"observing\"}")
+            .await;
+        (routing, observing)
+    };
+    support::wait_until(
+        "a routing and an observing connection",
+        Duration::from_secs(5),
+        || async { connections().await == (1.0, 1.0) },
+    )
+    .await;
 
     a.release();
     for request in held {
