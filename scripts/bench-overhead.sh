@@ -18,12 +18,9 @@
 # are named kvpick0, kvpick1, … in that order). Default: this tree's release build.
 # ENVOY_RESPONSES="observe routing": per kvpick of KVPICK_BINS (same order), where its Envoy
 # sends the response: `observe` (the shipped config: the `kvpick-observe` filter in
-# observability_mode, on a cluster of its own whose connections kvpick reads at a pace) or
-# `observe-shared` (the same filter on the routing filter's cluster: its streams share the
-# routing connections, which are never paced; the layout before session 40) or `routing` (one
-# filter: the routing filter sends the response too, FULL_DUPLEX_STREAMED, as before session
-# 15) or `none` (the routing filter alone: kvpick never sees the response; what the observing
-# stream costs). Default: observe for every kvpick.
+# observability_mode) or `routing` (one filter: the routing filter sends the response too,
+# FULL_DUPLEX_STREAMED, as before session 15) or `none` (the routing filter alone: kvpick never
+# sees the response; what the observing stream costs). Default: observe for every kvpick.
 # ENVOY_REQUEST_BODY="full-duplex buffered": per kvpick (same order), how its Envoy's routing
 # filter sends the request body: `full-duplex` (the shipped FULL_DUPLEX_STREAMED: kvpick streams
 # the body back) or `buffered` (BUFFERED: Envoy holds the body, kvpick answers it with the pick
@@ -114,10 +111,6 @@ def one_filter(c):
         assert f"{mode}: {old}" in c, mode
         c = c.replace(f"{mode}: {old}", f"{mode}: {value}", 1)
     return c
-def shared_cluster(c):
-    old = "envoy_grpc: { cluster_name: kvpick-observe }"
-    assert c.count(old) == 1
-    return c.replace(old, "envoy_grpc: { cluster_name: kvpick }")
 def timing_log(c, name):
     # Per request, Envoy's view of where its time went (medians printed after each run):
     # from the request's first byte to the upstream's first byte, and how long the routing
@@ -137,8 +130,8 @@ def timing_log(c, name):
     return c.replace(anchor, entry, 1)
 for i in range(n):
     layout = responses[i] if i < len(responses) else "observe"
-    assert layout in ("observe", "observe-shared", "routing", "none"), layout
-    c = {"routing": one_filter, "none": route_only, "observe-shared": shared_cluster}.get(layout, lambda c: c)(config)
+    assert layout in ("observe", "routing", "none"), layout
+    c = {"routing": one_filter, "none": route_only}.get(layout, lambda c: c)(config)
     request_body = request_bodies[i] if i < len(request_bodies) else "full-duplex"
     assert request_body in ("full-duplex", "buffered"), request_body
     if request_body == "buffered":
@@ -172,13 +165,7 @@ for i in "${!KVPICKS[@]}"; do
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
   # Envoy routes through kvpick once its health check has seen kvpick ready.
   for _ in $(seq 100); do
-    clusters=$(curl -sf "localhost:$admin/clusters" || true)
-    # The observing filter's cluster too, where the layout has one.
-    if grep -q "^kvpick::127.0.0.1:$grpc::health_flags::healthy" <<<"$clusters" &&
-      { ! grep -q "^kvpick-observe::" <<<"$clusters" ||
-        grep -q "^kvpick-observe::127.0.0.1:$grpc::health_flags::healthy" <<<"$clusters"; }; then
-      break
-    fi
+    curl -sf "localhost:$admin/clusters" | grep -q "^kvpick::127.0.0.1:$grpc::health_flags::healthy" && break
     sleep 0.1
   done
 done

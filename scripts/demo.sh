@@ -67,8 +67,6 @@ wait_for "Envoy" curl -sf localhost:9901/ready
 # Envoy routes through kvpick once its health check has seen kvpick ready.
 wait_for "Envoy's health check of kvpick" \
   sh -c 'curl -sf localhost:9901/clusters | grep -q "^kvpick::127.0.0.1:9002::health_flags::healthy"'
-wait_for "Envoy's health check of kvpick (the observing filter's cluster)" \
-  sh -c 'curl -sf localhost:9901/clusters | grep -q "^kvpick-observe::127.0.0.1:9002::health_flags::healthy"'
 
 REQUEST='{"model":"sim-model","messages":[{"role":"system","content":"You are the kvpick demo. kvpick routes each request to the pod that already holds its prompt prefix in its KV cache, learned from the pods'"'"' own KV-cache events."},{"role":"user","content":"Which pod holds my prefix?"}],"max_tokens":16}'
 echo "demo: POST localhost:8081/v1/chat/completions" >&2

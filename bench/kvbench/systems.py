@@ -116,18 +116,13 @@ def _start_envoy(ctx, procs, kvpick=None, upstreams=None):
     )
     wait_until("envoy", lambda: http_get(f"http://127.0.0.1:{admin}/ready")[0] == 200, procs)
     for grpc, _ in kvpick or []:
-        # Envoy routes through a kvpick once its health check has seen it ready (both the
-        # routing filter's cluster and the observing filter's, where it has one).
-        clusters = [c["name"] for c in cfg["static_resources"]["clusters"]]
-        for cluster in ("kvpick", "kvpick-observe"):
-            if cluster not in clusters:
-                continue
-            needle = f"\n{cluster}::127.0.0.1:{grpc}::health_flags::healthy"
-            wait_until(
-                "kvpick healthy in envoy",
-                lambda needle=needle: needle in "\n" + http_get(f"http://127.0.0.1:{admin}/clusters")[1],
-                procs,
-            )
+        # Envoy routes through a kvpick once its health check has seen it ready.
+        needle = f"kvpick::127.0.0.1:{grpc}::health_flags::healthy"
+        wait_until(
+            "kvpick healthy in envoy",
+            lambda needle=needle: needle in http_get(f"http://127.0.0.1:{admin}/clusters")[1],
+            procs,
+        )
     return f"http://127.0.0.1:{listen}"
 
 

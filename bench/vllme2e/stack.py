@@ -265,12 +265,9 @@ class Envoy:
                                 "--concurrency", "1", "-l", "warning"])
         wait_until(f"{self.name} ready", lambda: http_get(f"http://127.0.0.1:{self.admin}/ready")[0] == 200, procs)
         if self.kvpick is not None:
-            # The routing filter's cluster and the observing filter's.
-            for cluster in ("kvpick", "kvpick-observe"):
-                needle = f"\n{cluster}::127.0.0.1:{self.kvpick.grpc}::health_flags::healthy"
-                wait_until("kvpick healthy in Envoy",
-                           lambda needle=needle: needle in "\n" + http_get(f"http://127.0.0.1:{self.admin}/clusters")[1],
-                           procs)
+            needle = f"kvpick::127.0.0.1:{self.kvpick.grpc}::health_flags::healthy"
+            wait_until("kvpick healthy in Envoy",
+                       lambda: needle in http_get(f"http://127.0.0.1:{self.admin}/clusters")[1], procs)
 
     def url(self, path):
         return f"http://127.0.0.1:{self.port}{path}"

@@ -15,10 +15,6 @@
 //!
 //! With `--extproc-threads 0` the connections are served on the shared runtime instead.
 //!
-//! A connection whose streams are all observing ones is read at a pace
-//! (`--observe-read-pace`, [`super::paced_socket`]); each stream reports what it is through a
-//! [`ConnectionUse`] its request carries as an extension.
-//!
 //! Shutdown: when `drain` is cancelled the listener closes (new connections are refused),
 //! every connection is asked to finish (HTTP/2 GOAWAY: open streams complete, no new ones)
 //! and [`serve`] returns once all have closed. Dropping the [`serve`] future (the drain
@@ -38,9 +34,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::paced_socket::{ConnectionMetrics, PacedSocket};
 use crate::extproc::ExtProcService;
-use crate::extproc::connection_use::ConnectionUse;
 use crate::tls::{Conn, TlsMetrics};
 
 /// The service every connection serves.
@@ -54,11 +48,6 @@ pub struct Settings {
     pub max_streams: u32,
     /// TLS for the port, with its handshake metrics.
     pub tls: Option<(Arc<rustls::ServerConfig>, TlsMetrics)>,
-    /// How long a connection carrying only observing streams lets their messages gather
-    /// between reads (zero: every message read as it comes).
-    pub observe_read_pace: Duration,
-    /// Open connections by what they carried.
-    pub connections: ConnectionMetrics,
 }
 
 /// Serves `listener` until `drain` is cancelled and every connection has closed.
@@ -77,8 +66,6 @@ pub async fn serve(
         service,
         max_streams: settings.max_streams,
         tls,
-        observe_read_pace: settings.observe_read_pace,
-        connections: settings.connections,
     });
     // Each connection holds a receiver: the send asks them to finish, `closed` says they have.
     let (finish, finishing) = watch::channel(());
@@ -141,8 +128,6 @@ struct ConnectionSettings {
     service: Service,
     max_streams: u32,
     tls: Option<(TlsAcceptor, TlsMetrics)>,
-    observe_read_pace: Duration,
-    connections: ConnectionMetrics,
 }
 
 /// An accepted socket: still on the accepting runtime, or detached to join a lane's.
@@ -168,18 +153,10 @@ async fn serve_connection(
             }
         },
     };
-    let peer = stream.peer_addr().ok();
-    let carried = ConnectionUse::default();
-    let socket = PacedSocket::new(
-        stream,
-        carried.clone(),
-        settings.observe_read_pace,
-        settings.connections.clone(),
-    );
     let io = match &settings.tls {
-        None => Conn::Plain(socket),
+        None => Conn::Plain(stream),
         Some((acceptor, metrics)) => {
-            let tls = crate::tls::incoming::handshake(acceptor, socket, peer, metrics).await;
+            let tls = crate::tls::incoming::handshake(acceptor, stream, metrics).await;
             drop(handshake);
             match tls {
                 Some(tls) => Conn::Tls(Box::new(tls)),
@@ -191,10 +168,7 @@ async fn serve_connection(
     builder
         .timer(TokioTimer::new())
         .max_concurrent_streams(settings.max_streams);
-    let service = Tagged {
-        inner: TowerToHyperService::new(settings.service.clone()),
-        carried,
-    };
+    let service = TowerToHyperService::new(settings.service.clone());
     let connection = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(connection);
     let mut asked = false;
@@ -211,26 +185,6 @@ async fn serve_connection(
                 connection.as_mut().graceful_shutdown();
             }
         }
-    }
-}
-
-/// A connection's service: each request carries the connection's [`ConnectionUse`].
-struct Tagged<S> {
-    inner: S,
-    carried: ConnectionUse,
-}
-
-impl<S, B> hyper::service::Service<hyper::Request<B>> for Tagged<S>
-where
-    S: hyper::service::Service<hyper::Request<B>>,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = S::Future;
-
-    fn call(&self, mut request: hyper::Request<B>) -> Self::Future {
-        request.extensions_mut().insert(self.carried.clone());
-        self.inner.call(request)
     }
 }
 

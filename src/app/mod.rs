@@ -21,7 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 mod extproc_server;
 mod liveness;
-mod paced_socket;
 mod pool_sync;
 mod sources;
 pub mod subsystems;
@@ -331,8 +330,6 @@ pub async fn serve(
             threads: config.extproc_threads,
             max_streams: h2_streams,
             tls,
-            observe_read_pace: config.observe_read_pace,
-            connections: paced_socket::ConnectionMetrics::new(&registry)?,
         },
         drain.clone(),
     ));

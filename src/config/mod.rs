@@ -144,13 +144,6 @@ pub struct ServeArgs {
     /// which serves the connections here too; at most 1024).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     pub background_threads: Option<usize>,
-    /// How long an ext-proc connection that only carries observing streams (the gateway's
-    /// `observability_mode` filter: a message per response chunk, none answered) lets their
-    /// messages gather between reads, so its thread wakes once per pace instead of once per
-    /// chunk; a response's first byte is seen up to this late. Routing streams are never
-    /// paced. 0: read every message as it comes; at most 100ms.
-    #[arg(long, default_value = "2ms", value_parser = parse_read_pace)]
-    pub observe_read_pace: Duration,
     /// Bytes of large request bodies parsed and tokenized at once; the rest wait their turn.
     /// Preparing a body holds several times its size; this bounds that memory and CPU.
     #[arg(long, default_value_t = crate::tokenize::DEFAULT_MAX_PREPARING_BYTES)]
@@ -263,18 +256,6 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
-/// Longest `--observe-read-pace`: past it a response's first byte would be seen too late to
-/// account for its prefill.
-const MAX_READ_PACE: Duration = Duration::from_millis(100);
-
-fn parse_read_pace(value: &str) -> Result<Duration, String> {
-    let pace = parse_duration(value).map_err(|error| error.to_string())?;
-    if pace > MAX_READ_PACE {
-        return Err(format!("at most {MAX_READ_PACE:?}, got {pace:?}"));
-    }
-    Ok(pace)
-}
-
 fn parse_objective(value: &str) -> Result<(String, i32), String> {
     let (name, priority) = value
         .split_once('=')
@@ -347,8 +328,6 @@ pub struct ServeConfig {
     pub extproc_threads: usize,
     /// Worker threads of the runtime for everything else.
     pub background_threads: usize,
-    /// Pace of reads on connections carrying only observing streams (zero: unpaced).
-    pub observe_read_pace: Duration,
     /// Whether GIE's conformance hooks are on.
     pub conformance_hooks: bool,
     /// Fallbacks after the primary.
@@ -594,7 +573,6 @@ impl ServeArgs {
                     (cores() / 2).max(1)
                 }
             }),
-            observe_read_pace: self.observe_read_pace,
             conformance_hooks: self.enable_conformance_hooks,
             max_fallbacks: self.max_fallbacks,
             emit_endpoint_scores: self.emit_endpoint_scores,

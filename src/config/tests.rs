@@ -188,23 +188,3 @@ fn background_threads_default_to_half_the_cores_or_all_without_extproc_threads_a
     ]);
     assert!(zero.is_err(), "0 workers cannot run anything");
 }
-
-#[test]
-fn the_observe_read_pace_defaults_to_2ms_and_is_bounded() {
-    let config = parse(&["--endpoints-file", "p"]).expect("valid");
-    assert_eq!(config.observe_read_pace, Duration::from_millis(2));
-    let config = parse(&["--endpoints-file", "p", "--observe-read-pace", "0"]).expect("valid");
-    assert_eq!(config.observe_read_pace, Duration::ZERO);
-    let config = parse(&["--endpoints-file", "p", "--observe-read-pace", "100ms"]).expect("valid");
-    assert_eq!(config.observe_read_pace, Duration::from_millis(100));
-    for refused in ["101ms", "1s", "-1ms", "fast"] {
-        let parsed = Cli::try_parse_from([
-            "kvpick",
-            "--endpoints-file",
-            "p",
-            "--observe-read-pace",
-            refused,
-        ]);
-        assert!(parsed.is_err(), "{refused} accepted");
-    }
-}

@@ -11,7 +11,6 @@
 //! - [`handoff`]: what a routing stream hands an observing stream (split filters);
 //! - [`dynamic_metadata`]: the metadata the gateway forwards, decoded where it is read;
 //! - [`subset`]: the gateway's subset hint;
-//! - [`connection_use`]: what a connection carried (routing or only observing streams);
 //! - [`budget`]: the shared body buffer budget and each stream's share of it;
 //! - [`admission`]: shedding and flow control before the pick;
 //! - [`error`]: request and protocol errors, mapped to statuses in one place.
@@ -19,7 +18,6 @@
 pub mod admission;
 pub mod budget;
 pub mod conformance;
-pub mod connection_use;
 pub mod dynamic_metadata;
 pub mod error;
 pub mod handoff;

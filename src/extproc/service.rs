@@ -18,7 +18,6 @@ use futures::Stream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::connection_use::ConnectionUse;
 use super::stream::{RequestStream, Step, StreamContext};
 use crate::telemetry::Stage;
 
@@ -105,12 +104,8 @@ impl ExternalProcessor for ExtProcService {
             tracing::warn!("too many open ext-proc streams; refusing a new one");
             return Err(Status::resource_exhausted("too many open ext-proc streams"));
         };
-        // The connection's record of what it carries (the server's paced reads), when served
-        // by kvpick's own server (absent in tests that drive the service directly).
-        let connection = request.extensions().get::<ConnectionUse>().cloned();
         let state = Driver {
             _slot: slot,
-            connection,
             records: Arc::clone(&self.records),
             inbound: request.into_inner(),
             stream: RequestStream::new(Arc::clone(&self.ctx)),
@@ -128,8 +123,6 @@ impl ExternalProcessor for ExtProcService {
 struct Driver {
     /// This stream's place under `--max-extproc-streams`, returned on drop.
     _slot: OwnedSemaphorePermit,
-    /// The connection, until this stream's first message tells it what the stream is.
-    connection: Option<ConnectionUse>,
     /// Places for routing records applied off the stream's task (shared by all streams).
     records: Arc<Semaphore>,
     inbound: Streaming<ProcessingRequest>,
@@ -204,9 +197,6 @@ impl Driver {
                     }
                 }
             };
-            if let (Ok(Some(message)), Some(connection)) = (&inbound, self.connection.take()) {
-                connection.report(message.observability_mode);
-            }
             match inbound {
                 Ok(Some(message)) => match self.stream.on_message(message) {
                     Ok(Step::Reply(replies)) => self.pending.extend(replies),

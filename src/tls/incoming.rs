@@ -2,7 +2,6 @@
 //! (a slow or silent client cannot hold up accepting others), bounded in number and time.
 
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -61,11 +60,11 @@ impl TlsMetrics {
 }
 
 /// One ext-proc connection.
-pub enum Conn<S = TcpStream> {
+pub enum Conn {
     /// Plain TCP (h2c).
-    Plain(S),
+    Plain(TcpStream),
     /// TLS over TCP.
-    Tls(Box<TlsStream<S>>),
+    Tls(Box<TlsStream<TcpStream>>),
 }
 
 impl Connected for Conn {
@@ -79,7 +78,7 @@ impl Connected for Conn {
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Conn<S> {
+impl AsyncRead for Conn {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -92,7 +91,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Conn<S> {
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Conn<S> {
+impl AsyncWrite for Conn {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -194,8 +193,7 @@ async fn accept_tls(
         let (acceptor, metrics, ready) = (acceptor.clone(), metrics.clone(), ready.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let peer = stream.peer_addr().ok();
-            if let Some(tls) = handshake(&acceptor, stream, peer, &metrics).await {
+            if let Some(tls) = handshake(&acceptor, stream, &metrics).await {
                 let _ = ready.send(Ok(Conn::Tls(Box::new(tls)))).await;
             }
         });
@@ -204,12 +202,12 @@ async fn accept_tls(
 
 /// Handshakes one accepted connection within [`HANDSHAKE_TIMEOUT`], counting the result;
 /// `None` when it failed or timed out (logged at debug: a client's problem, not ours).
-pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+pub async fn handshake(
     acceptor: &TlsAcceptor,
-    stream: S,
-    peer: Option<SocketAddr>,
+    stream: TcpStream,
     metrics: &TlsMetrics,
-) -> Option<TlsStream<S>> {
+) -> Option<TlsStream<TcpStream>> {
+    let peer = stream.peer_addr().ok();
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
         Ok(Ok(tls)) => {
             metrics.handshakes.with_label_values(&["ok"]).inc();

@@ -26,7 +26,6 @@ mod deploy_schema;
 mod envoy_e2e;
 mod extproc_buffered;
 mod extproc_large_bodies;
-mod extproc_paced;
 mod extproc_rewrite;
 mod extproc_server;
 mod extproc_split;
