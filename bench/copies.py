@@ -3,7 +3,8 @@
 Reads each system's `requests.jsonl` (the pods' request logs) in a run directory and lists
 the requests that found less than half their prompt cached, in arrival order:
 - `first`: no pod had served the request's group before in the run (every router pays these);
-- `copy`: another pod had (the pods that had are listed).
+- `copy`: another pod had (the pods that had are listed);
+- `again`: only the same pod had (its blocks were evicted since).
 The time is seconds since the run's first request.
 
 For a kvpick system run with `KVPICK_BENCH_RUST_LOG=warn,kvpick::scheduling::placement=debug`,
@@ -20,6 +21,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import sys
 
 FULL_PREFILL_SHARE = 0.5
@@ -46,7 +48,9 @@ def full_prefills(rows):
     for i, r in enumerate(rows):
         before = served.setdefault(r["head"], set())
         if r["cached_tokens"] < r["prompt_tokens"] * FULL_PREFILL_SHARE:
-            out.append((i, r, "copy" if before - {r["pod"]} else "first", sorted(before - {r["pod"]})))
+            elsewhere = sorted(before - {r["pod"]})
+            kind = "copy" if elsewhere else "again" if before else "first"
+            out.append((i, r, kind, elsewhere))
         before.add(r["pod"])
     return out
 
@@ -135,6 +139,8 @@ def report(system_dir, since=0.0, out=sys.stdout):
 
 
 def main():
+    # Piped into `head`: stop quietly.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", help="a bench/compare.py --out directory, or one system's directory in it")
     p.add_argument("--from", dest="since", type=float, default=0.0,

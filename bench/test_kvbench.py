@@ -483,7 +483,8 @@ class VllmRouterKvAwareLiveTest(unittest.TestCase):
 
 class CopiesTest(unittest.TestCase):
     """bench/copies.py on a run directory written here: a group's first prefill, a hit, a copy
-    (matched to the decision kvpick logged for it) and another group's first prefill."""
+    (matched to the decision kvpick logged for it), another group's first prefill and its
+    prefill again on the same pod."""
 
     def test_full_prefills_are_told_apart_and_a_copy_gets_its_decision(self):
         import io
@@ -496,6 +497,7 @@ class CopiesTest(unittest.TestCase):
                 (1001.0, 0, "aaaa", 2000),
                 (1002.0, 1, "aaaa", 0),
                 (1003.0, 1, "bbbb", 100),
+                (1004.0, 1, "bbbb", 0),
             ]
             with open(os.path.join(d, "requests.jsonl"), "w") as f:
                 for arrived, pod, head, cached in rows:
@@ -522,14 +524,15 @@ class CopiesTest(unittest.TestCase):
             out = io.StringIO()
             copies.report(d, out=out)
             lines = out.getvalue().splitlines()
-        self.assertEqual(lines[0], f"{os.path.basename(d)}: 3 full prefills, 1 copies")
+        self.assertEqual(lines[0], f"{os.path.basename(d)}: 4 full prefills, 1 copies")
         self.assertIn("pod 0 group aaaa first", lines[1])
         self.assertIn("pod 1 group aaaa copy", lines[2])
         self.assertIn("(held on 0)", lines[2])
         # The picked pod first, then the others by cost.
         self.assertEqual(lines[3].strip(), "1:450/450/5/7/0/0/1 0:900/900/5/7/2000/2200/1")
         self.assertIn("pod 1 group bbbb first", lines[4])
-        self.assertEqual(len(lines), 5)
+        self.assertIn("pod 1 group bbbb again", lines[5])
+        self.assertEqual(len(lines), 6)
 
 
 class StatsTest(unittest.TestCase):
