@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvbench import report  # noqa: E402
 from kvbench.procs import Procs, free_port_run, free_ports, http_get, wait_until  # noqa: E402
-from kvbench.stats import counters_delta, fleet_summary, kv_lookups, placement_summary, pod_counters, split_by_stage, stage_pod_times, stage_row  # noqa: E402
+from kvbench.stats import counters_delta, fleet_summary, kv_lookups, placement_summary, pod_counters, prefix_key, split_by_stage, stage_pod_times, stage_row  # noqa: E402
 from kvbench.systems import SYSTEMS, Fleet, add_kvpick_config, add_kvpick_flags, fleet_topic  # noqa: E402
 from kvbench.workload import KINDS, Workload, blocks_per_pod, inference_perf_config, shifting_spec  # noqa: E402
 
@@ -225,9 +225,8 @@ def read_request_log(path):
 
 
 def placement_from_log(records, workload):
-    """stats.placement_summary over the fleet's request log; a prefix is a conversation in
-    multi-turn runs (their short shared preamble would make them all one)."""
-    return placement_summary(records, key="head_long" if workload.kind == "multi-turn" else "head")
+    """stats.placement_summary over the fleet's request log, by `stats.prefix_key`."""
+    return placement_summary(records, key=prefix_key(workload.kind))
 
 
 def run_system(args, name, index, total, workload, out_dir):

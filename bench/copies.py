@@ -2,10 +2,12 @@
 
 Reads each system's `requests.jsonl` (the pods' request logs) in a run directory and lists
 the requests that found less than half their prompt cached, in arrival order:
-- `first`: no pod had served the request's group before in the run (every router pays these);
+- `first`: no pod had served the request's prefix before in the run (every router pays these);
 - `copy`: another pod had (the pods that had are listed);
 - `again`: only the same pod had (its blocks were evicted since).
-The time is seconds since the run's first request.
+A prefix is what the comparison's own tables count (`kvbench.stats.prefix_key`: a
+conversation in multi-turn runs, a group otherwise; the kind is read from the run's
+`summary.json`). The time is seconds since the run's first request.
 
 For a kvpick system run with `KVPICK_BENCH_RUST_LOG=warn,kvpick::scheduling::placement=debug`,
 each copy also gets the decision kvpick logged for it: the first logged decision within
@@ -14,7 +16,7 @@ where another candidate held some of the prompt. Each candidate is shown as
 `pod:cost/ttft/decode/holdup/cached/backlog/awaiting` (ms, tokens, requests), the picked pod first.
 
 Usage: python3 bench/copies.py RUN_DIR [--from SECONDS]
-Standard library only."""
+Standard library only (and bench/kvbench)."""
 
 import argparse
 import datetime
@@ -24,7 +26,10 @@ import re
 import signal
 import sys
 
-FULL_PREFILL_SHARE = 0.5
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvbench.stats import is_full_prefill, prefix_key  # noqa: E402
+
 MATCH_WINDOW_S = 0.5
 
 _CANDIDATE = re.compile(
@@ -41,13 +46,25 @@ def load_requests(system_dir):
     return rows
 
 
-def full_prefills(rows):
-    """(index, request, kind, pods that served its group before) of every full prefill."""
+def workload_kind(system_dir):
+    """The run's workload kind, from the `summary.json` beside the system's directory (None
+    when there is none)."""
+    path = os.path.join(os.path.dirname(os.path.normpath(system_dir)), "summary.json")
+    try:
+        with open(path) as f:
+            return json.load(f)["workload"]["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def full_prefills(rows, key="head"):
+    """(index, request, kind, pods that served its prefix before) of every full prefill;
+    `key` names the prefix's field."""
     served = {}
     out = []
     for i, r in enumerate(rows):
-        before = served.setdefault(r["head"], set())
-        if r["cached_tokens"] < r["prompt_tokens"] * FULL_PREFILL_SHARE:
+        before = served.setdefault(r[key], set())
+        if is_full_prefill(r):
             elsewhere = sorted(before - {r["pod"]})
             kind = "copy" if elsewhere else "again" if before else "first"
             out.append((i, r, kind, elsewhere))
@@ -122,12 +139,13 @@ def report(system_dir, since=0.0, out=sys.stdout):
     names = {a: str(i) for i, a in addresses.items()}
     decisions = load_decisions(system_dir)
     used = set()
-    prefills = [p for p in full_prefills(rows) if p[1]["arrived"] - t0 >= since]
+    key = prefix_key(workload_kind(system_dir))
+    prefills = [p for p in full_prefills(rows, key) if p[1]["arrived"] - t0 >= since]
     copies = sum(1 for p in prefills if p[2] == "copy")
     print(f"{os.path.basename(os.path.normpath(system_dir))}: {len(prefills)} full prefills, "
           f"{copies} copies", file=out)
     for _, r, kind, before in prefills:
-        line = (f"  t={r['arrived'] - t0:7.2f} pod {r['pod']} group {r['head'][:6]} {kind:5s} "
+        line = (f"  t={r['arrived'] - t0:7.2f} pod {r['pod']} prefix {r[key][:6]} {kind:5s} "
                 f"ttft {r['first_token_s'] * 1000:4.0f} ms")
         if kind == "copy":
             line += f" (held on {','.join(map(str, before))})"

@@ -490,7 +490,9 @@ class CopiesTest(unittest.TestCase):
         import io
         import tempfile
 
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory() as run:
+            d = os.path.join(run, "kvpick-recommended")
+            os.makedirs(d)
             rows = [
                 # arrived, pod, group, cached
                 (1000.0, 0, "aaaa", 0),
@@ -524,15 +526,41 @@ class CopiesTest(unittest.TestCase):
             out = io.StringIO()
             copies.report(d, out=out)
             lines = out.getvalue().splitlines()
-        self.assertEqual(lines[0], f"{os.path.basename(d)}: 4 full prefills, 1 copies")
-        self.assertIn("pod 0 group aaaa first", lines[1])
-        self.assertIn("pod 1 group aaaa copy", lines[2])
+        self.assertEqual(lines[0], "kvpick-recommended: 4 full prefills, 1 copies")
+        self.assertIn("pod 0 prefix aaaa first", lines[1])
+        self.assertIn("pod 1 prefix aaaa copy", lines[2])
         self.assertIn("(held on 0)", lines[2])
         # The picked pod first, then the others by cost.
         self.assertEqual(lines[3].strip(), "1:450/450/5/7/0/0/1 0:900/900/5/7/2000/2200/1")
-        self.assertIn("pod 1 group bbbb first", lines[4])
-        self.assertIn("pod 1 group bbbb again", lines[5])
+        self.assertIn("pod 1 prefix bbbb first", lines[4])
+        self.assertIn("pod 1 prefix bbbb again", lines[5])
         self.assertEqual(len(lines), 6)
+
+    def test_a_multi_turn_run_counts_conversations_as_the_comparison_does(self):
+        import io
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as run:
+            d = os.path.join(run, "smg-cache-aware")
+            os.makedirs(d)
+            # Two conversations behind one shared preamble (one `head`), each new on its pod.
+            with open(os.path.join(d, "requests.jsonl"), "w") as f:
+                for arrived, pod, head_long in ((1000.0, 0, "conv1"), (1001.0, 1, "conv2")):
+                    f.write(json.dumps({"pod": pod, "arrived": arrived, "first_token_s": 0.5, "prompt_tokens": 500,
+                                        "cached_tokens": 0, "head": "pre", "head_long": head_long}) + "\n")
+
+            def report_lines():
+                out = io.StringIO()
+                copies.report(d, out=out)
+                return out.getvalue().splitlines()
+
+            # No summary.json: prefixes are groups, so the second conversation is a copy.
+            self.assertEqual(report_lines()[0], "smg-cache-aware: 2 full prefills, 1 copies")
+            with open(os.path.join(run, "summary.json"), "w") as f:
+                json.dump({"workload": {"kind": "multi-turn"}}, f)
+            lines = report_lines()
+        self.assertEqual(lines[0], "smg-cache-aware: 2 full prefills, 0 copies")
+        self.assertIn("pod 1 prefix conv2 first", lines[2])
 
 
 class StatsTest(unittest.TestCase):

@@ -106,6 +106,18 @@ def fleet_summary(per_pod):
     }
 
 
+def prefix_key(workload_kind):
+    """The request-log field that names a request's prefix: its conversation in multi-turn
+    runs (their short shared preamble would make them all one), its group's first block
+    otherwise."""
+    return "head_long" if workload_kind == "multi-turn" else "head"
+
+
+def is_full_prefill(record):
+    """Whether a request found less than half its prompt cached (a request-log dict)."""
+    return record["cached_tokens"] * 2 < record["prompt_tokens"]
+
+
 def placement_summary(records, key="head"):
     """Where each prefix went, from kvpick-sim's --request-log lines (dicts), in arrival order.
 
@@ -132,7 +144,7 @@ def placement_summary(records, key="head"):
             repeats += 1
             if last[prefix] != r["pod"]:
                 moves += 1
-            if r["cached_tokens"] * 2 < r["prompt_tokens"]:
+            if is_full_prefill(r):
                 repeat_misses += 1
         last[prefix] = r["pod"]
         pods.setdefault(prefix, set()).add(r["pod"])
